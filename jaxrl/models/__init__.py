@@ -1,0 +1,28 @@
+"""Llama / Qwen2 / Qwen3 decoders in Flax NNX and their Hugging Face checkpoints."""
+
+from jaxrl.models.config import ModelConfig, ModelConfigError, RopeScaling
+from jaxrl.models.decoder import LOGICAL_AXIS_RULES, Decoder, KVCache, positions_from_mask
+from jaxrl.models.hf import (
+    CheckpointError,
+    from_hf_tensors,
+    hf_names,
+    load_pretrained,
+    save_pretrained,
+    to_hf_tensors,
+)
+
+__all__ = [
+    "LOGICAL_AXIS_RULES",
+    "CheckpointError",
+    "Decoder",
+    "KVCache",
+    "ModelConfig",
+    "ModelConfigError",
+    "RopeScaling",
+    "from_hf_tensors",
+    "hf_names",
+    "load_pretrained",
+    "positions_from_mask",
+    "save_pretrained",
+    "to_hf_tensors",
+]

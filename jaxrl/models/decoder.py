@@ -1,0 +1,246 @@
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 families, with an optional KV cache.
+
+Parameters carry logical axis names (`out_sharding` metadata); `LOGICAL_AXIS_RULES` maps them
+onto a mesh with `fsdp` and `tp` axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+
+# Logical parameter axes -> mesh axes. Hidden size is split over fsdp, head / mlp / vocab
+# dimensions over tp (Megatron-style column/row parallel layers).
+LOGICAL_AXIS_RULES = (
+    ("embed", "fsdp"),
+    ("vocab", "tp"),
+    ("q_heads", "tp"),
+    ("kv_heads", "tp"),
+    ("mlp", "tp"),
+    ("norm", None),
+)
+
+_INIT_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, written at slots [0, end)."""
+
+    k_LxBxSxKxH: jax.Array
+    v_LxBxSxKxH: jax.Array
+    mask_BxS: jax.Array  # True where a slot holds a real (non-padding) token
+    end: jax.Array  # int32 scalar: the next slot to write
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(
+            jnp.zeros(shape, cfg.jnp_dtype),
+            jnp.zeros(shape, cfg.jnp_dtype),
+            jnp.zeros((batch, max_len), bool),
+            jnp.zeros((), jnp.int32),
+        )
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, cfg: ModelConfig, init: str) -> nnx.Param:
+    dtype = cfg.jnp_param_dtype
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    def __init__(self, d_in, d_out, axes, bias, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.kernel = _param(rngs, (d_in, d_out), axes, cfg, "normal")
+        self.bias = _param(rngs, (d_out,), axes[1:], cfg, "zeros") if bias else None
+        self.dtype = cfg.jnp_dtype
+
+    def __call__(self, x):
+        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, cfg: ModelConfig):
+        self.weight = _param(None, (dim,), ("norm",), cfg, "ones")
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # Same rounding order as transformers: normalise in float32, cast, then scale.
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies (head_dim / 2,), float32, with Llama-3 scaling if configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (
+        np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    )
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BxTxNxH, positions_BxT, inv_freq):
+    freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+    cos = jnp.cos(jnp.concatenate([freqs_BxTxF] * 2, -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([freqs_BxTxF] * 2, -1))[:, :, None, :]
+    xf = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x_BxTxNxH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, k, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(d, h * hd, ("embed", "q_heads"), cfg.qkv_bias, cfg, rngs)
+        self.k_proj = Linear(d, k * hd, ("embed", "kv_heads"), cfg.qkv_bias, cfg, rngs)
+        self.v_proj = Linear(d, k * hd, ("embed", "kv_heads"), cfg.qkv_bias, cfg, rngs)
+        self.o_proj = Linear(h * hd, d, ("q_heads", "embed"), cfg.o_bias, cfg, rngs)
+        self.q_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
+
+    def __call__(self, x_BxTxD, positions_BxT, inv_freq, keys: _KeySlots, layer_cache):
+        B, T, _ = x_BxTxD.shape
+        K, G, H = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = self.q_proj(x_BxTxD).reshape(B, T, K * G, H)
+        k = self.k_proj(x_BxTxD).reshape(B, T, K, H)
+        v = self.v_proj(x_BxTxD).reshape(B, T, K, H)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions_BxT, inv_freq)
+        k = apply_rope(k, positions_BxT, inv_freq)
+        if layer_cache is not None:
+            # Update the whole L-layer buffer so XLA writes in place instead of restacking.
+            k_all, v_all, layer = layer_cache
+            at = (layer, 0, keys.start, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+            k, v = k_all[layer], v_all[layer]
+            layer_cache = (k_all, v_all)
+        q_BxTxKxGxH = q.reshape(B, T, K, G, H)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k, preferred_element_type=jnp.float32)
+        scores = scores / np.float32(math.sqrt(H))
+        # A finite fill keeps fully masked rows (left padding) finite, so their gradients are 0
+        # rather than NaN.
+        scores = jnp.where(keys.visible_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, K * G * H)
+        return self.o_proj(out), layer_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, ("embed", "mlp"), cfg.mlp_bias, cfg, rngs)
+        self.up_proj = Linear(d, f, ("embed", "mlp"), cfg.mlp_bias, cfg, rngs)
+        self.down_proj = Linear(f, d, ("mlp", "embed"), cfg.mlp_bias, cfg, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions_BxT, inv_freq, keys, layer_cache):
+        attn, kv = self.self_attn(self.input_layernorm(x), positions_BxT, inv_freq, keys, layer_cache)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class _KeySlots(NamedTuple):
+    start: jax.Array | int  # slot of the first new token
+    visible_BxTxS: jax.Array  # query t may attend to key slot s
+
+
+class Decoder(nnx.Module):
+    """Causal LM. `__call__` returns logits; `hidden` + `logits` let callers chunk the head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg, "normal")
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, "normal")
+        )
+
+    def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None):
+        """Final normed hidden states (B, T, D) and the updated cache.
+
+        mask_BxT is 1 on real tokens and 0 on padding (left padding is the usual layout).
+        Causality follows slot order, so positions only drive RoPE.
+        """
+        B, T = tokens_BxT.shape
+        mask_BxT = mask_BxT.astype(bool)
+        if cache is None:
+            key_mask_BxS, start = mask_BxT, 0
+            q_slot_T = k_slot_S = jnp.arange(T)
+        else:
+            start = cache.end
+            key_mask_BxS = jax.lax.dynamic_update_slice(cache.mask_BxS, mask_BxT, (0, start))
+            q_slot_T = start + jnp.arange(T)
+            k_slot_S = jnp.arange(cache.mask_BxS.shape[1])
+        causal_TxS = k_slot_S[None, :] <= q_slot_T[:, None]
+        keys = _KeySlots(start, causal_TxS[None] & key_mask_BxS[:, None, :])
+
+        x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        kv = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions_BxT, inv_freq, keys, None if kv is None else (*kv, i))
+        if cache is not None:
+            cache = KVCache(*kv, key_mask_BxS, start + T)
+        return self.norm(x), cache
+
+    def logits(self, h_BxTxD):
+        if self.lm_head is None:
+            w_DxV = self.embed_tokens[...].T
+        else:
+            w_DxV = self.lm_head[...]
+        return jnp.matmul(h_BxTxD, w_DxV.astype(h_BxTxD.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None):
+        h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache)
+        return self.logits(h), cache
+
+
+def positions_from_mask(mask_BxT, offset_B=None):
+    """Positions counting only real tokens (left padding gets position 0)."""
+    pos = jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+    return pos if offset_B is None else pos + offset_B[:, None]

@@ -1,0 +1,199 @@
+"""Hugging Face checkpoints: config.json + safetensors (single file or sharded index) <-> Decoder.
+
+`hf_names` is the one mapping between jaxrl parameter paths and Hugging Face tensor names; weight
+snapshots for the bridge use it too, so any engine can load them without knowing jaxrl's tree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.decoder import Decoder
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: names the file, the tensor and the fix."""
+
+
+def hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple, bool]]:
+    """(HF tensor name, jaxrl state path, transposed) for every parameter of the model."""
+    yield "model.embed_tokens.weight", ("embed_tokens",), False
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield f"{pre}.{norm}.weight", ("layers", i, norm, "weight"), False
+        projs = [("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projs += [("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")]
+        for block, proj in projs:
+            yield f"{pre}.{block}.{proj}.weight", ("layers", i, block, proj, "kernel"), True
+            has_bias = (
+                cfg.mlp_bias if block == "mlp" else cfg.o_bias if proj == "o_proj" else cfg.qkv_bias
+            )
+            if has_bias:
+                yield f"{pre}.{block}.{proj}.bias", ("layers", i, block, proj, "bias"), False
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                yield f"{pre}.self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"), False
+    yield "model.norm.weight", ("norm", "weight"), False
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", ("lm_head",), True
+
+
+def _lookup(state, path):
+    for key in path:
+        state = state[key]
+    return state
+
+
+def to_hf_tensors(cfg: ModelConfig, params: nnx.State, dtype=None) -> dict[str, jax.Array]:
+    """Flat {HF name: array} in HF layout (out, in), optionally cast to `dtype`."""
+    out = {}
+    for name, path, transposed in hf_names(cfg):
+        value = _lookup(params, path)[...]
+        value = value.T if transposed else value
+        out[name] = value if dtype is None else value.astype(dtype)
+    return out
+
+
+def from_hf_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, jax.Array | np.ndarray], source: str = "tensors"
+) -> Decoder:
+    """Builds a Decoder from a flat {HF name: array} mapping without random initialisation."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    params = nnx.state(model, nnx.Param)
+    expected = {name for name, _, _ in hf_names(cfg)}
+    unexpected = sorted(
+        n for n in tensors
+        if n not in expected
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} are not part "
+            f"of a {cfg.model_type} model with this config.json; is the config for this checkpoint?"
+        )
+    for name, path, transposed in hf_names(cfg):
+        param = _lookup(params, path)
+        want = tuple(param.shape)
+        if name not in tensors:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} is missing (expected shape {want} for "
+                f"{cfg.model_type}); the checkpoint is incomplete or its config.json does not match"
+            )
+        value = tensors[name]
+        got = tuple(value.shape[::-1] if transposed else value.shape)
+        if got != want:
+            hf_want = want[::-1] if transposed else want
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(value.shape)}, expected {hf_want} "
+                f"from config.json"
+            )
+        value = jnp.asarray(value, cfg.jnp_param_dtype)
+        param.set_value(value.T if transposed else value)
+    nnx.update(model, params)
+    return model
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; give a Hugging Face model directory")
+    if not config_file.is_file():
+        raise CheckpointError(
+            f"{config_file}: missing; a Hugging Face model directory holds config.json and "
+            f"safetensors files"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def read_safetensors(path: str | Path) -> dict[str, jax.Array]:
+    """All tensors of a directory's `model.safetensors` or sharded index."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    tensors = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in {INDEX_FILE} but missing")
+        try:
+            with safe_open(file, framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises bare errors for truncated / corrupt headers
+            raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from None
+    return tensors
+
+
+def load_pretrained(path: str | Path, param_dtype: str | None = None, dtype: str | None = None) -> Decoder:
+    """Loads a Hugging Face model directory; dtypes default to the checkpoint's."""
+    hf_config = read_config(path)
+    cfg = ModelConfig.from_hf(hf_config, source=str(Path(path) / "config.json"))
+    overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
+    cfg = cfg.replace(**overrides)
+    return from_hf_tensors(cfg, read_safetensors(path), source=str(path))
+
+
+def save_pretrained(
+    model: Decoder,
+    path: str | Path,
+    hf_config: dict | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> None:
+    """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    config = {**(hf_config or {}), **cfg.to_hf()}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = to_hf_tensors(cfg, nnx.state(model, nnx.Param))
+    shards: list[dict[str, jax.Array]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if size and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    metadata = {"format": "pt"}  # transformers refuses files without a known format tag
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
+        (path / INDEX_FILE).unlink(missing_ok=True)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(v.nbytes for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (path / SINGLE_FILE).unlink(missing_ok=True)

@@ -1,0 +1,55 @@
+"""Tiny random models of each family, built locally, for tests and the embedded CPU default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flax import nnx
+
+from jaxrl.models import Decoder, ModelConfig, RopeScaling, save_pretrained
+
+
+def tiny_config(family: str = "qwen3", tied: bool = True, vocab_size: int = 512, **overrides) -> ModelConfig:
+    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 32: vLLM's CPU minimum)."""
+    qkv_bias = family == "qwen2"
+    fields = dict(
+        model_type=family,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        qkv_bias=qkv_bias,
+        qk_norm=family == "qwen3",
+        max_position_embeddings=2048,
+    )
+    if family == "llama":
+        fields["rope_scaling"] = RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+        )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """Writes a random tiny model (and the tiny tokenizer's files) as a Hugging Face directory."""
+    from jaxrl.tiny_tokenizer import build_tokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = tokenizer or build_tokenizer()
+    cfg = tiny_config(
+        family,
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **overrides,
+    )
+    save_pretrained(Decoder(cfg, nnx.Rngs(seed)), out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

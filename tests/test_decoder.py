@@ -1,0 +1,134 @@
+"""Decoder logits against transformers' PyTorch models, and KV-cache decoding against full passes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from jaxrl.models import Decoder, KVCache, load_pretrained, positions_from_mask
+from jaxrl.tiny import tiny_config
+
+VOCAB = 300
+
+VARIANTS = [
+    ("llama", dict()),
+    ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+    ("qwen2", dict()),
+    ("qwen3", dict()),
+    ("qwen3", dict(num_layers=3, num_kv_heads=1)),
+]
+
+
+def _hf_model_dir(tmp_path, family, tied, overrides, seed=0):
+    """A transformers model with every weight (norms and biases too) randomised, saved to disk."""
+    cfg = tiny_config(family, tied=tied, vocab_size=VOCAB, **overrides)
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    return model.eval()
+
+
+def _padded_batch(rng, lengths, total):
+    tokens = rng.integers(0, VOCAB, (len(lengths), total))
+    mask = np.zeros((len(lengths), total), np.int32)
+    for b, n in enumerate(lengths):
+        mask[b, total - n:] = 1
+    return tokens * mask, mask
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("family,overrides", VARIANTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(VARIANTS)])
+def test_logits_match_transformers(tmp_path, family, overrides, tied):
+    hf_model = _hf_model_dir(tmp_path, family, tied, overrides)
+    model = load_pretrained(tmp_path)
+    tokens, mask = _padded_batch(np.random.default_rng(0), [12, 7, 3], 12)
+    positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    if family == "llama":
+        # Far positions exercise every band of the Llama-3 frequency scaling.
+        positions = positions + 5000
+    ours, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+    with torch.no_grad():
+        ref = hf_model(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+        ).logits.numpy()
+    ours = np.asarray(ours)
+    assert np.isfinite(ours).all(), "padding rows must stay finite (their gradients would be NaN)"
+    valid = mask.astype(bool)
+    assert np.abs(ref[valid]).max() > 0.5, "weights too small for a meaningful comparison"
+    np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_cached_decoding_matches_full_forward(family):
+    cfg = tiny_config(family, vocab_size=VOCAB)
+    model = Decoder(cfg, nnx.Rngs(1))
+    rng = np.random.default_rng(1)
+    prompt_len, steps = 6, 5
+    prompt, prompt_mask = _padded_batch(rng, [6, 4, 1], prompt_len)
+    new_tokens = rng.integers(0, VOCAB, (3, steps))
+    full_tokens = np.concatenate([prompt, new_tokens], 1)
+    full_mask = np.concatenate([prompt_mask, np.ones_like(new_tokens)], 1)
+    full_pos = positions_from_mask(jnp.asarray(full_mask))
+    expected, _ = model(jnp.asarray(full_tokens), full_pos, jnp.asarray(full_mask))
+
+    @nnx.jit
+    def step(model, tokens, positions, mask, cache):
+        return model(tokens, positions, mask, cache)
+
+    cache = KVCache.empty(cfg, batch=3, max_len=16)
+    logits, cache = step(model, jnp.asarray(prompt), full_pos[:, :prompt_len], jnp.asarray(prompt_mask), cache)
+    got = [logits]
+    for t in range(steps):
+        col = prompt_len + t
+        logits, cache = step(
+            model, jnp.asarray(new_tokens[:, t:t + 1]), full_pos[:, col:col + 1],
+            jnp.ones((3, 1), jnp.int32), cache,
+        )
+        got.append(logits)
+    got = np.asarray(jnp.concatenate(got, 1))
+    valid = full_mask.astype(bool)
+    np.testing.assert_allclose(got[valid], np.asarray(expected)[valid], atol=1e-5, rtol=0)
+    assert int(cache.end) == prompt_len + steps
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    cfg = tiny_config("qwen3", vocab_size=VOCAB)
+    model32 = Decoder(cfg, nnx.Rngs(2))
+    model16 = Decoder(cfg.replace(dtype="bfloat16"), nnx.Rngs(2))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, (2, 8)))
+    mask = jnp.ones((2, 8), jnp.int32)
+    pos = positions_from_mask(mask)
+    l32, _ = model32(tokens, pos, mask)
+    l16, _ = model16(tokens, pos, mask)
+    assert l16.dtype == jnp.float32  # logits are always accumulated in float32
+    assert jnp.abs(l32 - l16).max() < 0.05
+    assert jnp.abs(l32).max() > 0.05
+
+
+def test_parameters_carry_logical_sharding_axes():
+    cfg = tiny_config("qwen2", tied=False, vocab_size=VOCAB)
+    model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    specs = jax.tree.map(
+        lambda v: tuple(v.get_value()), nnx.get_partition_spec(nnx.state(model, nnx.Param)),
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
+    attn = specs["layers"][0]["self_attn"]
+    assert attn["q_proj"]["kernel"] == ("embed", "q_heads")
+    assert attn["q_proj"]["bias"] == ("q_heads",)
+    assert attn["o_proj"]["kernel"] == ("q_heads", "embed")
+    assert specs["embed_tokens"] == ("vocab", "embed")
+    assert specs["lm_head"] == ("embed", "vocab")
+    assert specs["layers"][1]["mlp"]["down_proj"]["kernel"] == ("mlp", "embed")
+    assert specs["norm"]["weight"] == ("norm",)
