@@ -1,0 +1,119 @@
+"""Hugging Face checkpoint loading and saving: round trips, sharded indexes, and bad directories."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file as save_numpy
+
+from jaxrl.models import CheckpointError, Decoder, ModelConfigError, load_pretrained, save_pretrained
+from jaxrl.models.hf import read_safetensors
+from jaxrl.tiny import tiny_config
+
+
+def _tensors(path):
+    """{name: (dtype string, raw bytes)} of every safetensors file in a directory."""
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                out[key] = (str(t.dtype), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
+                            if t.dtype == torch.bfloat16 else t.numpy().tobytes())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_hf_to_jaxrl_to_hf_is_bit_exact(tmp_path, family, tied, dtype):
+    cfg = tiny_config(family, tied=tied, vocab_size=300)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p))
+    hf.to(dtype).save_pretrained(tmp_path / "src")
+
+    model = load_pretrained(tmp_path / "src")
+    assert model.cfg.param_dtype == {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    save_pretrained(model, tmp_path / "dst")
+    assert _tensors(tmp_path / "src") == _tensors(tmp_path / "dst")
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
+    for (name, a), (_, b) in zip(hf.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_sharded_checkpoint_round_trip_and_transformers_load(tmp_path):
+    cfg = tiny_config("qwen3", tied=False, vocab_size=300)
+    model = Decoder(cfg, nnx.Rngs(0))
+    save_pretrained(model, tmp_path, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+
+    again = load_pretrained(tmp_path)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        ref = hf(ids).logits.numpy()
+    ours, _ = model(ids.numpy(), np.arange(5)[None], np.ones((1, 5), np.int32))
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+
+
+def test_dtype_overrides_on_load(tmp_path):
+    save_pretrained(Decoder(tiny_config("llama", vocab_size=300), nnx.Rngs(0)), tmp_path)
+    model = load_pretrained(tmp_path, param_dtype="bfloat16", dtype="bfloat16")
+    assert model.embed_tokens[...].dtype == np.dtype("bfloat16")
+    assert model.cfg.dtype == "bfloat16"
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        load_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_pretrained(tmp_path / "nope")
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelConfigError, match=r"model_type 'gpt2'.*not supported.*llama.*qwen2.*qwen3"):
+        load_pretrained(tmp_path)
+
+
+def test_unsupported_rope_is_a_clear_error(tmp_path):
+    hf = tiny_config("qwen3").to_hf()
+    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported"):
+        load_pretrained(tmp_path)
+
+
+def test_wrong_shape_and_missing_tensor_name_file_and_tensor(tmp_path):
+    save_pretrained(Decoder(tiny_config("qwen3", vocab_size=300), nnx.Rngs(0)), tmp_path)
+    tensors = {k: np.asarray(v) for k, v in read_safetensors(tmp_path).items()}
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = np.zeros((7, 64), np.float32)
+    save_numpy(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}.*{name}.*shape \(7, 64\), expected \(128, 64\)"):
+        load_pretrained(tmp_path)
+
+    del tensors[name]
+    save_numpy(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}.*missing.*expected shape"):
+        load_pretrained(tmp_path)
+
+
+def test_corrupt_safetensors_file_is_a_clear_error(tmp_path):
+    save_pretrained(Decoder(tiny_config("qwen3", vocab_size=300), nnx.Rngs(0)), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot be read as safetensors"):
+        load_pretrained(tmp_path)
