@@ -1,0 +1,287 @@
+"""Policy loss against a plain float64 NumPy reference, accumulation, gradients, validation."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+CLIPS = {"symmetric": (0.2, 0.2, None), "clip_higher": (0.2, 0.28, None), "dual_clip": (0.2, 0.28, 1.5)}
+IS_SETTINGS = [("none", "truncate")] + [
+    (level, mode) for level in ("token", "sequence") for mode in ("truncate", "mask")
+]
+MAX_LEN = 16
+SEEDS = {"grpo": 1, "bnpo": 2, "dr_grpo": 3, "dapo": 4}  # checked to hit every branch below
+
+
+def make_batch(seed=0, B=8, T=12):
+    """Ragged masks: full rows, rows with 1-2 active tokens, holes (tool tokens), a padding row."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, T + 1, size=B)
+    lengths[1], lengths[2], lengths[0] = 1, 2, T
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    mask[0, 3:5] = 0
+    mask[3] = 0  # padding row: no active token
+    logp = -np.abs(rng.normal(size=(B, T))) * 2
+    arrays = dict(
+        logp=logp,
+        mask=mask,
+        adv=rng.normal(size=B),
+        logp_old=logp + rng.normal(size=(B, T)) * 0.4,
+        sampler=logp + rng.normal(size=(B, T)) * 0.5,
+        ref=logp + rng.normal(size=(B, T)) * 0.3,
+        entropy=np.abs(rng.normal(size=(B, T))),
+    )
+    # The reference sees exactly the float32 values JAX sees.
+    return {k: v.astype(np.float32) for k, v in arrays.items()}
+
+
+def to_jax(a, with_ref=True, with_sampler=True, on_policy=False):
+    batch = LossBatch(
+        mask_BxT=jnp.asarray(a["mask"]),
+        adv_B=jnp.asarray(a["adv"]),
+        logp_old_BxT=None if on_policy else jnp.asarray(a["logp_old"]),
+        sampler_logp_BxT=jnp.asarray(a["sampler"]) if with_sampler else None,
+        ref_logp_BxT=jnp.asarray(a["ref"]) if with_ref else None,
+    )
+    return jnp.asarray(a["logp"]), batch
+
+
+def ref_policy_loss(a, loss_type, eps_low, eps_high, dual_clip, beta, is_level, is_mode, is_min, is_max):
+    """The formulas, written out in float64 with loops over sequences."""
+    a = {k: v.astype(np.float64) for k, v in a.items()}
+    logp, mask, logp_old = a["logp"], a["mask"], a["logp_old"]
+    B, T = logp.shape
+    active = mask > 0
+    n_tok = mask.sum()
+    A = a["adv"][:, None] * np.ones((1, T))
+    rho = np.exp(logp - logp_old)
+    unclipped, clipped = rho * A, np.clip(rho, 1 - eps_low, 1 + eps_high) * A
+    pg = -np.minimum(unclipped, clipped)
+    m = {
+        "clip_frac_low": np.sum(active & (rho < 1 - eps_low) & (A < 0)) / n_tok,
+        "clip_frac_high": np.sum(active & (rho > 1 + eps_high) & (A > 0)) / n_tok,
+    }
+    if dual_clip is not None:
+        dual = (A < 0) & (pg > -dual_clip * A)
+        pg = np.where(dual, -dual_clip * A, pg)
+        m["dual_clip_frac"] = np.sum(active & dual) / n_tok
+    if is_level != "none":
+        raw = np.zeros((B, T))
+        for b in range(B):
+            diff = logp_old[b] - a["sampler"][b]
+            if is_level == "token":
+                raw[b] = np.exp(diff)
+            else:
+                raw[b] = np.exp(diff[active[b]].mean()) if active[b].any() else 1.0
+        if is_mode == "truncate":
+            w = np.minimum(raw, is_max)
+        else:
+            w = np.where((raw >= is_min) & (raw <= is_max), raw, 0.0)
+        pg = w * pg
+        for name, x in (("is_weight_raw", raw), ("is_weight", w)):
+            m[f"{name}_mean"] = x[active].mean()
+            m[f"{name}_min"], m[f"{name}_max"] = x[active].min(), x[active].max()
+        m["is_corrected_frac"] = np.sum(active & (w != raw)) / n_tok
+    d = a["ref"] - logp
+    k3 = np.exp(d) - d - 1
+    m["kl"] = k3[active].mean()
+    m["entropy"] = a["entropy"][active].mean()
+
+    live = [b for b in range(B) if active[b].any()]
+
+    def aggregate(x):
+        if loss_type == "grpo":
+            return sum(x[b][active[b]].mean() for b in live) / len(live)
+        total = sum(x[b][active[b]].sum() for b in live)
+        return total / (len(live) * MAX_LEN) if loss_type == "dr_grpo" else total / n_tok
+
+    m["policy_loss"] = aggregate(pg)
+    m["loss"] = aggregate(pg + beta * k3)
+    return m
+
+
+@pytest.mark.parametrize(
+    "loss_type,clip,beta,is_setting",
+    list(itertools.product(LOSS_TYPES, CLIPS, [0.0, 0.05], IS_SETTINGS)),
+)
+def test_matches_numpy_reference(loss_type, clip, beta, is_setting):
+    eps_low, eps_high, dual_clip = CLIPS[clip]
+    is_level, is_mode = is_setting
+    cfg = LossConfig(
+        loss_type=loss_type, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, beta=beta,
+        is_level=is_level, is_mode=is_mode, is_min=0.8, is_max=1.25, max_completion_length=MAX_LEN,
+    )
+    a = make_batch(seed=SEEDS[loss_type])
+    logp, batch = to_jax(a)
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)
+    loss, metrics = policy_loss(logp, batch, cfg, normalizer, jnp.asarray(a["entropy"]))
+    want = ref_policy_loss(a, loss_type, eps_low, eps_high, dual_clip, beta, is_level, is_mode, 0.8, 1.25)
+    assert sorted(metrics) == sorted(want)
+    np.testing.assert_allclose(float(loss), want["loss"], atol=1e-5, rtol=0)
+    for key, value in want.items():
+        np.testing.assert_allclose(float(metrics[key]), value, atol=1e-5, rtol=0, err_msg=key)
+
+
+@pytest.mark.parametrize("seed", SEEDS.values())
+def test_reference_cases_exercise_every_branch(seed):
+    """The random batches really hit clipping, dual clipping, truncation and masking."""
+    a = make_batch(seed)
+    m = ref_policy_loss(a, "grpo", 0.2, 0.28, 1.5, 0.05, "token", "mask", 0.8, 1.25)
+    assert min(m["clip_frac_low"], m["clip_frac_high"], m["dual_clip_frac"]) > 0
+    assert 0 < m["is_corrected_frac"] < 1 and m["is_weight_min"] == 0
+    m = ref_policy_loss(a, "grpo", 0.2, 0.28, None, 0.0, "sequence", "truncate", 0.8, 1.25)
+    assert m["is_weight_raw_max"] > 1.25 and m["is_weight_max"] == 1.25
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batch_accumulation_equals_full_batch(loss_type):
+    cfg = LossConfig(loss_type=loss_type, eps_high=0.28, dual_clip=1.5, beta=0.05, is_level="sequence")
+    a = make_batch(seed=3, B=16)
+    logp, batch = to_jax(a)
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)  # over the whole accumulated batch
+    grad_fn = jax.value_and_grad(lambda lp, b: policy_loss(lp, b, cfg, normalizer)[0])
+    full_loss, full_grad = grad_fn(logp, batch)
+    micro = [grad_fn(logp[i : i + 4], jax.tree.map(lambda x: x[i : i + 4], batch)) for i in range(0, 16, 4)]
+    np.testing.assert_allclose(sum(float(l) for l, _ in micro), float(full_loss), atol=1e-6, rtol=0)
+    micro_grad = np.concatenate([g for _, g in micro])
+    np.testing.assert_allclose(micro_grad, np.asarray(full_grad), atol=1e-7, rtol=0)
+
+
+def hand_case():
+    """Ratios chosen to land in each region for eps_low=0.2, eps_high=0.3, dual_clip=3."""
+    rho = np.array([[1.0, 1.5, 0.5, 1.2, 0.9], [1.0, 0.5, 2.0, 5.0, 1.1]])
+    adv = np.array([1.0, -2.0])
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], np.float64)
+    # 1.5 with A>0: clipped high; 0.5 with A<0: clipped low; 5.0 with A<0: dual clipped.
+    unclipped = np.array([[1, 0, 1, 1, 1], [1, 0, 1, 0, 1]], np.float64)
+    ref = np.log(rho) + np.array([[0.3, -0.2, 0.1, 0.0, 0.5], [-0.4, 0.2, 0.25, -0.1, 0.05]])
+    return rho, adv, mask, unclipped, ref
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_gradient_matches_analytic_derivative(loss_type):
+    rho, adv, mask, unclipped, ref = hand_case()
+    beta = 0.1
+    cfg = LossConfig(
+        loss_type=loss_type, eps_low=0.2, eps_high=0.3, dual_clip=3.0, beta=beta, max_completion_length=8
+    )
+    logp = np.log(rho)
+    batch = LossBatch(
+        mask_BxT=jnp.asarray(mask, jnp.float32), adv_B=jnp.asarray(adv, jnp.float32),
+        logp_old_BxT=jnp.zeros(rho.shape), ref_logp_BxT=jnp.asarray(ref, jnp.float32),
+    )
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)
+    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+    (_, metrics), grad = grad_fn(jnp.asarray(logp, jnp.float32), batch, cfg, normalizer)
+
+    n_B = mask.sum(1, keepdims=True)
+    scale = {"grpo": 1 / (2 * n_B), "bnpo": 1 / 9, "dapo": 1 / 9, "dr_grpo": 1 / (2 * 8)}[loss_type]
+    # d/dlogp(-rho A) = -rho A where unclipped, 0 where (dual) clipped; d/dlogp k3 = 1 - exp(ref - logp).
+    want = scale * mask * (unclipped * -rho * adv[:, None] + beta * (1 - np.exp(ref - logp)))
+    np.testing.assert_allclose(np.asarray(grad), want, atol=1e-6, rtol=1e-5)
+    for key in ("clip_frac_low", "clip_frac_high", "dual_clip_frac"):
+        np.testing.assert_allclose(float(metrics[key]), 1 / 9, rtol=1e-6, err_msg=key)
+
+
+def test_importance_weights_carry_no_gradient():
+    # On-policy (rho == 1): the weight exp(logp - sampler) depends on logp but must act as a constant.
+    logp = np.log(np.array([[0.5, 0.2, 0.4]]))
+    sampler = logp - np.log(np.array([[0.5, 3.0, 1.0]]))
+    cfg = LossConfig(loss_type="bnpo", is_level="token", is_mode="truncate", is_max=2.0)
+    batch = LossBatch(
+        mask_BxT=jnp.ones((1, 3)), adv_B=jnp.array([1.5]), sampler_logp_BxT=jnp.asarray(sampler, jnp.float32)
+    )
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)
+    grad = jax.grad(lambda lp: policy_loss(lp, batch, cfg, normalizer)[0])(jnp.asarray(logp, jnp.float32))
+    np.testing.assert_allclose(np.asarray(grad), -np.array([[0.5, 2.0, 1.0]]) * 1.5 / 3, rtol=1e-6)
+    # Off-policy too, for both levels: the sampler logprobs reach the loss only through w.
+    a = make_batch()
+    logp, batch = to_jax(a)
+    for level in ("token", "sequence"):
+        cfg = LossConfig(is_level=level)
+
+        def loss_of_sampler(sampler_BxT, cfg=cfg):
+            return policy_loss(logp, batch._replace(sampler_logp_BxT=sampler_BxT), cfg, 7.0)[0]
+
+        assert not np.any(np.asarray(jax.grad(loss_of_sampler)(batch.sampler_logp_BxT)))
+
+
+def test_jit_with_static_config_matches_eager():
+    cfg = LossConfig(loss_type="dapo", eps_high=0.28, beta=0.05, is_level="token", is_mode="mask", is_min=0.5)
+    logp, batch = to_jax(make_batch(seed=5))
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)
+    eager, _ = policy_loss(logp, batch, cfg, normalizer)
+    jitted, _ = jax.jit(policy_loss, static_argnames="cfg")(logp, batch, cfg=cfg, normalizer=normalizer)
+    np.testing.assert_allclose(float(jitted), float(eager), rtol=1e-6)
+
+
+def test_beta_zero_needs_no_reference_and_all_masked_batch_is_finite():
+    a = make_batch()
+    logp, batch = to_jax(a, with_ref=False, with_sampler=False)
+    cfg = LossConfig()
+    loss, metrics = policy_loss(logp, batch, cfg, loss_normalizer(cfg, batch.mask_BxT))
+    assert "kl" not in metrics and np.isfinite(float(loss))
+    empty = batch._replace(mask_BxT=jnp.zeros_like(batch.mask_BxT))
+    loss, metrics = policy_loss(logp, empty, cfg, loss_normalizer(cfg, empty.mask_BxT))
+    assert float(loss) == 0.0 and all(np.isfinite(float(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            {"loss_type": "ppo"},
+            r"LossConfig.loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)",
+        ),
+        ({"is_level": "seq"}, r"LossConfig.is_level='seq' is not one of \('none', 'token', 'sequence'\)"),
+        ({"is_mode": "clip"}, r"LossConfig.is_mode='clip' is not one of \('truncate', 'mask'\)"),
+        ({"eps_low": 1.0}, r"eps_low"),
+        ({"eps_high": -0.1}, r"eps_high"),
+        ({"dual_clip": 1.0}, r"dual_clip=1.0 must be None or a number > 1"),
+        ({"beta": -1.0}, r"beta"),
+        ({"is_min": 2.0, "is_max": 1.0}, r"is_min=2.0, is_max=1.0"),
+        ({"max_completion_length": 0}, r"max_completion_length"),
+    ],
+)
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "cfg,change,match",
+    [
+        (
+            LossConfig(),
+            {"mask_BxT": np.ones((4, 6))},
+            r"batch.mask_BxT has shape \(4, 6\); expected \(4, 5\)",
+        ),
+        (LossConfig(), {"adv_B": np.ones((4, 1))}, r"batch.adv_B has shape \(4, 1\); expected \(4,\)"),
+        (LossConfig(), {"logp_old_BxT": np.ones((3, 5))}, r"batch.logp_old_BxT has shape \(3, 5\)"),
+        (LossConfig(beta=0.1), {}, r"beta=0.1 needs batch.ref_logp_BxT"),
+        (LossConfig(is_level="sequence"), {}, r"is_level='sequence' needs batch.sampler_logp_BxT"),
+    ],
+)
+def test_bad_batch_raises_before_tracing(cfg, change, match):
+    batch = LossBatch(mask_BxT=np.ones((4, 5)), adv_B=np.ones(4))._replace(**change)
+    logp = np.zeros((4, 5), np.float32)
+    with pytest.raises(ValueError, match=match):
+        policy_loss(logp, batch, cfg, 1.0)
+    # Under jit the same check fires while tracing, before anything is compiled.
+    with pytest.raises(ValueError, match=match):
+        jax.jit(policy_loss, static_argnames="cfg")(logp, batch, cfg=cfg, normalizer=1.0)
+
+
+def test_bad_logp_and_entropy_shapes_raise():
+    batch = LossBatch(mask_BxT=np.ones((4, 5)), adv_B=np.ones(4))
+    with pytest.raises(ValueError, match=r"logp_BxT has shape \(20,\); expected \(batch, time\)"):
+        policy_loss(np.zeros(20), batch, LossConfig(), 1.0)
+    with pytest.raises(ValueError, match=r"entropy_BxT has shape \(4, 4\); expected \(4, 5\)"):
+        policy_loss(np.zeros((4, 5)), batch, LossConfig(), 1.0, np.zeros((4, 4)))
+    with pytest.raises(TypeError, match="LossBatch"):
+        policy_loss(np.zeros((4, 5)), {"mask_BxT": np.ones((4, 5))}, LossConfig(), 1.0)
