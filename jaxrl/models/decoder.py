@@ -228,16 +228,21 @@ class Decoder(nnx.Module):
             cache = KVCache(*kv, key_mask_BxS, start + T)
         return self.norm(x), cache
 
+    def head_weight(self):
+        """The (D, V) output projection: the embedding's transpose when tied."""
+        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+
     def logits(self, h_BxTxD):
-        if self.lm_head is None:
-            w_DxV = self.embed_tokens[...].T
-        else:
-            w_DxV = self.lm_head[...]
-        return jnp.matmul(h_BxTxD, w_DxV.astype(h_BxTxD.dtype), preferred_element_type=jnp.float32)
+        return head_logits(h_BxTxD, self.head_weight())
 
     def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None):
         h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache)
         return self.logits(h), cache
+
+
+def head_logits(h_BxTxD, w_DxV):
+    """Float32 logits of hidden states under the output projection."""
+    return jnp.matmul(h_BxTxD, w_DxV.astype(h_BxTxD.dtype), preferred_element_type=jnp.float32)
 
 
 def positions_from_mask(mask_BxT, offset_B=None):

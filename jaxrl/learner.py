@@ -1,0 +1,88 @@
+"""The learner's shell: places the state on the mesh, runs the jitted step, checks metrics."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl.models import Decoder
+from jaxrl.optim import make_optimizer
+from jaxrl.sharding import BATCH_AXES, batch_sharding, param_shardings, put_batch
+from jaxrl.train_step import (
+    LearnerConfig,
+    TrainState,
+    init_state,
+    jit_train_step,
+    validate_train_batch,
+)
+
+
+class NonFiniteMetricError(FloatingPointError):
+    """A metric became NaN or infinite: the run stops instead of logging it."""
+
+
+def check_finite(metrics: dict[str, float], step: int) -> None:
+    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+    if bad:
+        raise NonFiniteMetricError(
+            f"step {step}: metric(s) {bad} are not finite ({ {k: metrics[k] for k in bad} }); "
+            f"the update was not logged. Lower the learning rate, check rewards for inf, or "
+            f"resume from the last checkpoint"
+        )
+
+
+class Learner:
+    """Holds the train state on a mesh; `update(batch)` takes one jitted train step."""
+
+    def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.graphdef, params = nnx.split(model)
+        p_shardings = param_shardings(params, mesh)
+        params = jax.device_put(params, p_shardings)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        tx = make_optimizer(cfg.optimizer)
+        opt_shardings = optax.tree_map_params(
+            tx, lambda _, s: s, jax.eval_shape(tx.init, params), p_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        self.shardings = TrainState(
+            replicated, p_shardings, opt_shardings, p_shardings if cfg.loss.beta > 0 else None
+        )
+        self.state: TrainState = jax.jit(
+            lambda p: init_state(p, cfg), out_shardings=self.shardings
+        )(params)
+        self.num_batch_shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        self._step_fn = None
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def model(self) -> Decoder:
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """One train step on this process's rows of the batch; returns host metrics."""
+        validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
+        arrays = put_batch(batch, self.mesh)
+        if self._step_fn is None:
+            self._step_fn = jit_train_step(
+                self.graphdef, self.cfg, self.shardings,
+                {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()},
+            )
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            self.state, metrics = self._step_fn(self.state, arrays)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        wall = time.perf_counter() - start
+        tokens = int(np.sum(batch["prompt_mask_BxP"]) + np.sum(batch["completion_mask_BxC"]))
+        metrics["tokens_per_s"] = tokens * jax.process_count() * self.cfg.num_iterations / wall
+        metrics["step_s"] = wall
+        check_finite(metrics, self.step)
+        return metrics

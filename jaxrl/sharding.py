@@ -1,0 +1,82 @@
+"""The device mesh (`data`, `fsdp`, `tp`) and where parameters and batches live on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl.models.decoder import LOGICAL_AXIS_RULES
+
+MESH_AXES = ("data", "fsdp", "tp")
+# Sequences are split over every axis that does not split the model's heads.
+BATCH_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape; one axis may be -1 to take the devices left over."""
+
+    data: int = 1
+    fsdp: int = -1
+    tp: int = 1
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tp]
+        if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"mesh={dataclasses.asdict(self)}: sizes must be >= 1, at most one -1")
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(f"mesh={dataclasses.asdict(self)} does not divide {num_devices} devices")
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ValueError(
+                f"mesh={dataclasses.asdict(self)} needs {math.prod(sizes)} devices, {num_devices} are available"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    devices = jax.devices() if devices is None else devices
+    shape = cfg.shape(len(devices))
+    # Auto axes: classic GSPMD propagation (jax.make_mesh now defaults to Explicit).
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def logical_to_mesh(axes: tuple, shape: tuple, mesh, rules=LOGICAL_AXIS_RULES) -> PartitionSpec:
+    """Mesh axes of one array; a dimension the mesh axis does not divide stays replicated."""
+    rule = dict(rules)
+    spec = []
+    for name, dim in zip(axes, shape):
+        mesh_axis = rule.get(name)
+        spec.append(mesh_axis if mesh_axis and dim % mesh.shape[mesh_axis] == 0 else None)
+    return PartitionSpec(*spec)
+
+
+def param_shardings(params: nnx.State, mesh) -> nnx.State:
+    """NamedSharding of every parameter from its `out_sharding` logical axes."""
+
+    def one(var):
+        axes = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+        return var.replace(NamedSharding(mesh, logical_to_mesh(tuple(axes), var.shape, mesh)))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """Global arrays from this process's rows of the batch (all rows on a single host)."""
+    return {
+        k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))
+        for k, v in batch.items()
+    }

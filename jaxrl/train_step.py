@@ -1,0 +1,225 @@
+"""The learner update: a pure `(state, batch) -> (state, metrics)`, jitted once with shardings.
+
+Read top to bottom: advantages from rewards, the frozen `logp_old` (and reference) logprobs,
+then `num_iterations` optimiser updates, each accumulating gradients over micro-batches with
+loss normalisers taken over the whole batch, so accumulation equals one large batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrl.advantages import AdvantageConfig, compute_advantages, validate_rewards
+from jaxrl.logprobs import completion_logprobs
+from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
+from jaxrl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from jaxrl.sharding import BATCH_AXES
+
+# Batch arrays: prompts left-padded, completions right-padded; rewards NaN where a reward
+# function does not apply; sampler_logp only with importance-sampling correction.
+BATCH_KEYS = {
+    "prompt_BxP": np.integer,
+    "prompt_mask_BxP": None,
+    "completion_BxC": np.integer,
+    "completion_mask_BxC": None,
+    "loss_mask_BxC": None,
+    "rewards_BxR": np.floating,
+}
+OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating}
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    group_size: int = 8
+    grad_accum: int = 1
+    num_iterations: int = 1
+    temperature: float = 1.0
+    logp_chunk: int = 128
+    loss: LossConfig = LossConfig()
+    advantages: AdvantageConfig = AdvantageConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+    def __post_init__(self):
+        for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"learner.{key}={value!r} must be an integer >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"learner.temperature={self.temperature!r} must be > 0")
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # optimiser updates so far
+    params: nnx.State
+    opt_state: Any
+    ref_params: nnx.State | None  # only with loss.beta > 0
+
+
+def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int = 1) -> None:
+    """Shape and dtype checks with messages, before anything is compiled."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if cfg.loss.is_level != "none" and "sampler_logp_BxC" not in batch:
+        missing.append("sampler_logp_BxC (needed by loss.is_level)")
+    if missing:
+        raise ValueError(f"train batch is missing {missing}")
+    unknown = sorted(set(batch) - set(BATCH_KEYS) - set(OPTIONAL_BATCH_KEYS))
+    if unknown:
+        raise ValueError(f"train batch has unknown keys {unknown}; allowed: {sorted({**BATCH_KEYS, **OPTIONAL_BATCH_KEYS})}")
+    shapes = {k: np.shape(v) for k, v in batch.items()}
+    B, P = shapes["prompt_BxP"]
+    C = shapes["completion_BxC"][1]
+    want = {"prompt_mask_BxP": (B, P), "completion_BxC": (B, C), "completion_mask_BxC": (B, C),
+            "loss_mask_BxC": (B, C), "sampler_logp_BxC": (B, C)}
+    for key, shape in want.items():
+        if key in shapes and shapes[key] != shape:
+            raise ValueError(f"train batch {key} has shape {shapes[key]}, expected {shape} "
+                             f"(from prompt_BxP {(B, P)} and completion_BxC)")
+    if len(shapes["rewards_BxR"]) != 2 or shapes["rewards_BxR"][0] != B:
+        raise ValueError(f"train batch rewards_BxR has shape {shapes['rewards_BxR']}, expected ({B}, R)")
+    for key, kind in {**BATCH_KEYS, **OPTIONAL_BATCH_KEYS}.items():
+        if key in batch and kind is not None and not np.issubdtype(np.asarray(batch[key]).dtype, kind):
+            raise ValueError(f"train batch {key} has dtype {np.asarray(batch[key]).dtype}, expected {kind.__name__}")
+    loss_mask = np.asarray(batch["loss_mask_BxC"]).astype(bool)
+    if (loss_mask & ~np.asarray(batch["completion_mask_BxC"]).astype(bool)).any():
+        raise ValueError("train batch loss_mask_BxC is 1 on tokens that completion_mask_BxC marks as padding")
+    if P < 1 or not np.asarray(batch["prompt_mask_BxP"])[:, -1].all():
+        raise ValueError("train batch prompts must be left-padded: prompt_mask_BxP[:, -1] must be 1 on every row")
+    rows_per_micro = B // cfg.grad_accum
+    if B % cfg.grad_accum or rows_per_micro % num_batch_shards:
+        raise ValueError(
+            f"batch of {B} sequences does not split into grad_accum={cfg.grad_accum} micro-batches "
+            f"of rows divisible by the {num_batch_shards} batch shards of the mesh"
+        )
+    validate_rewards(np.asarray(batch["rewards_BxR"]), cfg.group_size, cfg.advantages)
+
+
+def init_state(params: nnx.State, cfg: LearnerConfig) -> TrainState:
+    opt_state = make_optimizer(cfg.optimizer).init(params)
+    ref = jax.tree.map(jnp.copy, params) if cfg.loss.beta > 0 else None
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ref)
+
+
+def _micro_batches(x, grad_accum: int):
+    # Interleaved split (row i goes to micro-batch i % A): each device's contiguous rows stay
+    # on that device in every micro-batch, so splitting moves no data.
+    B = x.shape[0]
+    x = x.reshape(B // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+    spec = jax.sharding.PartitionSpec(None, BATCH_AXES, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
+    """Micro-batch metrics -> batch metrics: sums, extremes, or token-weighted means."""
+    weights_A = tokens_A / jnp.maximum(tokens_A.sum(), 1)
+    out = {}
+    for k, v in metrics_A.items():
+        if k in ("loss", "policy_loss"):
+            out[k] = v.sum()
+        elif k.endswith("_min"):
+            out[k] = v.min()
+        elif k.endswith("_max"):
+            out[k] = v.max()
+        else:
+            out[k] = (v * weights_A).sum()
+    return out
+
+
+def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig):
+    """One batch: `cfg.num_iterations` optimiser updates. Pure; jit it with `jit_train_step`."""
+    tx = make_optimizer(cfg.optimizer)
+    schedule = learning_rate_schedule(cfg.optimizer)
+    A = cfg.grad_accum
+
+    adv_B, adv_stats = compute_advantages(batch["rewards_BxR"], cfg.group_size, cfg.advantages)
+    loss_mask = batch["loss_mask_BxC"].astype(jnp.float32)
+    normalizer = loss_normalizer(cfg.loss, loss_mask)
+    micro = {k: _micro_batches(v, A) for k, v in batch.items() if k != "rewards_BxR"}
+    micro["adv_B"] = _micro_batches(adv_B, A)
+
+    def logprobs(params, mb, with_entropy=False):
+        model = nnx.merge(graphdef, params)
+        return completion_logprobs(
+            model, mb["prompt_BxP"], mb["prompt_mask_BxP"], mb["completion_BxC"],
+            mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy,
+        )
+
+    def frozen_logprobs(params):
+        return jax.lax.map(lambda mb: jax.lax.stop_gradient(logprobs(params, mb)[0]), micro)
+
+    # logp_old is fixed before the first update; with a single on-policy pass the loss uses
+    # stop_gradient(logp) instead, which is the same number without a forward pass.
+    needs_old = cfg.num_iterations > 1 or cfg.loss.is_level != "none"
+    micro["logp_old"] = frozen_logprobs(state.params) if needs_old else None
+    micro["ref_logp"] = frozen_logprobs(state.ref_params) if cfg.loss.beta > 0 else None
+
+    def micro_loss(params, mb):
+        logp, entropy = logprobs(params, mb, with_entropy=True)
+        loss_batch = LossBatch(
+            mask_BxT=mb["loss_mask_BxC"], adv_B=mb["adv_B"], logp_old_BxT=mb["logp_old"],
+            sampler_logp_BxT=mb.get("sampler_logp_BxC"), ref_logp_BxT=mb["ref_logp"],
+        )
+        return policy_loss(logp, loss_batch, cfg.loss, normalizer, jax.lax.stop_gradient(entropy))
+
+    def iteration(carry, _):
+        params, opt_state, step = carry
+
+        def accumulate(grads, mb):
+            (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb)
+            return jax.tree.map(jnp.add, grads, g), metrics
+
+        grads, metrics_A = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro)
+        tokens_A = micro["loss_mask_BxC"].sum(axis=(1, 2)).astype(jnp.float32)
+        metrics = _combine_metrics(metrics_A, tokens_A)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["learning_rate"] = schedule(step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, step + 1), metrics
+
+    (params, opt_state, step), metrics_I = jax.lax.scan(
+        iteration, (state.params, state.opt_state, state.step), None, length=cfg.num_iterations
+    )
+    # The first pass is the on-policy one; later passes show how far the policy moved.
+    metrics = {k: v[0] for k, v in metrics_I.items()}
+    if cfg.num_iterations > 1:
+        last = ("loss", "kl", "clip_frac_low", "clip_frac_high")
+        metrics.update({f"last_{k}": v[-1] for k, v in metrics_I.items() if k in last})
+    metrics.update(adv_stats)
+    metrics["completion_tokens"] = loss_mask.sum()
+    return TrainState(step, params, opt_state, state.ref_params), metrics
+
+
+def state_shardings(state: TrainState, param_shardings) -> TrainState:
+    """Shardings of a TrainState: optimiser moments follow their parameters."""
+    def like_params(tree):
+        return jax.tree.map(lambda x: x.sharding, tree)
+
+    return TrainState(
+        step=jax.sharding.NamedSharding(_mesh_of(param_shardings), jax.sharding.PartitionSpec()),
+        params=param_shardings,
+        opt_state=like_params(state.opt_state),
+        ref_params=None if state.ref_params is None else param_shardings,
+    )
+
+
+def _mesh_of(shardings):
+    return jax.tree.leaves(shardings)[0].mesh
+
+
+def jit_train_step(graphdef, cfg: LearnerConfig, shardings: TrainState, batch_shardings: dict):
+    """`train_step` compiled once for these shardings; the state's buffers are donated."""
+    def step(state, batch):
+        return train_step(state, batch, graphdef, cfg)
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings, batch_shardings),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
