@@ -76,6 +76,7 @@ class Learner:
                 self.graphdef, self.cfg, self.shardings,
                 {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()},
             )
+        step = self.step
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
             self.state, metrics = self._step_fn(self.state, arrays)
@@ -84,5 +85,5 @@ class Learner:
         tokens = int(np.sum(batch["prompt_mask_BxP"]) + np.sum(batch["completion_mask_BxC"]))
         metrics["tokens_per_s"] = tokens * jax.process_count() * self.cfg.num_iterations / wall
         metrics["step_s"] = wall
-        check_finite(metrics, self.step)
+        check_finite(metrics, step)
         return metrics

@@ -80,3 +80,13 @@ def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
         k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))
         for k, v in batch.items()
     }
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins a multi-host run through JAX's own runtime; a single process needs nothing."""
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"distributed: process_id={process_id} must be in [0, num_processes={num_processes})"
+        )
+    if num_processes > 1:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)

@@ -97,7 +97,12 @@ def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int 
             f"batch of {B} sequences does not split into grad_accum={cfg.grad_accum} micro-batches "
             f"of rows divisible by the {num_batch_shards} batch shards of the mesh"
         )
-    validate_rewards(np.asarray(batch["rewards_BxR"]), cfg.group_size, cfg.advantages)
+    rewards = np.asarray(batch["rewards_BxR"])
+    validate_rewards(rewards, cfg.group_size, cfg.advantages)
+    if np.isinf(rewards).any():
+        rows = sorted(set(np.argwhere(np.isinf(rewards))[:, 0].tolist()))[:5]
+        raise ValueError(f"train batch rewards_BxR is infinite at rows {rows}; a reward function "
+                         f"must return a finite number, or None where it does not apply")
 
 
 def init_state(params: nnx.State, cfg: LearnerConfig) -> TrainState:
@@ -177,7 +182,7 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
         grads, metrics_A = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro)
         tokens_A = micro["loss_mask_BxC"].sum(axis=(1, 2)).astype(jnp.float32)
         metrics = _combine_metrics(metrics_A, tokens_A)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["learning_rate"] = schedule(step)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, step + 1), metrics

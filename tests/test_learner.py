@@ -1,0 +1,75 @@
+"""The learner shell: non-finite metrics stop the run, and a two-process jax.distributed run."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.learner import Learner, NonFiniteMetricError, check_finite
+from jaxrl.models import Decoder
+from jaxrl.optim import OptimizerConfig
+from jaxrl.sharding import MeshConfig, make_mesh
+from jaxrl.tiny import tiny_config
+from jaxrl.train_step import LearnerConfig
+
+from batches import VOCAB, make_batch
+
+WORKER = Path(__file__).parent / "workers" / "distributed_step.py"
+
+
+def test_check_finite_names_step_and_metric():
+    check_finite({"loss": 1.0, "kl": 0.0}, step=3)
+    with pytest.raises(NonFiniteMetricError, match=r"step 7: metric\(s\) \['grad_norm', 'loss'\]"):
+        check_finite({"loss": float("nan"), "grad_norm": float("inf"), "kl": 0.1}, step=7)
+
+
+def test_diverging_run_stops_with_a_clear_error_instead_of_logging_nan():
+    cfg = LearnerConfig(group_size=4, optimizer=OptimizerConfig(learning_rate=1e30, max_grad_norm=None))
+    model = Decoder(tiny_config("qwen3", vocab_size=VOCAB), nnx.Rngs(0))
+    learner = Learner(model, cfg, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    batch = make_batch(sampler=False)
+    learner.update(batch)
+    with pytest.raises(NonFiniteMetricError, match=r"step 1: metric\(s\) \[.*'grad_norm'"):
+        learner.update(batch)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(num_processes, out):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), address, str(num_processes), str(pid), str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for pid in range(num_processes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-3000:]
+    return np.load(out)
+
+
+def test_two_process_distributed_run_takes_the_same_step_as_one_process(tmp_path):
+    one = _run_workers(1, tmp_path / "one.npz")
+    two = _run_workers(2, tmp_path / "two.npz")
+    assert len(one.files) == len(two.files) > 10
+    for name in one.files:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0)

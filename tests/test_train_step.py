@@ -1,0 +1,147 @@
+"""The train step: the same update on every mesh, accumulation equal to one large batch,
+`logp_old` fixed across `num_iterations`, and bad batches refused before compilation."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.learner import Learner
+from jaxrl.losses import LossConfig
+from jaxrl.models import Decoder
+from jaxrl.optim import OptimizerConfig
+from jaxrl.sharding import MeshConfig, make_mesh
+from jaxrl.tiny import tiny_config
+from jaxrl.train_step import LearnerConfig, validate_train_batch
+
+from batches import VOCAB, make_batch
+
+MODEL_CFG = tiny_config("qwen3", tied=False, vocab_size=VOCAB)
+
+
+BASE = LearnerConfig(
+    group_size=4,
+    loss=LossConfig(loss_type="dapo", eps_high=0.28, beta=0.02, is_level="token"),
+    optimizer=OptimizerConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=1, total_steps=10),
+)
+
+
+def run(cfg, mesh_cfg, devices, steps=3, batches=None):
+    learner = Learner(Decoder(MODEL_CFG, nnx.Rngs(0)), cfg, make_mesh(mesh_cfg, devices))
+    metrics = [learner.update(b) for b in (batches or [make_batch(s) for s in range(steps)])]
+    params = jax.tree.map(np.asarray, jax.device_get(learner.state.params))
+    return params, metrics, learner
+
+
+def max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return run(BASE, MeshConfig(fsdp=1), jax.devices()[:1])
+
+
+@pytest.mark.parametrize(
+    "mesh_cfg", [MeshConfig(fsdp=8), MeshConfig(fsdp=4, tp=2), MeshConfig(data=2, fsdp=4)],
+    ids=["fsdp8", "fsdp4-tp2", "data2-fsdp4"],
+)
+def test_sharded_steps_equal_one_device(single_device, mesh_cfg):
+    assert len(jax.devices()) >= 8, "conftest.py must provide 8 CPU devices"
+    ref_params, ref_metrics, _ = single_device
+    params, metrics, learner = run(BASE, mesh_cfg, jax.devices()[:8])
+    assert max_diff(params, ref_params) < 1e-5
+    for ours, ref in zip(metrics, ref_metrics):
+        assert ours["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    # Parameters really are split over the mesh, not replicated.
+    kernel = learner.state.params["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+    assert kernel.sharding.shard_shape(kernel.shape) != kernel.shape
+
+
+# Every loss_type accumulates exactly in tests/test_losses.py; here the whole step, for the
+# per-sequence (grpo) and the per-token whole-batch (dapo) normalisers.
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_gradient_accumulation_equals_one_large_batch(loss_type):
+    cfg = dataclasses.replace(BASE, loss=dataclasses.replace(BASE.loss, loss_type=loss_type))
+    devices = jax.devices()[:2]
+    one, m1, _ = run(cfg, MeshConfig(fsdp=2), devices, steps=2)
+    four, m4, _ = run(dataclasses.replace(cfg, grad_accum=4), MeshConfig(fsdp=2), devices, steps=2)
+    assert max_diff(one, four) < 1e-5
+    for a, b in zip(m1, m4):
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "is_weight_mean", "is_weight_max"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_num_iterations_keeps_logp_old_from_the_first_pass():
+    cfg = dataclasses.replace(
+        BASE, num_iterations=3, loss=LossConfig(eps_low=0.01, eps_high=0.01),
+        optimizer=OptimizerConfig(learning_rate=3e-2),
+    )
+    _, metrics, learner = run(cfg, MeshConfig(fsdp=1), jax.devices()[:1], steps=1)
+    assert learner.step == 3
+    first = metrics[0]
+    # The first pass is on-policy (ratio 1: nothing clipped); later passes see the policy move
+    # away from the frozen logp_old, which a recomputed logp_old would hide.
+    assert first["clip_frac_low"] == 0 and first["clip_frac_high"] == 0
+    assert first["last_clip_frac_low"] + first["last_clip_frac_high"] > 0.1
+
+
+def test_metrics_cover_the_promised_scalars(single_device):
+    _, metrics, _ = single_device
+    expected = {
+        "loss", "policy_loss", "kl", "entropy", "clip_frac_low", "clip_frac_high",
+        "is_weight_raw_mean", "is_weight_raw_min", "is_weight_raw_max",
+        "is_weight_mean", "is_weight_min", "is_weight_max", "frac_zero_std_groups",
+        "grad_norm", "learning_rate", "tokens_per_s",
+    }
+    assert expected <= set(metrics[0])
+    assert metrics[0]["learning_rate"] == 0.0 and metrics[1]["learning_rate"] == pytest.approx(1e-3)
+    assert all(np.isfinite(v) for m in metrics for v in m.values())
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda b: b.update(loss_mask_BxC=b["loss_mask_BxC"][:, :-1]), r"loss_mask_BxC has shape \(16, 7\), expected \(16, 8\)"),
+        (lambda b: b.pop("rewards_BxR"), "missing.*rewards_BxR"),
+        (lambda b: b.pop("sampler_logp_BxC"), "sampler_logp_BxC.*is_level"),
+        (lambda b: b.update(rewards_BxR=b["rewards_BxR"][:14]), r"rewards_BxR has shape \(14, 2\)"),
+        (lambda b: b.update(prompt_BxP=b["prompt_BxP"].astype(np.float32)), "prompt_BxP has dtype float32"),
+        (lambda b: b.update(completion_mask_BxC=np.zeros_like(b["completion_mask_BxC"])), "loss_mask_BxC is 1 on tokens"),
+        (lambda b: b["prompt_mask_BxP"].__setitem__((0, -1), 0), "left-padded"),
+        (lambda b: b["rewards_BxR"].__setitem__((3, 0), np.inf), r"infinite at rows \[3\]"),
+        (lambda b: b.update(extra=np.zeros(16)), r"unknown keys \['extra'\]"),
+    ],
+)
+def test_bad_batches_are_refused_before_compilation(change, message):
+    learner = Learner(Decoder(MODEL_CFG, nnx.Rngs(0)), BASE, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    batch = make_batch()
+    change(batch)
+    with pytest.raises(ValueError, match=message):
+        learner.update(batch)
+    assert learner._step_fn is None, "nothing may be compiled for a bad batch"
+
+
+def test_group_size_must_divide_the_batch():
+    with pytest.raises(ValueError, match="group_size=3 does not divide the batch size 16"):
+        validate_train_batch(make_batch(), dataclasses.replace(BASE, group_size=3))
+
+
+def test_micro_batches_must_split_over_the_batch_shards():
+    with pytest.raises(ValueError, match="grad_accum=4 micro-batches of rows divisible by the 8"):
+        validate_train_batch(make_batch(), dataclasses.replace(BASE, grad_accum=4), num_batch_shards=8)
+
+
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (lambda: LossConfig(loss_type="ppo"), "loss_type='ppo' is not one of"),
+        (lambda: LearnerConfig(grad_accum=0), r"learner.grad_accum=0 must be an integer >= 1"),
+        (lambda: OptimizerConfig(schedule="step"), "schedule='step' is not one of"),
+    ],
+)
+def test_bad_configs_name_the_key(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
