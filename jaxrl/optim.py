@@ -36,6 +36,8 @@ class OptimizerConfig:
             raise ValueError(
                 f"optimizer.warmup_steps={self.warmup_steps!r} must be in [0, total_steps={self.total_steps}]"
             )
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(f"optimizer.final_lr_fraction={self.final_lr_fraction!r} must be in [0, 1]")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"optimizer.max_grad_norm={self.max_grad_norm!r} must be > 0 or None")
 
