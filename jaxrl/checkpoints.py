@@ -1,0 +1,104 @@
+"""Train checkpoints for exact resume: the whole TrainState plus run metadata, through Orbax.
+
+Saves are asynchronous; Orbax writes `<step>.orbax-checkpoint-tmp` and renames it on commit, so a
+process killed mid-save leaves the previous checkpoints intact. Restores take the target's
+shardings, so a run can resume on a different mesh than the one that saved it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxrl.train_step import TrainState
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose arrays do not fit the configured model and optimiser."""
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes_by_path(tree) -> dict[str, tuple]:
+    return {
+        "/".join(_key_name(k) for k in path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def abstract_like(state: TrainState, shardings: TrainState) -> TrainState:
+    """Shape/dtype/sharding skeleton to restore into."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+class TrainCheckpointer:
+    """Keeps the last `keep` checkpoints of a run under `directory`, saving every `every` steps."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, every: int = 1, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        self.every = every
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], force: bool = False) -> bool:
+        """Starts saving (returns at once when async); `meta` must be JSON (config, RNG, data position)."""
+        if not force and step % self.every:
+            return False
+        return self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=force,
+        )
+
+    def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """Restores `step` (default: latest) onto `target`'s shapes and shardings."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{self.directory}: no finished checkpoint to resume from")
+        self._check_shapes(step, target)
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+        )
+        return restored["state"], restored["meta"]
+
+    def _check_shapes(self, step: int, target: TrainState) -> None:
+        saved = _shapes_by_path(self.manager.item_metadata(step)["state"])
+        wanted = _shapes_by_path(target)
+        problems = [f"{k}: checkpoint {saved[k]}, configured {wanted[k]}"
+                    for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
+        problems += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - wanted.keys())]
+        problems += [f"{k}: missing from the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+        if problems:
+            shown = "\n  ".join(problems[:8]) + (f"\n  ... {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory / str(step)} does not match the configured model/optimiser "
+                f"({len(problems)} differing arrays):\n  {shown}\nResume with the config the run was "
+                f"started with, or start a new run directory."
+            )
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
