@@ -1,0 +1,231 @@
+"""Learner throughput and memory: our jitted train step against PyTorch on the same weights.
+
+    python -m experiments.bench.learner [--tiny] [--batch 8 --prompt-len 64 ...]
+
+Figures (last line, JSON):
+  train_tokens_per_s   real prompt + completion tokens / median `Learner.update` wall time
+  ratio_vs_torch       median transformers (PyTorch) step time / ours; above 1 = we are faster.
+                       Both run the same GRPO step (forward, clipped loss over completion
+                       tokens, entropy metric, backward, grad clipping, AdamW) on the same
+                       weights and batch, interleaved, with the same number of threads.
+  peak_mem_mb          XLA's compiled memory analysis of the train step (see `compiled_peak_mb`)
+  logp_peak_mem_*_mb   XLA temp memory of the gradient of summed completion logprobs at a
+                       >= 100k vocabulary, chunked over the sequence vs all positions at once
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.advantages import AdvantageConfig, compute_advantages
+from jaxrl.learner import Learner
+from jaxrl.logprobs import completion_logprobs
+from jaxrl.models import Decoder, positions_from_mask, save_pretrained
+from jaxrl.sharding import MeshConfig, batch_sharding, make_mesh, put_batch
+from jaxrl.tiny import tiny_config
+from jaxrl.train_step import LearnerConfig, jit_train_step
+
+MB = 1 << 20
+# Sizes meant for a 2-core CPU (about a minute in all); --tiny keeps CI to seconds.
+DEFAULTS = dict(batch=8, prompt_len=64, completion_len=192, steps=5, vocab=8192, hidden=256,
+                layers=4, group_size=4, logp_vocab=131072, logp_chunk=64)
+TINY = dict(batch=4, prompt_len=8, completion_len=32, steps=2, vocab=512, hidden=64,
+            layers=2, group_size=2, logp_vocab=131072, logp_chunk=8)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="shrink every size (CI smoke run)")
+    p.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3"])
+    for key in DEFAULTS:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                       help=f"default {DEFAULTS[key]} (--tiny: {TINY[key]})")
+    args = p.parse_args(argv)
+    for key, value in (TINY if args.tiny else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def model_config(args, vocab: int):
+    # head_dim 32 (vLLM's CPU minimum); two query heads per KV head as in the tiny models.
+    heads = args.hidden // 32
+    return tiny_config(args.family, vocab_size=vocab, hidden_size=args.hidden,
+                       intermediate_size=3 * args.hidden, num_layers=args.layers,
+                       num_heads=heads, num_kv_heads=max(heads // 2, 1))
+
+
+def make_batch(args, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Left-padded prompts and right-padded completions of random lengths, one reward each."""
+    rng = np.random.default_rng(seed)
+    B, P, C = args.batch, args.prompt_len, args.completion_len
+    prompt_len_B = rng.integers(P // 2, P + 1, B)
+    completion_len_B = rng.integers(C // 2, C + 1, B)
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len_B[:, None]).astype(np.int32)
+    completion_mask = (np.arange(C)[None] < completion_len_B[:, None]).astype(np.int32)
+    return {
+        "prompt_BxP": rng.integers(0, vocab, (B, P)) * prompt_mask,
+        "prompt_mask_BxP": prompt_mask,
+        "completion_BxC": rng.integers(0, vocab, (B, C)) * completion_mask,
+        "completion_mask_BxC": completion_mask,
+        "loss_mask_BxC": completion_mask,
+        "rewards_BxR": rng.random((B, 1)).astype(np.float32),
+    }
+
+
+def compiled_peak_mb(compiled) -> float:
+    """Peak device memory XLA planned for one call: arguments + outputs + scratch (temp),
+    less outputs that reuse donated argument buffers. Weights, optimiser state and batch
+    are arguments; unlike max RSS it leaves out the runtime, Python and PyTorch.
+    """
+    m = compiled.memory_analysis()
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return (total + m.temp_size_in_bytes) / MB
+
+
+class TorchStep:
+    """The same GRPO update in PyTorch on a transformers model loaded from our weights."""
+
+    def __init__(self, model: Decoder, batch: dict[str, np.ndarray], cfg: LearnerConfig):
+        import torch
+        import transformers
+
+        self.torch, self.cfg = torch, cfg
+        transformers.utils.logging.disable_progress_bar()  # keeps the output to our figures
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(model, tmp)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        self.model.train()
+        opt = cfg.optimizer
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate,
+                                     betas=(opt.b1, opt.b2), eps=opt.eps,
+                                     weight_decay=opt.weight_decay)
+        ids = np.concatenate([batch["prompt_BxP"], batch["completion_BxC"]], 1)
+        mask = np.concatenate([batch["prompt_mask_BxP"], batch["completion_mask_BxC"]], 1)
+        adv_B, _ = compute_advantages(batch["rewards_BxR"], cfg.group_size, cfg.advantages)
+
+        def as_t(x):
+            return torch.tensor(np.asarray(x))
+
+        self.inputs = dict(input_ids=as_t(ids), attention_mask=as_t(mask),
+                           position_ids=as_t(positions_from_mask(jnp.asarray(mask))))
+        self.completion = as_t(batch["completion_BxC"])
+        self.loss_mask = as_t(batch["loss_mask_BxC"]).float()
+        self.adv_Bx1 = as_t(adv_B)[:, None]
+
+    def __call__(self) -> dict[str, float]:
+        """One update; returns its metrics."""
+        torch, cfg = self.torch, self.cfg
+        C = self.completion.shape[1]
+        # logits_to_keep: the head runs on completion positions only, as ours does.
+        logits = self.model(**self.inputs, logits_to_keep=C + 1).logits[:, :-1].float()
+        logp_all = torch.log_softmax(logits / cfg.temperature, -1)
+        logp = logp_all.gather(-1, self.completion[..., None])[..., 0]
+        with torch.no_grad():  # the entropy metric, as our step logs it
+            entropy_BxC = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = (entropy_BxC * self.loss_mask).sum() / self.loss_mask.sum()
+        rho = torch.exp(logp - logp.detach())
+        clipped = rho.clamp(1 - cfg.loss.eps_low, 1 + cfg.loss.eps_high)
+        pg = -torch.minimum(rho * self.adv_Bx1, clipped * self.adv_Bx1)
+        n_B = self.loss_mask.sum(1)
+        # loss_type grpo: mean over sequences of token means.
+        loss = ((pg * self.loss_mask).sum(1) / n_B.clamp(min=1)).sum() / (n_B > 0).sum()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optimizer.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm), "entropy": float(entropy)}
+
+
+def logp_grad_peak_mb(cfg, batch: dict[str, np.ndarray], chunk: int) -> float:
+    """XLA temp memory of d(sum of completion logprobs)/d(params); compiled, never run."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    keys = ("prompt_BxP", "prompt_mask_BxP", "completion_BxC", "completion_mask_BxC")
+
+    def total_logp(params, *arrays):
+        logp, _ = completion_logprobs(nnx.merge(graphdef, params), *arrays, chunk=chunk)
+        return (logp * arrays[-1]).sum()
+
+    compiled = jax.jit(jax.grad(total_logp)).lower(params, *(batch[k] for k in keys)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / MB
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    # XLA's CPU client runs one intra-op thread per core it may use; torch gets as many.
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    cfg = LearnerConfig(group_size=args.group_size, logp_chunk=args.logp_chunk)
+    batch = make_batch(args, args.vocab)
+    tokens = int(batch["prompt_mask_BxP"].sum() + batch["completion_mask_BxC"].sum())
+
+    model = Decoder(model_config(args, args.vocab), nnx.Rngs(0))
+    torch_step = TorchStep(model, batch, cfg)  # copies the weights before the learner moves them
+    mesh = make_mesh(MeshConfig())
+    learner = Learner(model, cfg, mesh)
+
+    # Warm-up: compiles ours, lets torch allocate; both start from the same weights, so the
+    # gradient norms must agree (a check that the two losses are the same).
+    jax_norm = learner.update(batch)["grad_norm"]
+    torch_norm = torch_step()["grad_norm"]
+    jax_s, torch_s = [], []
+    for _ in range(args.steps):
+        jax_s.append(learner.update(batch)["step_s"])
+        start = time.perf_counter()
+        torch_step()
+        torch_s.append(time.perf_counter() - start)
+    jax_med, torch_med = statistics.median(jax_s), statistics.median(torch_s)
+
+    arrays = put_batch(batch, mesh)
+    step_fn = jit_train_step(learner.graphdef, cfg, learner.shardings,
+                             {k: batch_sharding(mesh, v.ndim) for k, v in arrays.items()})
+    with jax.set_mesh(mesh):
+        peak_mb = compiled_peak_mb(step_fn.lower(learner.state, arrays).compile())
+
+    big_cfg = model_config(args, args.logp_vocab)
+    big_batch = make_batch(args, args.logp_vocab)
+    chunked = logp_grad_peak_mb(big_cfg, big_batch, args.logp_chunk)
+    unchunked = logp_grad_peak_mb(big_cfg, big_batch, args.completion_len)
+
+    figures = {
+        "train_tokens_per_s": tokens / jax_med,
+        "ratio_vs_torch": torch_med / jax_med,
+        "peak_mem_mb": peak_mb,
+        "logp_peak_mem_chunked_mb": chunked,
+        "logp_peak_mem_unchunked_mb": unchunked,
+        "logp_mem_ratio_unchunked_vs_chunked": unchunked / chunked,
+        # Linux reports KiB; the whole process, PyTorch's model and both compilations included.
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "jax_step_s": jax_med,
+        "torch_step_s": torch_med,
+        "grad_norm_rel_diff": abs(jax_norm - torch_norm) / torch_norm,
+        "tokens_per_step": tokens,
+        "threads": threads,
+    }
+    print(f"learner benchmark: {args.family}, hidden {args.hidden}, {args.layers} layers, "
+          f"vocab {args.vocab}; batch {args.batch} x (prompt {args.prompt_len} + completion "
+          f"{args.completion_len}); median of {args.steps} steps; {jax.default_backend()}, "
+          f"{threads} threads")
+    print(f"logprob memory: vocab {args.logp_vocab}, chunk {args.logp_chunk} vs "
+          f"{args.completion_len}")
+    for key, value in figures.items():
+        print(f"  {key:<38} {value:>14.4g}")
+    print(json.dumps(figures), flush=True)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
