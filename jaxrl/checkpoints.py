@@ -28,10 +28,14 @@ def _key_name(key) -> str:
 
 
 def _shapes_by_path(tree) -> dict[str, tuple]:
-    return {
-        "/".join(_key_name(k) for k in path): tuple(leaf.shape)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        names = [_key_name(k) for k in path]
+        # An nnx.Variable's array sits under a `value` key that only some trees spell out.
+        if names and names[-1] == "value":
+            names.pop()
+        out["/".join(names)] = tuple(leaf.shape)
+    return out
 
 
 def abstract_like(state: TrainState, shardings: TrainState) -> TrainState:
@@ -47,8 +51,10 @@ class TrainCheckpointer:
     def __init__(self, directory: str | Path, keep: int = 3, every: int = 1, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self.every = every
+        # Named handlers let a fresh process read metadata before its first save.
         self.manager = ocp.CheckpointManager(
             self.directory,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
@@ -83,11 +89,15 @@ class TrainCheckpointer:
 
     def _check_shapes(self, step: int, target: TrainState) -> None:
         saved = _shapes_by_path(self.manager.item_metadata(step)["state"])
+        if not saved:
+            raise CheckpointMismatchError(f"checkpoint {self.directory / str(step)} holds no train state")
         wanted = _shapes_by_path(target)
-        problems = [f"{k}: checkpoint {saved[k]}, configured {wanted[k]}"
-                    for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
-        problems += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - wanted.keys())]
-        problems += [f"{k}: missing from the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+        problems = [(k, f"checkpoint {saved[k]}, configured {wanted[k]}")
+                    for k in saved.keys() & wanted.keys() if saved[k] != wanted[k]]
+        problems += [(k, "only in the checkpoint") for k in saved.keys() - wanted.keys()]
+        problems += [(k, "missing from the checkpoint") for k in wanted.keys() - saved.keys()]
+        # Parameters first: they name the model difference; optimiser moments only repeat it.
+        problems = [f"{k}: {what}" for k, what in sorted(problems, key=lambda p: (not p[0].startswith("params/"), p[0]))]
         if problems:
             shown = "\n  ".join(problems[:8]) + (f"\n  ... {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointMismatchError(
