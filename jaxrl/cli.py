@@ -53,6 +53,32 @@ def _assets(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    """Writes a run's snapshot or train checkpoint as a Hugging Face model directory."""
+    import logging
+    import os
+    import warnings
+
+    # Export is host work: never take an accelerator a trainer may be using.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
+    from jaxrl.export import ExportError, ExportWarning, export
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        try:
+            out = export(args.run_dir, args.out, version=args.version,
+                         checkpoint_step=args.checkpoint_step, dtype=args.dtype)
+        except ExportError as e:
+            print(f"jaxrl export: error: {e}", file=sys.stderr)
+            return 1
+    for w in caught:
+        if issubclass(w.category, ExportWarning):
+            print(f"jaxrl export: note: {w.message}", file=sys.stderr)
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     assets.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="qwen3")
     assets.add_argument("--seed", type=int, default=0)
     assets.set_defaults(func=_assets)
+
+    exp = sub.add_parser("export", help="write a run's snapshot or checkpoint as a Hugging Face model directory")
+    exp.add_argument("run_dir", help="run directory, or its snapshots/ or checkpoints/ directory")
+    which = exp.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, help="snapshot version (default: the newest)")
+    which.add_argument("--checkpoint-step", type=int, help="export this train checkpoint instead of a snapshot")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
+    exp.add_argument("--out", required=True, help="output directory (new or empty)")
+    exp.set_defaults(func=_export)
 
     args = parser.parse_args(argv)
     return args.func(args)

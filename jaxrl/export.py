@@ -1,0 +1,303 @@
+"""Export a run's weights as a Hugging Face model directory that transformers and vLLM load.
+
+The source is a weight snapshot (already keyed by Hugging Face names, in the serving dtype) or
+a train checkpoint (a whole TrainState; only its `params` are read, as NumPy, without knowing
+the tree in advance, and mapped to Hugging Face names with `jaxrl.models.hf.hf_names`). The
+output is written next to `out_dir` and renamed into place, so a failed export leaves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxrl.models import ModelConfig, from_hf_tensors, hf_names, save_pretrained
+from jaxrl.models.config import DTYPES, ModelConfigError
+from jaxrl.models.hf import CheckpointError
+from jaxrl.run_dir import RunDir
+from jaxrl.snapshots import SnapshotError, SnapshotReader
+
+# Files of a model directory that a tokenizer directory must not overwrite.
+_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+class ExportError(ValueError):
+    """A source that cannot be exported: names the path, what is wrong and what to do."""
+
+
+class ExportWarning(UserWarning):
+    """Something the export did without, e.g. a run without a saved tokenizer."""
+
+
+def export(
+    source: str | Path,
+    out_dir: str | Path,
+    version: int | None = None,
+    checkpoint_step: int | None = None,
+    dtype: str | None = None,
+) -> Path:
+    """Writes `source`'s weights to `out_dir` as config.json + safetensors + tokenizer files.
+
+    `source` is a run directory, its `snapshots/` or `checkpoints/` directory, or one numbered
+    snapshot or checkpoint in them. From a run directory the newest snapshot is exported (or
+    `version`); with `checkpoint_step`, or when the run has no snapshot, the train checkpoint
+    (newest, or that step). The dtype of the source is kept unless `dtype` is given.
+    Returns `out_dir`; raises ExportError for anything it cannot export.
+    """
+    source, out_dir = Path(source), Path(out_dir)
+    if version is not None and checkpoint_step is not None:
+        raise ExportError("give a snapshot version or a checkpoint step, not both")
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"dtype={dtype!r}; allowed: {sorted(DTYPES)}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir}: already exists and is not empty; choose a new output directory")
+
+    kind, directory, number, run = _resolve(source, version, checkpoint_step)
+    with _on_host():
+        if kind == "snapshots":
+            cfg, hf_config, tensors = _read_snapshot(directory, number)
+        else:
+            cfg, hf_config, tensors = _read_checkpoint(directory, number)
+        source_dtype = cfg.param_dtype
+        cfg = cfg.replace(param_dtype=dtype or source_dtype, dtype=dtype or source_dtype)
+        try:
+            model = from_hf_tensors(cfg, tensors, source=str(directory))
+        except CheckpointError as e:
+            raise ExportError(str(e)) from None
+        del tensors
+        tmp = out_dir.parent / f".{out_dir.name}.export-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            save_pretrained(model, tmp, hf_config=hf_config)
+            # safetensors 0.8 writes its files 0600; a served model must be readable like
+            # config.json (written under the user's umask).
+            mode = (tmp / "config.json").stat().st_mode & 0o777
+            for file in tmp.glob("*.safetensors"):
+                file.chmod(mode)
+            _copy_tokenizer(run, tmp, out_dir)
+            if out_dir.exists():
+                out_dir.rmdir()  # checked empty above
+            tmp.rename(out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out_dir
+
+
+def _resolve(source: Path, version, checkpoint_step) -> tuple[str, Path, int, RunDir | None]:
+    """(kind, directory of numbered steps, step number, run directory if known)."""
+    if not source.exists():
+        raise ExportError(f"{source}: does not exist; give a run directory, or its snapshots/ or checkpoints/")
+    if not source.is_dir():
+        raise ExportError(f"{source}: not a directory; give a run directory, or its snapshots/ or checkpoints/")
+    source = source.absolute()
+
+    # One numbered step: RUN/snapshots/7 or RUN/checkpoints/7.
+    step_kind = _step_kind(source)
+    if step_kind is not None and source.name.isdigit():
+        asked = version if step_kind == "snapshots" else checkpoint_step
+        if asked is not None and asked != int(source.name):
+            raise ExportError(f"{source}: is {step_kind[:-1]} {source.name}, not {asked}")
+        _check_option(source, step_kind, version, checkpoint_step)
+        return step_kind, source.parent, int(source.name), _run_of(source.parent)
+
+    run = RunDir(source)
+    if run.snapshots.is_dir() or run.checkpoints.is_dir():
+        snapshots = _snapshot_versions(run.snapshots) if run.snapshots.is_dir() else []
+        steps = _checkpoint_steps(run.checkpoints) if run.checkpoints.is_dir() else []
+        if checkpoint_step is not None or (version is None and not snapshots and steps):
+            return "checkpoints", run.checkpoints, _pick(run.checkpoints, "checkpoint step", steps, checkpoint_step), run
+        if version is None and not snapshots:
+            raise ExportError(
+                f"{source}: the run has no finished weight snapshot in snapshots/ and no finished "
+                f"train checkpoint in checkpoints/; nothing to export yet (train until one is saved)"
+            )
+        return "snapshots", run.snapshots, _pick(run.snapshots, "snapshot version", snapshots, version), run
+
+    kinds = {k for k in map(_step_kind, _numbered(source)) if k}
+    if not kinds and source.name in ("snapshots", "checkpoints"):
+        kinds = {source.name}
+    if len(kinds) != 1:
+        raise ExportError(
+            f"{source}: neither a run directory (with snapshots/ or checkpoints/) nor a snapshots/ "
+            f"or checkpoints/ directory of numbered steps; give the run directory"
+        )
+    kind = kinds.pop()
+    _check_option(source, kind, version, checkpoint_step)
+    if kind == "snapshots":
+        number = _pick(source, "snapshot version", _snapshot_versions(source), version)
+    else:
+        number = _pick(source, "checkpoint step", _checkpoint_steps(source), checkpoint_step)
+    return kind, source, number, _run_of(source)
+
+
+def _numbered(directory: Path) -> list[Path]:
+    return [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+
+
+def _step_kind(step_dir: Path) -> str | None:
+    if (step_dir / "manifest").is_dir() and (step_dir / "weights").is_dir():
+        return "snapshots"
+    if (step_dir / "state").is_dir() and (step_dir / "meta").is_dir():
+        return "checkpoints"
+    return None
+
+
+def _check_option(source: Path, kind: str, version, checkpoint_step) -> None:
+    if kind == "snapshots" and checkpoint_step is not None:
+        raise ExportError(f"{source}: holds weight snapshots; choose one with a version, not a checkpoint step")
+    if kind == "checkpoints" and version is not None:
+        raise ExportError(f"{source}: holds train checkpoints; choose one with a checkpoint step, not a version")
+
+
+def _run_of(directory: Path) -> RunDir | None:
+    run = RunDir(directory.parent)
+    return run if directory in (run.snapshots, run.checkpoints) else None
+
+
+def _pick(directory: Path, what: str, have: list[int], wanted: int | None) -> int:
+    if wanted is None:
+        if not have:
+            raise ExportError(f"{directory}: no finished {what.split()[0]} to export yet")
+        return have[-1]
+    if wanted not in have:
+        raise ExportError(f"{directory}: no finished {what} {wanted}; available: {have or 'none'}")
+    return wanted
+
+
+def _snapshot_versions(directory: Path) -> list[int]:
+    return SnapshotReader(directory).versions()
+
+
+def _checkpoint_manager(directory: Path) -> ocp.CheckpointManager:
+    # A reader with explicit handlers: restores without knowing the TrainState's tree.
+    return ocp.CheckpointManager(
+        directory,
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(read_only=True),
+    )
+
+
+def _checkpoint_steps(directory: Path) -> list[int]:
+    return sorted(_checkpoint_manager(directory).all_steps())
+
+
+def _read_snapshot(directory: Path, version: int) -> tuple[ModelConfig, dict, dict]:
+    try:
+        snapshot = SnapshotReader(directory).load(version)
+    except SnapshotError as e:
+        raise ExportError(f"{e}; export another version or a train checkpoint") from None
+    cfg = _model_config(snapshot.hf_config, f"{snapshot.path}/manifest")
+    return cfg, snapshot.hf_config, snapshot.tensors
+
+
+def _read_checkpoint(directory: Path, step: int) -> tuple[ModelConfig, dict, dict]:
+    path = directory / str(step)
+    manager = _checkpoint_manager(directory)
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # Orbax raises many types for missing or damaged items
+        raise ExportError(f"{path}/meta: cannot be read ({type(e).__name__}: {e})") from None
+    hf_config = meta.get("model_config") if isinstance(meta, dict) else None
+    if not isinstance(hf_config, dict):
+        raise ExportError(
+            f"{path}/meta: has no 'model_config' (the Hugging Face config dict of the trained "
+            f"model), so its params cannot be named; export a weight snapshot of the run instead"
+        )
+    cfg = _model_config(hf_config, f"{path}/meta model_config")
+    try:
+        tree = manager.item_metadata(step)["state"].tree
+    except Exception as e:
+        raise ExportError(f"{path}/state: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(tree, dict) or "params" not in tree:
+        raise ExportError(f"{path}/state: has no 'params'; it is not a jaxrl train checkpoint")
+    # Only the params subtree: the optimiser state never leaves the disk.
+    item = {"params": tree["params"]}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    try:
+        params = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+            ),
+        )["state"]["params"]
+    except Exception as e:
+        raise ExportError(f"{path}/state: params cannot be restored ({type(e).__name__}: {e})") from None
+    tensors = _params_to_hf(cfg, params, path)
+    dtypes = {str(v.dtype) for v in tensors.values()}
+    saved = dtypes.pop() if len(dtypes) == 1 else cfg.param_dtype
+    return cfg.replace(param_dtype=saved if saved in DTYPES else cfg.param_dtype), hf_config, tensors
+
+
+def _params_to_hf(cfg: ModelConfig, params, path: Path) -> dict[str, np.ndarray]:
+    """{HF name: array in HF layout} from a restored params tree (layer indices come back as str)."""
+    tensors, used = {}, set()
+    for name, param_path, transposed in hf_names(cfg):
+        node = params
+        for key in param_path:
+            if not isinstance(node, dict) or str(key) not in node:
+                raise ExportError(
+                    f"{path}/state: params lack {'/'.join(map(str, param_path))} ({name}); the "
+                    f"checkpoint's model_config does not describe its params"
+                )
+            node = node[str(key)]
+        while isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("value", "raw_value"):
+            node = next(iter(node.values()))  # an nnx.Variable's saved state
+        if not isinstance(node, np.ndarray):
+            raise ExportError(f"{path}/state: params/{'/'.join(map(str, param_path))} is not an array")
+        used.add(id(node))
+        tensors[name] = node.T if transposed else node
+    extra = [
+        "/".join(str(getattr(k, "key", k)) for k in p)
+        for p, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if id(leaf) not in used
+    ]
+    if extra:
+        raise ExportError(
+            f"{path}/state: params {extra[:5]}{' ...' if len(extra) > 5 else ''} are not part of the "
+            f"model its model_config describes; the checkpoint and its meta disagree"
+        )
+    return tensors
+
+
+def _model_config(hf_config: dict, source: str) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf_config, source=source)
+    except ModelConfigError as e:
+        raise ExportError(str(e)) from None
+
+
+def _copy_tokenizer(run: RunDir | None, tmp: Path, out_dir: Path) -> None:
+    files = (
+        [p for p in sorted(run.tokenizer.iterdir()) if p.is_file()]
+        if run is not None and run.tokenizer.is_dir() else []
+    )
+    files = [p for p in files if p.name not in _MODEL_FILES and p.suffix != ".safetensors"]
+    if not files:
+        where = run.tokenizer if run is not None else "the source (not inside a run directory)"
+        warnings.warn(
+            f"no tokenizer files in {where}: {out_dir} holds the model only; copy the "
+            f"tokenizer's files (tokenizer.save_pretrained) into it before loading it with vLLM",
+            ExportWarning,
+            stacklevel=3,
+        )
+    for file in files:
+        shutil.copy2(file, tmp / file.name)
+
+
+@contextlib.contextmanager
+def _on_host():
+    """Builds the export's arrays in host memory, not on an accelerator a trainer may be using."""
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend configured: use the default device
+        yield
+        return
+    with jax.default_device(cpu):
+        yield
