@@ -75,11 +75,6 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             save_pretrained(model, tmp, hf_config=hf_config)
-            # safetensors 0.8 writes its files 0600; a served model must be readable like
-            # config.json (written under the user's umask).
-            mode = (tmp / "config.json").stat().st_mode & 0o777
-            for file in tmp.glob("*.safetensors"):
-                file.chmod(mode)
             _copy_tokenizer(run, tmp, out_dir)
             if out_dir.exists():
                 out_dir.rmdir()  # checked empty above

@@ -61,6 +61,8 @@ def test_sharded_checkpoint_round_trip_and_transformers_load(tmp_path):
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
         np.testing.assert_array_equal(a, b)
 
+    for file in tmp_path.glob("*.safetensors"):
+        assert file.stat().st_mode & 0o777 == (tmp_path / "config.json").stat().st_mode & 0o777
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():

@@ -7,6 +7,7 @@ snapshots for the bridge use it too, so any engine can load them without knowing
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -183,15 +184,20 @@ def save_pretrained(
             size = 0
         shards[-1][name] = value
         size += value.nbytes
-    metadata = {"format": "pt"}  # transformers refuses files without a known format tag
+    def write(shard, name):
+        # transformers refuses files without a known format tag.
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        # safetensors writes 0600; a served model must be readable like config.json.
+        shutil.copymode(path / "config.json", path / name)
+
     if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
+        write(shards[0], SINGLE_FILE)
         (path / INDEX_FILE).unlink(missing_ok=True)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata=metadata)
+        write(shard, name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(v.nbytes for v in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
