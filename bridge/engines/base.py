@@ -1,0 +1,69 @@
+"""The engine interface: token ids in, token ids and per-token logprobs out; weights swapped in place.
+
+Logprobs are those of the sampled token under `log_softmax(logits / temperature)` over the whole
+vocabulary, the quantity the learner recomputes (top-p / top-k truncation only shapes sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+
+class EngineError(RuntimeError):
+    """Generation or weight loading failed inside an engine."""
+
+
+class SnapshotRefused(EngineError):
+    """A snapshot that cannot be served (wrong shape, damaged); the old weights keep serving."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        problems = []
+        if self.n < 1:
+            problems.append(f"n={self.n} must be >= 1")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be >= 0")
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens={self.max_tokens} must be >= 1")
+        if problems:
+            raise ValueError("sampling params: " + "; ".join(problems))
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+    policy_version: int  # the weights that generated every token of this completion
+
+
+class Engine(Protocol):
+    """What the bridge needs from a generation backend."""
+
+    name: str
+    policy_version: int
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt; concurrent calls are batched together."""
+
+    async def load_snapshot(self, path: str, version: int) -> float:
+        """Serves the snapshot's weights from now on; returns load seconds. Raises SnapshotRefused."""
+
+    async def close(self) -> None:
+        """Frees the engine's resources."""

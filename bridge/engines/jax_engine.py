@@ -1,0 +1,166 @@
+"""The JAX engine: jaxrl's own KV-cache sampler over `jaxrl.models`, batching concurrent requests.
+
+Requests that arrive within `batch_window_s` of each other run as one device call (padded to
+bucketed shapes, so nothing recompiles per request). Weights are swapped only between device
+calls, and every completion records the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
+from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
+from jaxrl.sampling import RowParams, generate_rows
+from jaxrl.snapshots import SnapshotError, SnapshotReader
+
+# Config fields that fix parameter shapes: a snapshot must agree on all of them.
+SHAPE_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+)
+
+
+@dataclasses.dataclass
+class _Request:
+    prompts: list[list[int]]
+    params: SamplingParams
+    seeds: np.ndarray
+    future: asyncio.Future
+
+
+class JaxEngine:
+    name = "jax"
+
+    def __init__(self, model_dir: str | Path, dtype: str | None = None, max_batch: int = 64,
+                 batch_window_s: float = 0.005, seed: int = 0, tokenizer=None):
+        model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
+        self.cfg: ModelConfig = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        self.policy_version = 0
+        self.max_batch = max_batch
+        self.batch_window_s = batch_window_s
+        self.tokenizer = tokenizer
+        self._rng = np.random.default_rng(seed)
+        self._queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self._swap_lock = asyncio.Lock()
+        self._worker: asyncio.Task | None = None
+        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0}
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer; pass stop_token_ids instead")
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._batch_loop())
+        rows = len(prompts) * params.n
+        base = self._rng.integers(0, 2**31) if params.seed is None else params.seed
+        seeds = (np.uint64(base) + np.arange(rows, dtype=np.uint64)).astype(np.uint32)
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Request(prompts, params, seeds, future))
+        return await future
+
+    async def _batch_loop(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            deadline = time.monotonic() + self.batch_window_s
+            rows = len(batch[0].prompts) * batch[0].params.n
+            while rows < self.max_batch:
+                try:
+                    req = await asyncio.wait_for(self._queue.get(), max(deadline - time.monotonic(), 0))
+                except asyncio.TimeoutError:
+                    break
+                batch.append(req)
+                rows += len(req.prompts) * req.params.n
+            async with self._swap_lock:
+                params, version = self.params, self.policy_version
+                try:
+                    results = await asyncio.to_thread(self._run, batch, params, version)
+                except Exception as e:  # one bad batch fails its requests, not the engine
+                    for req in batch:
+                        if not req.future.done():
+                            req.future.set_exception(EngineError(f"jax engine generate failed: {e}"))
+                    continue
+            for req, result in zip(batch, results):
+                if not req.future.done():
+                    req.future.set_result(result)
+
+    def _run(self, batch: list[_Request], params, version: int) -> list[list[list[Completion]]]:
+        prompts, fields = [], {k: [] for k in ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids")}
+        for req in batch:
+            for prompt in req.prompts:
+                for _ in range(req.params.n):
+                    prompts.append(prompt)
+                    for key in fields:
+                        fields[key].append(getattr(req.params, key))
+        rows = RowParams(
+            temperature=np.asarray(fields["temperature"], np.float32),
+            top_p=np.asarray(fields["top_p"], np.float32),
+            top_k=np.asarray(fields["top_k"], np.int32),
+            max_tokens=np.asarray(fields["max_tokens"], np.int32),
+            seed=np.concatenate([req.seeds for req in batch]),
+            stop_ids=fields["stop_token_ids"],
+        )
+        start = time.perf_counter()
+        out = generate_rows(self.graphdef, params, prompts, rows, self.max_batch)
+        self.stats["generate_s"] += time.perf_counter() - start
+        self.stats["batches"] += 1
+        self.stats["rows"] += len(prompts)
+        self.stats["tokens"] += sum(len(t) for t in out.tokens)
+        results, i = [], 0
+        for req in batch:
+            per_prompt = []
+            for _ in req.prompts:
+                group = []
+                for _ in range(req.params.n):
+                    group.append(self._finish(out.tokens[i], out.logprobs[i], out.finish_reasons[i], req.params, version))
+                    i += 1
+                per_prompt.append(group)
+            results.append(per_prompt)
+        return results
+
+    def _finish(self, tokens, logprobs, reason, params: SamplingParams, version: int) -> Completion:
+        if reason != "stop" and params.stop:
+            end = self._stop_string_end(tokens, params.stop)
+            if end is not None:
+                return Completion(tokens[:end], logprobs[:end], "stop", version)
+        return Completion(tokens, logprobs, reason, version)
+
+    def _stop_string_end(self, tokens, stops) -> int | None:
+        """Tokens up to the one that completes the first stop string (token ids stay untouched)."""
+        for i in range(len(tokens)):
+            if any(s in self.tokenizer.decode(tokens[: i + 1]) for s in stops):
+                return i + 1
+        return None
+
+    async def load_snapshot(self, path: str, version: int) -> float:
+        start = time.perf_counter()
+        try:
+            snapshot = await asyncio.to_thread(SnapshotReader(path).load, version)
+        except SnapshotError as e:
+            raise SnapshotRefused(str(e)) from e
+        try:
+            incoming = ModelConfig.from_hf(snapshot.hf_config, source=f"{snapshot.path} manifest")
+        except ValueError as e:
+            raise SnapshotRefused(str(e)) from e
+        differing = [f"{k}: serving {getattr(self.cfg, k)}, snapshot {getattr(incoming, k)}"
+                     for k in SHAPE_FIELDS if getattr(self.cfg, k) != getattr(incoming, k)]
+        if differing:
+            raise SnapshotRefused(f"{snapshot.path}: a different model shape ({'; '.join(differing)})")
+        model = await asyncio.to_thread(from_hf_tensors, self.cfg, snapshot.tensors, str(snapshot.path))
+        _, params = nnx.split(model)
+        async with self._swap_lock:
+            self.params, self.policy_version = params, version
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            self._worker = None

@@ -1,0 +1,121 @@
+"""Episodes, token-in/token-out: the engine's completion tokens are kept exactly as produced.
+
+An episode generates a turn, hands it to its environment hook (if any), appends what the hook
+returns (tool results, observations: loss mask 0, no logprobs) and generates again, until the
+model stops without the hook asking for more, the hook says done, `max_turns`, or the token
+budget. Without a hook an episode is one turn, rewarded by the reward functions alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Protocol
+
+from bridge.engines.base import Engine, SamplingParams
+
+ENV_VERSION = -1  # token_versions entry of tokens the environment wrote
+
+
+@dataclasses.dataclass
+class TurnResult:
+    """What the environment answers to one model turn."""
+
+    append_ids: list[int]  # tokens to append before the next turn (tool results); loss mask 0
+    done: bool
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class EpisodeHook(Protocol):
+    """The per-episode environment side of the loop (the environments layer implements it)."""
+
+    async def start(self) -> list[int]:
+        """Resets the environment; returns extra prompt tokens (may be empty)."""
+
+    async def turn(self, completion_ids: list[int]) -> TurnResult:
+        """Runs the model's turn (e.g. its tool calls) against the environment."""
+
+    async def close(self) -> None:
+        """Releases the session."""
+
+
+@dataclasses.dataclass
+class Trajectory:
+    group_id: str
+    index_in_group: int
+    prompt_ids: list[int]
+    completion_ids: list[int] = dataclasses.field(default_factory=list)
+    sampler_logprobs: list[float] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    token_versions: list[int] = dataclasses.field(default_factory=list)
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    finish_reason: str = ""
+    env: str = ""
+    error: str = ""
+    num_turns: int = 0
+    generate_s: float = 0.0
+    env_s: float = 0.0
+    total_s: float = 0.0
+
+    def append(self, ids, logprobs, trained: bool, version: int) -> None:
+        self.completion_ids += ids
+        self.sampler_logprobs += logprobs if trained else [0.0] * len(ids)
+        self.loss_mask += [int(trained)] * len(ids)
+        self.token_versions += [version if trained else ENV_VERSION] * len(ids)
+
+
+async def run_episode(
+    engine: Engine,
+    group_id: str,
+    index: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    hook: EpisodeHook | None = None,
+    env: str = "",
+    max_turns: int = 1,
+    max_total_tokens: int | None = None,
+) -> Trajectory:
+    """One episode; failures of the environment end it with finish_reason 'error', never raise."""
+    start = time.perf_counter()
+    traj = Trajectory(group_id, index, list(prompt_ids), env=env)
+    budget = max_total_tokens or params.max_tokens
+    try:
+        if hook is not None:
+            t0 = time.perf_counter()
+            traj.prompt_ids += await hook.start()
+            traj.env_s += time.perf_counter() - t0
+        while True:
+            remaining = budget - len(traj.completion_ids)
+            turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, remaining))
+            t0 = time.perf_counter()
+            [[completion]] = await engine.generate([traj.prompt_ids + traj.completion_ids], turn_params)
+            traj.generate_s += time.perf_counter() - t0
+            traj.append(completion.token_ids, completion.logprobs, True, completion.policy_version)
+            traj.num_turns += 1
+            if hook is None:
+                traj.finish_reason = completion.finish_reason
+                break
+            t0 = time.perf_counter()
+            result = await hook.turn(completion.token_ids)
+            traj.env_s += time.perf_counter() - t0
+            traj.rewards.update(result.rewards)
+            if result.done:
+                traj.finish_reason = "env_done"
+                break
+            if not result.append_ids and completion.finish_reason == "stop":
+                traj.finish_reason = "stop"  # the model answered without asking for anything
+                break
+            traj.append(result.append_ids, [], False, ENV_VERSION)
+            if traj.num_turns >= max_turns:
+                traj.finish_reason = "max_turns"
+                break
+            if len(traj.completion_ids) >= budget:
+                traj.finish_reason = "length"
+                break
+    except Exception as e:  # a broken environment costs this episode, not the rollout
+        traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+    finally:
+        if hook is not None:
+            await hook.close()
+    traj.total_s = time.perf_counter() - start
+    return traj
