@@ -59,3 +59,50 @@ def test_different_seeds_sample_differently(model):
 def test_empty_prompt_is_rejected(model):
     with pytest.raises(ValueError, match="every prompt needs a token"):
         generate(model, [[1], []], max_new_tokens=2)
+
+
+def test_top_k_and_top_p_filters_match_their_definitions():
+    from jaxrl.sampling import _filter_logits
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 50)).astype(np.float32)
+    top_p = np.array([1.0, 0.5, 0.9], np.float32)
+    top_k = np.array([3, 0, 5], np.int32)
+    kept = np.isfinite(np.asarray(_filter_logits(jnp.asarray(logits), top_p, top_k)))
+    for b in range(3):
+        order = np.argsort(-logits[b])
+        probs = np.exp(logits[b] - logits[b].max())
+        probs /= probs.sum()
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        n_p = int((mass_before < top_p[b]).sum())
+        n = min(n_p, top_k[b] or 50)
+        assert set(np.flatnonzero(kept[b])) == set(order[:n].tolist()), b
+
+
+def test_truncated_sampling_reports_full_vocabulary_logprobs(model):
+    prompt = [3, 4, 5]
+    greedy = generate(model, [prompt], max_new_tokens=6)
+    top1 = generate(model, [prompt], max_new_tokens=6, temperature=0.8, top_k=1, seed=5)
+    assert top1.tokens == greedy.tokens
+    _, ref = _full_logp(model, prompt, top1.tokens[0], 0.8)
+    np.testing.assert_allclose(top1.logprobs[0], ref, atol=1e-5)
+    assert max(top1.logprobs[0]) < 0  # not the truncated distribution's log(1) = 0
+    tiny_p = generate(model, [prompt], max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=7)
+    assert tiny_p.tokens == greedy.tokens
+
+
+def test_rows_in_one_batch_keep_their_own_settings(model):
+    from jaxrl.sampling import RowParams, generate_rows
+
+    graphdef, params = nnx.split(model)
+    rows = RowParams(
+        temperature=np.array([0.0, 1.0, 1.0], np.float32), top_p=np.ones(3, np.float32),
+        top_k=np.zeros(3, np.int32), max_tokens=np.array([2, 7, 4], np.int32),
+        seed=np.array([0, 1, 1], np.uint32), stop_ids=[(), (), ()],
+    )
+    out = generate_rows(graphdef, params, [[1, 2], [1, 2], [1, 2]], rows)
+    assert [len(t) for t in out.tokens] == [2, 7, 4]
+    assert out.finish_reasons == ["length"] * 3
+    # Same seed and prompt: the shorter row is a prefix of the longer one.
+    assert out.tokens[1][:4] == out.tokens[2]
+    assert out.tokens[0] == generate(model, [[1, 2]], max_new_tokens=2).tokens[0]
