@@ -79,6 +79,27 @@ def _export(args) -> int:
     return 0
 
 
+def _bridge(args) -> int:
+    """Serves a generation engine over gRPC until Shutdown, SIGTERM or SIGINT."""
+    from bridge.server import ENGINES, run_bridge
+
+    if args.engine not in ENGINES:  # checked here for a one-line error, not argparse's usage dump
+        print(f"jaxrl bridge: error: unknown engine {args.engine!r}; choose one of: {', '.join(ENGINES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        engine_kwargs = json.loads(args.engine_kwargs or "{}")
+    except json.JSONDecodeError:
+        engine_kwargs = None
+    if not isinstance(engine_kwargs, dict):
+        print(f"jaxrl bridge: error: --engine-kwargs must be a JSON object, got {args.engine_kwargs!r}",
+              file=sys.stderr)
+        return 2
+    return run_bridge(args.engine, args.model, dtype=args.dtype, host=args.host, port=args.port,
+                      max_batch=args.max_batch, seed=args.seed, parent_pid=args.parent_pid,
+                      engine_kwargs=engine_kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
     exp.add_argument("--out", required=True, help="output directory (new or empty)")
     exp.set_defaults(func=_export)
+
+    br = sub.add_parser("bridge", help="serve a generation engine to trainers over gRPC")
+    br.add_argument("--engine", default="jax", help="jax (CPU/TPU, default) or vllm (GPU)")
+    br.add_argument("--model", required=True, help="Hugging Face model directory")
+    br.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's")
+    br.add_argument("--host", default="127.0.0.1")
+    br.add_argument("--port", type=int, default=0, help="0: a free port (printed as BRIDGE_LISTENING host:port)")
+    br.add_argument("--max-batch", type=int, help="most sequences generated together")
+    br.add_argument("--seed", type=int, default=0, help="sampling seed for requests without one")
+    br.add_argument("--engine-kwargs", help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
+    br.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this parent is gone
+    br.set_defaults(func=_bridge)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -48,7 +48,7 @@ class JaxEngine:
         self.batch_window_s = batch_window_s
         self.tokenizer = tokenizer
         self._rng = np.random.default_rng(seed)
-        self._queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Request] | None = None
         self._swap_lock = asyncio.Lock()
         self._worker: asyncio.Task | None = None
         self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0}
@@ -58,7 +58,9 @@ class JaxEngine:
             raise ValueError("every prompt needs at least one token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer; pass stop_token_ids instead")
-        if self._worker is None:
+        if self._worker is None or self._worker.get_loop() is not asyncio.get_running_loop():
+            # The batching task lives in the caller's event loop (one per asyncio.run).
+            self._queue = asyncio.Queue()
             self._worker = asyncio.create_task(self._batch_loop())
         rows = len(prompts) * params.n
         base = self._rng.integers(0, 2**31) if params.seed is None else params.seed

@@ -1,0 +1,174 @@
+"""The trainer's side of the bridge: a synchronous gRPC client with typed errors.
+
+`rollout` is an iterator that yields each trajectory as the bridge streams it. Failures are
+typed: `BridgeUnavailable` when the bridge is gone, unreachable or past its deadline (a killed
+bridge is noticed at once through its closed connection, a silent one through keepalive pings
+within `timeout_s`), `BridgeRequestError` (with the gRPC code and message) when the bridge
+refused a request, `BridgeProtocolError` when a reply cannot be decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from bridge import wire
+from bridge.engines.base import SamplingParams
+from bridge.proto import bridge_pb2 as pb
+from bridge.proto import bridge_pb2_grpc as pb_grpc
+from bridge.wire import PROTOCOL_VERSION, PromptGroup, TrajectoryData
+
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+class BridgeError(RuntimeError):
+    """Base of the errors a BridgeClient raises."""
+
+
+class BridgeUnavailable(BridgeError):
+    """The bridge process is gone, unreachable, or did not answer within the deadline."""
+
+    def __init__(self, address: str, what: str, code: grpc.StatusCode | None = None, details: str = ""):
+        self.address, self.code, self.details = address, code, details
+        why = f"{code.name}: {details}" if code is not None else details
+        super().__init__(f"bridge at {address} unavailable during {what} ({why})")
+
+
+class BridgeRequestError(BridgeError):
+    """The bridge refused a request; `code` is the gRPC status code, `details` its message."""
+
+    def __init__(self, address: str, what: str, code: grpc.StatusCode, details: str):
+        self.address, self.code, self.details = address, code, details
+        super().__init__(f"bridge at {address} refused {what}: {code.name}: {details}")
+
+
+class BridgeProtocolError(BridgeError):
+    """A reply that cannot be decoded (another protocol version, bad byte lengths)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    status: str
+    engine: str
+    policy_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotLoaded:
+    version: int
+    load_s: float
+
+
+class BridgeClient:
+    """A connection to one bridge at `address` ("host:port").
+
+    `timeout_s` is the deadline of every unary call and the bound on noticing a dead bridge while
+    a rollout streams. A rollout itself has no deadline unless given one (generation can be long).
+    """
+
+    def __init__(self, address: str, timeout_s: float = 60.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        ping_ms = max(int(timeout_s * 1000) // 2, 1000)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", ping_ms),
+            ("grpc.keepalive_timeout_ms", ping_ms),
+            ("grpc.http2.ping_timeout_ms", ping_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ])
+        self._stub = pb_grpc.BridgeStub(self._channel)
+
+    # -- errors ---------------------------------------------------------------------------------
+
+    def _error(self, e: grpc.RpcError, what: str) -> BridgeError:
+        code, details = e.code(), e.details() or ""
+        if code in _UNAVAILABLE:
+            return BridgeUnavailable(self.address, what, code, details)
+        return BridgeRequestError(self.address, what, code, details)
+
+    def _call(self, method, request, what: str, timeout_s: float | None = None):
+        try:
+            reply = method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise self._error(e, what) from None
+        try:
+            wire.check_version(reply, f"{what} reply")
+        except wire.WireError as e:
+            raise BridgeProtocolError(str(e)) from None
+        return reply
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def rollout(
+        self,
+        groups: Iterable[PromptGroup | Sequence[int] | np.ndarray],
+        group_size: int,
+        sampling: SamplingParams,
+        min_policy_version: int = 0,
+        max_turns: int = 0,
+        max_total_tokens: int = 0,
+        timeout_s: float | None = None,
+    ) -> Iterator[TrajectoryData]:
+        """Yields the len(groups) x group_size trajectories in the order their episodes finish.
+
+        `sampling.n` is ignored: `group_size` is the number of samples per prompt. Plain token id
+        sequences are groups "0", "1", ... Closing the iterator early cancels the rest on the bridge.
+        """
+        request = wire.rollout_request(groups, group_size, sampling, min_policy_version, max_turns,
+                                       max_total_tokens)
+        expected = len(request.groups) * group_size
+        return self._stream(request, expected, timeout_s)
+
+    def _stream(self, request: pb.RolloutRequest, expected: int, timeout_s: float | None):
+        call = self._stub.Rollout(request, timeout=timeout_s)
+        received = 0
+        try:
+            for msg in call:
+                try:
+                    traj = wire.trajectory_from_proto(msg)
+                except wire.WireError as e:
+                    raise BridgeProtocolError(str(e)) from None
+                received += 1
+                yield traj
+        except grpc.RpcError as e:
+            raise self._error(e, f"rollout (after {received} of {expected} trajectories)") from None
+        finally:
+            call.cancel()  # a no-op once the stream is complete; cancels the episodes otherwise
+        if received != expected:
+            raise BridgeProtocolError(f"rollout stream ended after {received} of {expected} trajectories")
+
+    def load_snapshot(self, path: str, version: int, timeout_s: float | None = None) -> SnapshotLoaded:
+        """Has the bridge serve snapshot `version` from the snapshots directory `path`."""
+        request = pb.LoadSnapshotRequest(protocol_version=PROTOCOL_VERSION, path=str(path), version=version)
+        reply = self._call(self._stub.LoadSnapshot, request, f"LoadSnapshot({path}, {version})", timeout_s)
+        return SnapshotLoaded(reply.version, reply.load_s)
+
+    def health(self, timeout_s: float | None = None) -> Health:
+        reply = self._call(self._stub.Health, pb.HealthRequest(protocol_version=PROTOCOL_VERSION),
+                           "Health", timeout_s)
+        return Health(reply.status, reply.engine, reply.policy_version)
+
+    def stats(self, timeout_s: float | None = None) -> dict[str, float]:
+        reply = self._call(self._stub.Stats, pb.StatsRequest(protocol_version=PROTOCOL_VERSION),
+                           "Stats", timeout_s)
+        return dict(reply.counters)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Asks the bridge to stop (it finishes within its grace period)."""
+        self._call(self._stub.Shutdown, pb.ShutdownRequest(protocol_version=PROTOCOL_VERSION),
+                   "Shutdown", timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> BridgeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

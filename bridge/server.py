@@ -1,0 +1,376 @@
+"""The bridge's gRPC server (grpc.aio) over one generation engine.
+
+`Rollout` runs every episode of a request concurrently (the engine batches their generate calls)
+and streams each trajectory the moment its episode finishes; a client that goes away cancels its
+episodes. Engine work runs in threads, so `Health` and `Stats` answer at once while rollouts and
+snapshot loads run. A bad request gets a status code and a message; nothing a client sends stops
+the server, except `Shutdown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from bridge import wire
+from bridge.engines.base import Engine, SnapshotRefused
+from bridge.proto import bridge_pb2 as pb
+from bridge.proto import bridge_pb2_grpc as pb_grpc
+from bridge.rollout import EpisodeHook, Trajectory, run_episode
+
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
+    # Two bridges must never share a port silently (gRPC sets SO_REUSEPORT by default).
+    ("grpc.so_reuseport", 0),
+    # Clients ping every few seconds to notice a dead bridge; don't answer that with GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+# episode_hook_factory(group) -> EpisodeHook | None (or an awaitable of one), once per episode.
+HookFactory = Callable[[wire.PromptGroup], "EpisodeHook | None | Awaitable[EpisodeHook | None]"]
+
+
+class _Invalid(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class BridgeServicer(pb_grpc.BridgeServicer):
+    def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
+                 on_shutdown: Callable[[], None] | None = None):
+        self.engine = engine
+        self.episode_hook_factory = episode_hook_factory
+        self.on_shutdown = on_shutdown
+        self.started = time.monotonic()
+        self.status = "serving"  # "stopping" once a stop is under way
+        self._load_lock = asyncio.Lock()
+        self.counters = {
+            "rollouts": 0,
+            "rollouts_cancelled": 0,
+            "trajectories": 0,
+            "episodes_in_flight": 0,
+            "episode_errors": 0,
+            "request_errors": 0,
+            "snapshot_loads": 0,
+            "snapshot_refusals": 0,
+        }
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    async def _fail(self, context, code: grpc.StatusCode, message: str):
+        self.counters["request_errors"] += 1
+        log.warning("request refused (%s): %s", code.name, message)
+        await context.abort(code, message)
+
+    def _check_version(self, request) -> None:
+        try:
+            wire.check_version(request, type(request).__name__)
+        except wire.WireError as e:
+            raise _Invalid(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+
+    async def _check_unary(self, request, context) -> None:
+        try:
+            self._check_version(request)
+        except _Invalid as e:
+            await self._fail(context, e.code, str(e))
+
+    def _parse_rollout(self, request: pb.RolloutRequest):
+        self._check_version(request)
+        if not request.groups:
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no groups")
+        if request.group_size < 1:
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"group_size={request.group_size} must be >= 1")
+        if request.max_turns < 0:
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"max_turns={request.max_turns} must be >= 0")
+        if request.max_total_tokens < 0:
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"max_total_tokens={request.max_total_tokens} must be >= 0")
+        if not request.HasField("sampling"):
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no sampling params")
+        try:
+            params = wire.sampling_from_proto(request.sampling)
+            groups = [wire.group_from_proto(g) for g in request.groups]
+        except ValueError as e:  # WireError included
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        for g in groups:
+            if len(g.prompt_ids) == 0:
+                raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"group {g.group_id!r} has an empty prompt")
+            if g.env and self.episode_hook_factory is None:
+                raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"group {g.group_id!r} names environment {g.env!r}, but this bridge "
+                               "serves no environments")
+        if request.min_policy_version > self.engine.policy_version:
+            raise _Invalid(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"min_policy_version={request.min_policy_version} but the engine serves "
+                           f"version {self.engine.policy_version}; load that snapshot first")
+        return params, groups
+
+    async def _episode(self, group: wire.PromptGroup, index: int, params, max_turns: int,
+                       max_total_tokens: int | None) -> Trajectory:
+        self.counters["episodes_in_flight"] += 1
+        try:
+            hook = None
+            if self.episode_hook_factory is not None:
+                try:
+                    hook = self.episode_hook_factory(group)
+                    if inspect.isawaitable(hook):
+                        hook = await hook
+                except Exception as e:  # an environment that cannot start costs this episode
+                    traj = Trajectory(group.group_id, index, [int(t) for t in group.prompt_ids], env=group.env)
+                    traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+                    return traj
+            return await run_episode(
+                self.engine, group.group_id, index, [int(t) for t in group.prompt_ids], params,
+                hook=hook, env=group.env, max_turns=max_turns, max_total_tokens=max_total_tokens,
+            )
+        finally:
+            self.counters["episodes_in_flight"] -= 1
+
+    # -- RPCs ---------------------------------------------------------------------------------
+
+    async def Rollout(self, request: pb.RolloutRequest, context):
+        try:
+            params, groups = self._parse_rollout(request)
+        except _Invalid as e:
+            await self._fail(context, e.code, str(e))
+            return
+        self.counters["rollouts"] += 1
+        max_turns = max(request.max_turns, 1)
+        max_total = request.max_total_tokens or None
+        tasks = []
+        for g, group in enumerate(groups):
+            for j in range(request.group_size):
+                episode_params = params
+                if params.seed is not None:
+                    i = g * request.group_size + j
+                    episode_params = dataclasses.replace(params, seed=params.seed + i)
+                tasks.append(asyncio.create_task(
+                    self._episode(group, j, episode_params, max_turns, max_total)))
+        finished = False
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                traj = await next_done
+                if traj.finish_reason == "error":
+                    self.counters["episode_errors"] += 1
+                    log.warning("episode %s/%d failed: %s", traj.group_id, traj.index_in_group, traj.error)
+                self.counters["trajectories"] += 1
+                yield wire.trajectory_to_proto(traj)
+            finished = True
+        finally:
+            if not finished:
+                self.counters["rollouts_cancelled"] += 1
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def LoadSnapshot(self, request: pb.LoadSnapshotRequest, context):
+        await self._check_unary(request, context)
+        if not request.path:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "LoadSnapshot needs a path")
+        if not Path(request.path).exists():
+            await self._fail(context, grpc.StatusCode.NOT_FOUND, f"{request.path}: does not exist")
+        async with self._load_lock:  # one load at a time: versions land in request order
+            try:
+                load_s = await self.engine.load_snapshot(request.path, request.version)
+            except SnapshotRefused as e:
+                self.counters["snapshot_refusals"] += 1
+                await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"snapshot refused, still serving version {self.engine.policy_version}: {e}")
+            except Exception as e:
+                self.counters["snapshot_refusals"] += 1
+                await self._fail(context, grpc.StatusCode.INTERNAL,
+                                 f"snapshot load failed, still serving version "
+                                 f"{self.engine.policy_version}: {type(e).__name__}: {e}")
+        self.counters["snapshot_loads"] += 1
+        log.info("serving snapshot %s version %d (loaded in %.2f s)", request.path, request.version, load_s)
+        return pb.LoadSnapshotReply(protocol_version=wire.PROTOCOL_VERSION,
+                                    version=self.engine.policy_version, load_s=load_s)
+
+    async def Health(self, request: pb.HealthRequest, context):
+        # Answers any protocol version: the reply carries ours, and the client checks it.
+        return pb.HealthReply(protocol_version=wire.PROTOCOL_VERSION, status=self.status,
+                              engine=self.engine.name, policy_version=self.engine.policy_version)
+
+    async def Stats(self, request: pb.StatsRequest, context):
+        await self._check_unary(request, context)
+        counters = {k: float(v) for k, v in self.counters.items()}
+        counters["policy_version"] = float(self.engine.policy_version)
+        counters["uptime_s"] = time.monotonic() - self.started
+        for k, v in (getattr(self.engine, "stats", None) or {}).items():
+            if isinstance(v, (int, float)):
+                counters[f"engine.{k}"] = float(v)
+        return pb.StatsReply(protocol_version=wire.PROTOCOL_VERSION, counters=counters)
+
+    async def Shutdown(self, request: pb.ShutdownRequest, context):
+        await self._check_unary(request, context)
+        log.info("shutdown requested")
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        return pb.ShutdownReply(protocol_version=wire.PROTOCOL_VERSION)
+
+
+def listening_line(address: str) -> str:
+    return f"BRIDGE_LISTENING {address}"
+
+
+async def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    episode_hook_factory: HookFactory | None = None,
+    on_listening: Callable[[str], None] | None = None,
+    grace_s: float = 5.0,
+    parent_pid: int | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Serves `engine` until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the parent's exit.
+
+    `on_listening(host:port)` is called once the server accepts calls. The engine is closed on the
+    way out.
+    """
+    stop = asyncio.Event()
+    servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_BridgeServicer_to_server(servicer, server)
+    target_host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
+    try:
+        bound = server.add_insecure_port(f"{target_host}:{port}")
+    except RuntimeError as e:  # grpc's bind failure (address in use, bad host)
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    loop = asyncio.get_running_loop()
+    if handle_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    watchdog = None
+    if parent_pid is not None:
+        watchdog = asyncio.create_task(_watch_parent(parent_pid, stop))
+    await server.start()
+    try:
+        address = f"{target_host}:{bound}"
+        log.info("bridge (%s engine) listening on %s", engine.name, address)
+        if on_listening is not None:
+            on_listening(address)
+        await stop.wait()
+        servicer.status = "stopping"
+        log.info("stopping (grace %.1f s)", grace_s)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        await server.stop(grace_s)
+        await engine.close()
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+
+async def _watch_parent(parent_pid: int, stop: asyncio.Event, every_s: float = 1.0) -> None:
+    """Stops the server once the process that started it is gone (re-parented: no orphan bridges)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(every_s)
+    log.warning("parent process %d is gone; shutting down", parent_pid)
+    stop.set()
+
+
+# ---------------------------------------------------------------------------------------------
+# The `jaxrl bridge` process
+
+ENGINES = ("jax", "vllm")
+
+
+class StartupError(Exception):
+    """The bridge cannot start: unknown engine, no model, an engine that fails to load."""
+
+
+class _FastTokenizer:
+    """Just the `decode` the JAX engine needs for stop strings, from tokenizer.json (no transformers)."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def build_engine(name: str, model_dir: str | Path, dtype: str | None = None, max_batch: int | None = None,
+                 seed: int = 0, engine_kwargs: dict | None = None) -> Engine:
+    """The named engine over the Hugging Face model directory `model_dir`; raises StartupError.
+
+    `engine_kwargs` go to the engine as they are: `vllm.LLM` arguments for vllm (e.g.
+    gpu_memory_utilization), JaxEngine keyword arguments for jax (e.g. batch_window_s).
+    """
+    model_dir = Path(model_dir)
+    if name not in ENGINES:
+        raise StartupError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")
+    if not (model_dir / "config.json").is_file():
+        raise StartupError(f"{model_dir}: not a model directory (no config.json)")
+    try:
+        return _build_engine(name, model_dir, dtype, max_batch, seed, dict(engine_kwargs or {}))
+    except Exception as e:
+        raise StartupError(f"the {name} engine cannot load {model_dir}: {type(e).__name__}: {e}") from e
+
+
+def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int | None, seed: int,
+                  engine_kwargs: dict) -> Engine:
+    if name == "jax":
+        from bridge.engines.jax_engine import JaxEngine
+
+        tokenizer = None
+        if (model_dir / "tokenizer.json").is_file():
+            tokenizer = _FastTokenizer(model_dir / "tokenizer.json")
+        kwargs = {"dtype": dtype, "seed": seed, "tokenizer": tokenizer, **engine_kwargs}
+        if max_batch:
+            kwargs["max_batch"] = max_batch
+        return JaxEngine(model_dir, **kwargs)
+    from bridge.engines.vllm_engine import VLLMEngine  # only when chosen: vLLM is heavy and optional
+
+    if dtype:
+        engine_kwargs["dtype"] = dtype
+    if max_batch:
+        engine_kwargs["max_num_seqs"] = max_batch
+    return VLLMEngine(str(model_dir), engine_kwargs)
+
+
+def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host: str = "127.0.0.1",
+               port: int = 0, max_batch: int | None = None, seed: int = 0,
+               parent_pid: int | None = None, engine_kwargs: dict | None = None) -> int:
+    """Builds the engine, serves it, prints `BRIDGE_LISTENING host:port` once serving; exit code."""
+    import sys
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s bridge %(levelname)s %(name)s: %(message)s")
+
+    def announce(address: str) -> None:
+        print(listening_line(address), flush=True)
+
+    async def main() -> None:
+        # Built inside the loop: an engine may create loop-bound objects.
+        engine = build_engine(engine_name, model_dir, dtype, max_batch, seed, engine_kwargs)
+        await serve(engine, host, port, on_listening=announce, parent_pid=parent_pid)
+
+    try:
+        asyncio.run(main())
+    except (StartupError, OSError) as e:
+        print(f"jaxrl bridge: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, StartupError) else 1
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal
+        return 130
+    return 0

@@ -1,0 +1,255 @@
+"""Encoding between the bridge's Python types and the wire messages of `bridge/proto/bridge.proto`.
+
+Arrays travel as raw little-endian numpy bytes: token ids int32, logprobs float32, loss mask
+uint8, token versions int64. Decoding checks every byte length (a buffer that is not a whole
+number of items, or per-token arrays of different lengths, is a `WireError`, never a misread) and
+the protocol version of the message.
+
+Two trajectory types: the bridge builds `bridge.rollout.Trajectory` (lists, as episodes grow)
+and the trainer receives `TrajectoryData` (numpy arrays).
+
+SamplingParams on the wire has no `n` (the request's `group_size` is the number of samples per
+prompt) and proto3 scalars have no "unset": `top_p = 0` (never valid) reads as 1.0, no top-p.
+Every other field is taken as sent, so a request must set `max_tokens`; `temperature = 0` is greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from bridge.engines.base import SamplingParams
+from bridge.proto import bridge_pb2 as pb
+from bridge.rollout import Trajectory
+
+PROTOCOL_VERSION = 1
+
+# Both peers raise gRPC's 4 MiB message limit: many groups of long prompts make one big request.
+MAX_MESSAGE_BYTES = 512 << 20
+
+IDS = np.dtype("<i4")
+LOGPROBS = np.dtype("<f4")
+MASK = np.dtype("u1")
+VERSIONS = np.dtype("<i8")
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded: wrong protocol version, bad byte lengths, bad JSON."""
+
+
+def check_version(message, what: str) -> None:
+    """Raises WireError unless `message.protocol_version` is ours."""
+    if message.protocol_version != PROTOCOL_VERSION:
+        raise WireError(
+            f"{what}: protocol version {message.protocol_version}, this side speaks "
+            f"{PROTOCOL_VERSION}; run trainer and bridge from the same jaxrl version"
+        )
+
+
+def encode_array(x, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(np.asarray(x), dtype).tobytes()
+
+
+def decode_array(buf: bytes, dtype: np.dtype, field: str, length: int | None = None) -> np.ndarray:
+    """The array in `buf`; raises WireError if `buf` is not a whole number of items (or not `length`)."""
+    dtype = np.dtype(dtype)
+    if len(buf) % dtype.itemsize:
+        raise WireError(
+            f"{field}: {len(buf)} bytes is not a whole number of {dtype.name} items "
+            f"({dtype.itemsize} bytes each)"
+        )
+    x = np.frombuffer(buf, dtype)
+    if length is not None and len(x) != length:
+        raise WireError(f"{field}: {len(x)} items, expected {length} (one per completion token)")
+    return x.astype(dtype.newbyteorder("="), copy=True)  # native order, writable
+
+
+def encode_ids(ids) -> bytes:
+    return encode_array(ids, IDS)
+
+
+def decode_ids(buf: bytes, field: str) -> np.ndarray:
+    return decode_array(buf, IDS, field)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling params
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop_token_ids=encode_ids(list(params.stop_token_ids)),
+        stop=list(params.stop),
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
+    """Engine SamplingParams; raises WireError (bad bytes) or ValueError (bad values)."""
+    return SamplingParams(
+        n=n,
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
+        top_k=int(msg.top_k),
+        max_tokens=int(msg.max_tokens),
+        stop_token_ids=tuple(int(t) for t in decode_ids(msg.stop_token_ids, "sampling.stop_token_ids")),
+        stop=tuple(msg.stop),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt groups and requests
+
+
+@dataclasses.dataclass
+class PromptGroup:
+    """One prompt (or environment task) to sample `group_size` times."""
+
+    prompt_ids: Sequence[int] | np.ndarray
+    group_id: str = ""
+    env: str = ""  # environment name; empty: plain single-turn generation
+    task: dict | None = None  # task fields for the environment / reward functions
+
+
+def group_to_proto(group: PromptGroup) -> pb.PromptGroup:
+    return pb.PromptGroup(
+        group_id=group.group_id,
+        prompt_ids=encode_ids(group.prompt_ids),
+        env=group.env,
+        task_json=json.dumps(group.task) if group.task is not None else "",
+    )
+
+
+def group_from_proto(msg: pb.PromptGroup) -> PromptGroup:
+    task = None
+    if msg.task_json:
+        try:
+            task = json.loads(msg.task_json)
+        except json.JSONDecodeError as e:
+            raise WireError(f"group {msg.group_id!r}: task_json is not JSON ({e})") from None
+    return PromptGroup(
+        prompt_ids=decode_ids(msg.prompt_ids, f"group {msg.group_id!r} prompt_ids"),
+        group_id=msg.group_id,
+        env=msg.env,
+        task=task,
+    )
+
+
+def as_groups(groups: Iterable[PromptGroup | Sequence[int] | np.ndarray]) -> list[PromptGroup]:
+    """PromptGroups from PromptGroups or plain token id sequences (group ids default to "0", "1", ...)."""
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, PromptGroup):
+            g = PromptGroup(prompt_ids=g)
+        if not g.group_id:
+            g = dataclasses.replace(g, group_id=str(i))
+        out.append(g)
+    return out
+
+
+def rollout_request(
+    groups: Iterable[PromptGroup | Sequence[int] | np.ndarray],
+    group_size: int,
+    sampling: SamplingParams,
+    min_policy_version: int = 0,
+    max_turns: int = 0,
+    max_total_tokens: int = 0,
+) -> pb.RolloutRequest:
+    return pb.RolloutRequest(
+        protocol_version=PROTOCOL_VERSION,
+        groups=[group_to_proto(g) for g in as_groups(groups)],
+        group_size=group_size,
+        sampling=sampling_to_proto(sampling),
+        min_policy_version=min_policy_version,
+        max_turns=max_turns,
+        max_total_tokens=max_total_tokens,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Trajectories
+
+
+@dataclasses.dataclass
+class TrajectoryData:
+    """A trajectory as the trainer receives it: numpy arrays, one entry per completion token."""
+
+    group_id: str
+    index_in_group: int
+    prompt_ids: np.ndarray  # int32
+    completion_ids: np.ndarray  # int32: model tokens and environment/tool tokens, in order
+    sampler_logprobs: np.ndarray  # float32; 0 where loss_mask is 0
+    loss_mask: np.ndarray  # uint8; 1 on tokens the model generated
+    token_versions: np.ndarray  # int64; policy version of each token, -1 for environment tokens
+    rewards: dict[str, float]
+    finish_reason: str  # stop | length | env_done | max_turns | error
+    env: str = ""
+    error: str = ""
+    num_turns: int = 0
+    generate_s: float = 0.0
+    env_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version among the model's tokens (-1 if it generated none)."""
+        trained = self.token_versions[self.loss_mask.astype(bool)]
+        return int(trained.min()) if len(trained) else -1
+
+
+def trajectory_to_proto(traj: Trajectory) -> pb.Trajectory:
+    return pb.Trajectory(
+        protocol_version=PROTOCOL_VERSION,
+        group_id=traj.group_id,
+        index_in_group=traj.index_in_group,
+        prompt_ids=encode_ids(traj.prompt_ids),
+        completion_ids=encode_ids(traj.completion_ids),
+        sampler_logprobs=encode_array(traj.sampler_logprobs, LOGPROBS),
+        loss_mask=encode_array(traj.loss_mask, MASK),
+        token_versions=encode_array(traj.token_versions, VERSIONS),
+        rewards=dict(traj.rewards),
+        finish_reason=traj.finish_reason,
+        env=traj.env,
+        timings=pb.Timings(generate_s=traj.generate_s, env_s=traj.env_s, total_s=traj.total_s),
+        error=traj.error,
+        num_turns=traj.num_turns,
+    )
+
+
+def trajectory_from_proto(msg: pb.Trajectory) -> TrajectoryData:
+    """Decodes and validates a streamed trajectory; raises WireError."""
+    what = f"trajectory {msg.group_id!r}/{msg.index_in_group}"
+    check_version(msg, what)
+    completion = decode_ids(msg.completion_ids, f"{what} completion_ids")
+    n = len(completion)
+    return TrajectoryData(
+        group_id=msg.group_id,
+        index_in_group=msg.index_in_group,
+        prompt_ids=decode_ids(msg.prompt_ids, f"{what} prompt_ids"),
+        completion_ids=completion,
+        sampler_logprobs=decode_array(msg.sampler_logprobs, LOGPROBS, f"{what} sampler_logprobs", n),
+        loss_mask=decode_array(msg.loss_mask, MASK, f"{what} loss_mask", n),
+        token_versions=decode_array(msg.token_versions, VERSIONS, f"{what} token_versions", n),
+        rewards=dict(msg.rewards),
+        finish_reason=msg.finish_reason,
+        env=msg.env,
+        error=msg.error,
+        num_turns=msg.num_turns,
+        generate_s=msg.timings.generate_s,
+        env_s=msg.timings.env_s,
+        total_s=msg.timings.total_s,
+    )

@@ -1,0 +1,133 @@
+"""The JAX engine in-process: learner-equal logprobs, batching, stops, and in-place weight swaps."""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bridge.engines.base import SamplingParams, SnapshotRefused
+from bridge.engines.jax_engine import JaxEngine
+from jaxrl.logprobs import completion_logprobs
+from jaxrl.models import load_pretrained
+from jaxrl.sampling import _generate
+from jaxrl.snapshots import SnapshotWriter
+from jaxrl.tiny import build_tiny_model, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3")
+
+
+def learner_logprobs(model, prompt, completion, temperature):
+    logp, _ = completion_logprobs(
+        model, jnp.asarray([prompt]), jnp.ones((1, len(prompt)), jnp.int32),
+        jnp.asarray([completion]), jnp.ones((1, len(completion)), jnp.int32), temperature,
+    )
+    return np.asarray(logp[0])
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_the_learners(model_dir, temperature):
+    engine = JaxEngine(model_dir)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    params = SamplingParams(n=3, temperature=temperature, max_tokens=12, seed=3)
+    out = run(engine.generate(prompts, params))
+    model = load_pretrained(model_dir)
+    assert [len(group) for group in out] == [3, 3]
+    for prompt, group in zip(prompts, out):
+        assert len({tuple(c.token_ids) for c in group}) > 1, "n samples should differ"
+        for c in group:
+            assert c.policy_version == 0 and len(c.token_ids) == len(c.logprobs) == 12
+            np.testing.assert_allclose(c.logprobs, learner_logprobs(model, prompt, c.token_ids, temperature), atol=1e-5)
+
+
+def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_dir):
+    engine = JaxEngine(model_dir, batch_window_s=0.05)
+    free = run(engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8)))[0][0]
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+
+    async def both():
+        return await asyncio.gather(
+            engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop,))),
+            engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8)),
+        )
+
+    stopped, unstopped = run(both())
+    assert engine.stats["batches"] == 2  # the free run, then both requests in one call
+    assert stopped[0][0].token_ids == free.token_ids[: first + 1]
+    assert stopped[0][0].finish_reason == "stop"
+    assert unstopped[0][0].token_ids == free.token_ids
+    assert unstopped[0][0].finish_reason == "length"
+
+
+def test_prompts_within_a_bucket_reuse_one_compiled_program(model_dir):
+    engine = JaxEngine(model_dir)
+    before = _generate._cache_size()
+    for length in (3, 7, 12):
+        run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=5, seed=0)))
+    assert _generate._cache_size() - before <= 1
+
+
+def test_stop_strings_cut_at_the_completing_token(model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = JaxEngine(model_dir, tokenizer=tokenizer)
+    free = run(engine.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=10)))[0][0]
+    text = tokenizer.decode(free.token_ids)
+    stop = text[len(tokenizer.decode(free.token_ids[:4])) - 1:][:1] or text[-1]
+    out = run(engine.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=10, stop=(stop,))))[0][0]
+    assert stop in tokenizer.decode(out.token_ids)
+    assert stop not in tokenizer.decode(out.token_ids[:-1])
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: len(out.token_ids)]
+    with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
+        run(JaxEngine(model_dir).generate([[1]], SamplingParams(stop=("x",))))
+
+
+def test_load_snapshot_swaps_weights_and_refuses_bad_snapshots(model_dir, tmp_path):
+    engine = JaxEngine(model_dir)
+    model = load_pretrained(model_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1)
+    prompt = [4, 5, 6]
+    before = run(engine.generate([prompt], params))[0][0]
+
+    perturbed = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x), nnx.state(model, nnx.Param))
+    writer = SnapshotWriter(tmp_path / "snaps", model.cfg)
+    writer.publish(perturbed, version=7)
+    load_s = run(engine.load_snapshot(str(tmp_path / "snaps"), 7))
+    assert load_s > 0 and engine.policy_version == 7
+    after = run(engine.generate([prompt], params))[0][0]
+    assert after.policy_version == 7
+    nnx.update(model, perturbed)
+    new_ref = learner_logprobs(model, prompt, after.token_ids, 1.0)
+    np.testing.assert_allclose(after.logprobs, new_ref, atol=1e-5)
+    assert np.abs(np.asarray(after.logprobs) - np.asarray(before.logprobs)).max() > 1e-3 or after.token_ids != before.token_ids
+
+    other_cfg = tiny_config("qwen3", vocab_size=model.cfg.vocab_size, intermediate_size=96)
+    from jaxrl.models import Decoder
+
+    SnapshotWriter(tmp_path / "other", other_cfg).publish(nnx.state(Decoder(other_cfg, nnx.Rngs(0)), nnx.Param), 8)
+    with pytest.raises(SnapshotRefused, match="intermediate_size: serving 128, snapshot 96"):
+        run(engine.load_snapshot(str(tmp_path / "other"), 8))
+    with pytest.raises(SnapshotRefused, match="no finished snapshot with version 9"):
+        run(engine.load_snapshot(str(tmp_path / "snaps"), 9))
+    assert engine.policy_version == 7
+    still = run(engine.generate([prompt], params))[0][0]
+    assert still.token_ids == after.token_ids and still.policy_version == 7
+
+
+def test_bad_requests_are_refused(model_dir):
+    engine = JaxEngine(model_dir)
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        run(engine.generate([[1], []], SamplingParams()))
+    with pytest.raises(ValueError, match="n=0 must be >= 1"):
+        SamplingParams(n=0)

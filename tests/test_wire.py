@@ -1,0 +1,105 @@
+"""Wire encoding: raw little-endian arrays round-trip, and bad bytes are an error, not a misread."""
+
+import numpy as np
+import pytest
+
+from bridge import wire
+from bridge.engines.base import SamplingParams
+from bridge.proto import bridge_pb2 as pb
+from bridge.rollout import Trajectory
+
+
+def _trajectory():
+    traj = Trajectory("g7", 2, [11, 12, 13], env="calc", num_turns=2, generate_s=0.5, env_s=0.25, total_s=1.0)
+    traj.append([5, 6, 7], [-0.5, -1.25, -2.0], True, 3)
+    traj.append([40, 41], [], False, -1)
+    traj.append([8], [-0.125], True, 4)
+    traj.rewards = {"correct": 1.0, "format": 0.5}
+    traj.finish_reason = "env_done"
+    return traj
+
+
+def test_trajectory_round_trips_as_numpy_arrays():
+    data = wire.trajectory_from_proto(pb.Trajectory.FromString(
+        wire.trajectory_to_proto(_trajectory()).SerializeToString()))
+    assert (data.group_id, data.index_in_group, data.env, data.num_turns) == ("g7", 2, "calc", 2)
+    np.testing.assert_array_equal(data.prompt_ids, [11, 12, 13])
+    np.testing.assert_array_equal(data.completion_ids, [5, 6, 7, 40, 41, 8])
+    np.testing.assert_array_equal(data.sampler_logprobs, [-0.5, -1.25, -2.0, 0, 0, -0.125])
+    np.testing.assert_array_equal(data.loss_mask, [1, 1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(data.token_versions, [3, 3, 3, -1, -1, 4])
+    assert data.completion_ids.dtype == np.int32 and data.sampler_logprobs.dtype == np.float32
+    assert data.loss_mask.dtype == np.uint8 and data.token_versions.dtype == np.int64
+    assert data.rewards == {"correct": 1.0, "format": 0.5}
+    assert data.finish_reason == "env_done" and data.error == ""
+    assert (data.generate_s, data.env_s, data.total_s) == (0.5, 0.25, 1.0)
+    assert data.policy_version == 3 and data.num_completion_tokens == 6
+    data.completion_ids[0] = 1  # decoded arrays are the trainer's own, writable
+
+
+def test_arrays_are_little_endian_bytes():
+    msg = wire.trajectory_to_proto(_trajectory())
+    assert msg.completion_ids == np.array([5, 6, 7, 40, 41, 8], "<i4").tobytes()
+    assert msg.token_versions == np.array([3, 3, 3, -1, -1, 4], "<i8").tobytes()
+    assert msg.loss_mask == bytes([1, 1, 1, 0, 0, 1])
+    assert msg.protocol_version == wire.PROTOCOL_VERSION == 1
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("completion_ids", b"\x01\x02\x03", "not a whole number of int32"),
+    ("sampler_logprobs", np.zeros(5, "<f4").tobytes(), "5 items, expected 6"),
+    ("loss_mask", bytes(7), "7 items, expected 6"),
+    ("token_versions", np.zeros(6, "<i4").tobytes(), "3 items, expected 6"),
+    ("prompt_ids", b"\x00" * 5, "prompt_ids: 5 bytes"),
+])
+def test_bad_byte_lengths_are_refused(field, value, message):
+    msg = wire.trajectory_to_proto(_trajectory())
+    setattr(msg, field, value)
+    with pytest.raises(wire.WireError, match=message):
+        wire.trajectory_from_proto(msg)
+
+
+def test_another_protocol_version_is_refused():
+    msg = wire.trajectory_to_proto(_trajectory())
+    msg.protocol_version = 2
+    with pytest.raises(wire.WireError, match="protocol version 2"):
+        wire.trajectory_from_proto(msg)
+
+
+def test_sampling_params_round_trip():
+    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=33,
+                            stop_token_ids=(2, 9), stop=("</answer>",), seed=123)
+    back = wire.sampling_from_proto(pb.SamplingParams.FromString(
+        wire.sampling_to_proto(params).SerializeToString()), n=4)
+    assert back.temperature == pytest.approx(0.7) and back.top_p == pytest.approx(0.9)
+    assert (back.n, back.top_k, back.max_tokens, back.stop_token_ids, back.stop, back.seed) == (
+        4, 20, 33, (2, 9), ("</answer>",), 123)
+    unseeded = wire.sampling_from_proto(wire.sampling_to_proto(SamplingParams(max_tokens=5)))
+    assert unseeded.seed is None and unseeded.top_p == 1.0
+    assert wire.sampling_from_proto(pb.SamplingParams(max_tokens=5, seed=0)).seed == 0
+
+
+def test_unset_top_p_reads_as_no_top_p_and_bad_values_raise():
+    assert wire.sampling_from_proto(pb.SamplingParams(max_tokens=5)).top_p == 1.0
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        wire.sampling_from_proto(pb.SamplingParams())
+    with pytest.raises(wire.WireError, match="stop_token_ids"):
+        wire.sampling_from_proto(pb.SamplingParams(max_tokens=5, stop_token_ids=b"\x01"))
+
+
+def test_rollout_request_names_plain_prompts_and_keeps_tasks():
+    request = wire.rollout_request(
+        [[1, 2], np.array([3, 4, 5]), wire.PromptGroup([6], group_id="q", env="calc", task={"x": 1})],
+        group_size=3, sampling=SamplingParams(max_tokens=4), min_policy_version=2, max_turns=5,
+    )
+    assert request.protocol_version == wire.PROTOCOL_VERSION
+    groups = [wire.group_from_proto(g) for g in request.groups]
+    assert [g.group_id for g in groups] == ["0", "1", "q"]
+    np.testing.assert_array_equal(groups[1].prompt_ids, [3, 4, 5])
+    assert groups[2].env == "calc" and groups[2].task == {"x": 1} and groups[0].task is None
+    assert (request.group_size, request.min_policy_version, request.max_turns) == (3, 2, 5)
+
+
+def test_bad_task_json_is_a_wire_error():
+    with pytest.raises(wire.WireError, match="task_json"):
+        wire.group_from_proto(pb.PromptGroup(group_id="a", prompt_ids=wire.encode_ids([1]), task_json="{"))
