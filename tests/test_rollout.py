@@ -1,0 +1,87 @@
+"""Episodes over the real JAX engine: token-in/token-out turns, masks, and how episodes end."""
+
+import asyncio
+
+import pytest
+
+from bridge.engines.base import SamplingParams
+from bridge.engines.jax_engine import JaxEngine
+from bridge.rollout import ENV_VERSION, TurnResult, run_episode
+from jaxrl.tiny import build_tiny_model
+
+TOOL_RESULT = [7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return JaxEngine(build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3"))
+
+
+class ToolHook:
+    """Answers every turn with TOOL_RESULT; done after `done_after` turns; may fail on a turn."""
+
+    def __init__(self, done_after=99, fail_on=None):
+        self.done_after, self.fail_on, self.turns, self.closed = done_after, fail_on, [], False
+
+    async def start(self):
+        return [3, 3]
+
+    async def turn(self, completion_ids):
+        self.turns.append(list(completion_ids))
+        if len(self.turns) == self.fail_on:
+            raise ConnectionError("environment went away")
+        done = len(self.turns) >= self.done_after
+        return TurnResult([] if done else TOOL_RESULT, done, {"env": float(len(self.turns))})
+
+    async def close(self):
+        self.closed = True
+
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
+
+
+def test_single_turn_episode_is_the_engine_completion(engine):
+    traj = asyncio.run(run_episode(engine, "g", 0, [1, 2, 3], PARAMS))
+    [[direct]] = asyncio.run(engine.generate([[1, 2, 3]], PARAMS))
+    assert traj.completion_ids == direct.token_ids
+    assert traj.sampler_logprobs == direct.logprobs
+    assert traj.loss_mask == [1] * len(direct.token_ids)
+    assert traj.finish_reason == direct.finish_reason and traj.num_turns == 1
+
+
+def test_tool_tokens_are_context_with_mask_zero(engine):
+    hook = ToolHook(done_after=3)
+    traj = asyncio.run(run_episode(engine, "g", 1, [1, 2], PARAMS, hook, env="tools", max_turns=5, max_total_tokens=100))
+    assert traj.prompt_ids == [1, 2, 3, 3]  # the hook's start tokens extend the prompt
+    assert traj.finish_reason == "env_done" and traj.num_turns == 3 and hook.closed
+    assert traj.rewards == {"env": 3.0}
+    pos = 0
+    for i, turn in enumerate(hook.turns):
+        # Each turn the hook saw is exactly the engine's tokens, kept as produced.
+        assert traj.completion_ids[pos:pos + len(turn)] == turn
+        assert traj.loss_mask[pos:pos + len(turn)] == [1] * len(turn)
+        assert ENV_VERSION not in traj.token_versions[pos:pos + len(turn)]
+        pos += len(turn)
+        if i < 2:
+            assert traj.completion_ids[pos:pos + 3] == TOOL_RESULT
+            assert traj.loss_mask[pos:pos + 3] == [0, 0, 0]
+            assert traj.token_versions[pos:pos + 3] == [ENV_VERSION] * 3
+            assert traj.sampler_logprobs[pos:pos + 3] == [0.0] * 3
+            pos += 3
+    assert pos == len(traj.completion_ids) == len(traj.loss_mask) == len(traj.sampler_logprobs)
+
+
+def test_episodes_end_at_max_turns_and_at_the_token_budget(engine):
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, ToolHook(), max_turns=2, max_total_tokens=100))
+    assert traj.finish_reason == "max_turns" and traj.num_turns == 2
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, ToolHook(), max_turns=50, max_total_tokens=12))
+    assert traj.finish_reason == "length"
+    assert sum(traj.loss_mask) <= 12
+
+
+def test_a_failing_environment_ends_the_episode_with_an_error(engine):
+    hook = ToolHook(fail_on=2)
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, hook, max_turns=5, max_total_tokens=100))
+    assert traj.finish_reason == "error"
+    assert "ConnectionError: environment went away" in traj.error
+    assert hook.closed and traj.num_turns == 2
