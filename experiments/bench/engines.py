@@ -1,0 +1,146 @@
+"""Generation throughput of each engine on one tiny model, and what the gRPC bridge costs.
+
+    python -m experiments.bench.engines [--sequences 64] [--new-tokens 128] [--tiny]
+
+Same model, prompts and sampling (temperature 1, no stop, every sequence runs to
+`--new-tokens`) for: the JAX engine in-process, the JAX engine behind a real bridge process
+(`bridge_over_inproc` = bridge tokens/s / in-process tokens/s), transformers' `generate`, and
+vLLM's CPU build when it is importable (run from `.venv-vllm` for that figure; otherwise null).
+Each figure is the median of `--repeats` timed runs after one warm-up run (compilation).
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bridge.engines.base import SamplingParams
+from bridge.engines.jax_engine import JaxEngine
+from jaxrl.tiny import build_tiny_model
+
+
+def _median_tok_s(run, tokens_per_run: int, repeats: int) -> float:
+    run()  # warm-up: compilation and caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        produced = run()
+        times.append(time.perf_counter() - start)
+        assert produced == tokens_per_run, f"expected {tokens_per_run} tokens, got {produced}"
+    return tokens_per_run / statistics.median(times)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab, rng.integers(8, 33)).tolist() for _ in range(n)]
+
+
+def jax_inproc(model_dir, prompts, params, repeats, max_batch):
+    engine = JaxEngine(model_dir, max_batch=max_batch)
+
+    def run():
+        out = asyncio.run(engine.generate(prompts, params))
+        return sum(len(c.token_ids) for group in out for c in group)
+
+    return _median_tok_s(run, len(prompts) * params.max_tokens, repeats)
+
+
+def jax_bridge(model_dir, prompts, params, repeats, max_batch):
+    from bridge.client import BridgeClient
+    from bridge.process import BridgeProcess
+
+    with BridgeProcess.start(model_dir, engine="jax", max_batch=max_batch) as proc:
+        client = BridgeClient(proc.address, timeout_s=600)
+
+        def run():
+            return sum(len(t.completion_ids) for t in client.rollout(prompts, 1, params))
+
+        return _median_tok_s(run, len(prompts) * params.max_tokens, repeats)
+
+
+def hf_generate(model_dir, prompts, params, repeats):
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature,
+                top_k=0, max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens,
+                pad_token_id=0,
+            )
+        return int(out[:, width:].numel())
+
+    return _median_tok_s(run, len(prompts) * params.max_tokens, repeats)
+
+
+def vllm_cpu(model_dir, prompts, params, repeats):
+    try:
+        from bridge.engines.vllm_engine import VLLMEngine
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return None, f"vllm not importable here ({e}); run from .venv-vllm"
+    engine = VLLMEngine(model_dir, engine_kwargs={"dtype": "float32"})
+    try:
+        def run():
+            out = asyncio.run(engine.generate(prompts, params))
+            return sum(len(c.token_ids) for group in out for c in group)
+
+        return _median_tok_s(run, len(prompts) * params.max_tokens, repeats), None
+    finally:
+        asyncio.run(engine.close())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--family", default="qwen3")
+    parser.add_argument("--tiny", action="store_true", help="a few sequences and tokens, for CI")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.sequences, args.new_tokens, args.repeats = 4, 8, 1
+
+    # No stop tokens and no min_tokens games: every sequence produces exactly new_tokens.
+    params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", args.family)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts = _prompts(args.sequences, vocab)
+        figures = {"sequences": args.sequences, "new_tokens": args.new_tokens}
+        figures["jax_tok_s"] = jax_inproc(model_dir, prompts, params, args.repeats, args.sequences)
+        bridge_tok_s = jax_bridge(model_dir, prompts, params, args.repeats, args.sequences)
+        figures["jax_bridge_tok_s"] = bridge_tok_s
+        figures["bridge_over_inproc"] = bridge_tok_s / figures["jax_tok_s"]
+        figures["hf_generate_tok_s"] = None if args.skip_hf else hf_generate(model_dir, prompts, params, args.repeats)
+        figures["vllm_cpu_tok_s"], why = vllm_cpu(model_dir, prompts, params, args.repeats)
+        if why:
+            figures["vllm_note"] = why
+
+    for key, value in figures.items():
+        print(f"{key:>20}: {value:.1f}" if isinstance(value, float) else f"{key:>20}: {value}")
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
+if __name__ == "__main__":
+    main()
