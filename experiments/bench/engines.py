@@ -6,7 +6,8 @@ Same model, prompts and sampling (temperature 1, no stop, every sequence runs to
 `--new-tokens`) for: the JAX engine in-process, the JAX engine behind a real bridge process
 (`bridge_over_inproc` = bridge tokens/s / in-process tokens/s), transformers' `generate`, and
 vLLM's CPU build when it is importable (run from `.venv-vllm` for that figure; otherwise null).
-Each figure is the median of `--repeats` timed runs after one warm-up run (compilation).
+Each figure is the median of `--repeats` timed runs after one warm-up run (compilation);
+in-process and bridge runs alternate.
 The last line is one JSON object.
 """
 
@@ -28,15 +29,17 @@ from bridge.engines.jax_engine import JaxEngine
 from jaxrl.tiny import build_tiny_model
 
 
+def _tok_s(run, tokens_per_run: int) -> float:
+    start = time.perf_counter()
+    produced = run()
+    elapsed = time.perf_counter() - start
+    assert produced == tokens_per_run, f"expected {tokens_per_run} tokens, got {produced}"
+    return tokens_per_run / elapsed
+
+
 def _median_tok_s(run, tokens_per_run: int, repeats: int) -> float:
     run()  # warm-up: compilation and caches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        produced = run()
-        times.append(time.perf_counter() - start)
-        assert produced == tokens_per_run, f"expected {tokens_per_run} tokens, got {produced}"
-    return tokens_per_run / statistics.median(times)
+    return statistics.median(_tok_s(run, tokens_per_run) for _ in range(repeats))
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -44,27 +47,27 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, vocab, rng.integers(8, 33)).tolist() for _ in range(n)]
 
 
-def jax_inproc(model_dir, prompts, params, repeats, max_batch):
-    engine = JaxEngine(model_dir, max_batch=max_batch)
-
-    def run():
-        out = asyncio.run(engine.generate(prompts, params))
-        return sum(len(c.token_ids) for group in out for c in group)
-
-    return _median_tok_s(run, len(prompts) * params.max_tokens, repeats)
-
-
-def jax_bridge(model_dir, prompts, params, repeats, max_batch):
+def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
+    """Medians of in-process and bridge runs, alternated so machine noise hits both alike."""
     from bridge.client import BridgeClient
     from bridge.process import BridgeProcess
+
+    engine = JaxEngine(model_dir, max_batch=max_batch)
+    tokens = len(prompts) * params.max_tokens
+
+    def inproc():
+        out = asyncio.run(engine.generate(prompts, params))
+        return sum(len(c.token_ids) for group in out for c in group)
 
     with BridgeProcess.start(model_dir, engine="jax", max_batch=max_batch) as proc:
         client = BridgeClient(proc.address, timeout_s=600)
 
-        def run():
+        def bridged():
             return sum(len(t.completion_ids) for t in client.rollout(prompts, 1, params))
 
-        return _median_tok_s(run, len(prompts) * params.max_tokens, repeats)
+        inproc(), bridged()  # warm-up: compilation on both sides
+        pairs = [(_tok_s(inproc, tokens), _tok_s(bridged, tokens)) for _ in range(repeats)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def hf_generate(model_dir, prompts, params, repeats):
@@ -113,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--family", default="qwen3")
     parser.add_argument("--tiny", action="store_true", help="a few sequences and tokens, for CI")
     parser.add_argument("--skip-hf", action="store_true")
@@ -128,10 +131,9 @@ def main() -> None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = _prompts(args.sequences, vocab)
         figures = {"sequences": args.sequences, "new_tokens": args.new_tokens}
-        figures["jax_tok_s"] = jax_inproc(model_dir, prompts, params, args.repeats, args.sequences)
-        bridge_tok_s = jax_bridge(model_dir, prompts, params, args.repeats, args.sequences)
-        figures["jax_bridge_tok_s"] = bridge_tok_s
-        figures["bridge_over_inproc"] = bridge_tok_s / figures["jax_tok_s"]
+        inproc, bridged = jax_inproc_and_bridge(model_dir, prompts, params, args.repeats, args.sequences)
+        figures["jax_tok_s"], figures["jax_bridge_tok_s"] = inproc, bridged
+        figures["bridge_over_inproc"] = bridged / inproc
         figures["hf_generate_tok_s"] = None if args.skip_hf else hf_generate(model_dir, prompts, params, args.repeats)
         figures["vllm_cpu_tok_s"], why = vllm_cpu(model_dir, prompts, params, args.repeats)
         if why:
