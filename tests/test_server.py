@@ -1,70 +1,50 @@
-"""The gRPC server in-process over a fake engine: validation, streaming, cancellation, counters."""
+"""The gRPC server in-process over the real JAX engine and a tiny Qwen3: validation, streaming,
+seeds, snapshots, failures, cancellation, counters and multi-turn episodes.
+
+Each server runs in a thread of its own event loop; `Bridge.direct` runs `engine.generate` on
+that same loop and engine, so a trajectory can be checked against the engine's own output for the
+seed and tokens the episode should have used.
+"""
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
-from pathlib import Path
 
 import grpc
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from bridge import wire
 from bridge.client import BridgeClient, BridgeRequestError
-from bridge.engines.base import Completion, SamplingParams, SnapshotRefused
+from bridge.engines.base import Completion, SamplingParams
+from bridge.engines.jax_engine import JaxEngine
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
-from bridge.rollout import TurnResult
+from bridge.rollout import ENV_VERSION, TurnResult
 from bridge.server import serve
+from jaxrl.models import Decoder, load_pretrained
+from jaxrl.snapshots import SnapshotWriter
+from jaxrl.tiny import build_tiny_model, tiny_config
+
+SNAPSHOT_VERSION = 5
 
 
-class FakeEngine:
-    """Completions count up from the prompt's last token; `delay_s` of blocking work in a thread."""
+@dataclasses.dataclass
+class Bridge:
+    client: BridgeClient
+    engine: JaxEngine
+    loop: asyncio.AbstractEventLoop
 
-    name = "fake"
+    def direct(self, calls: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
+        """One engine.generate per (prompt, params), concurrently on the server's loop and engine."""
+        async def gather():
+            return await asyncio.gather(*(self.engine.generate([p], params) for p, params in calls))
 
-    def __init__(self, delay_s: float = 0.0):
-        self.policy_version = 0
-        self.delay_s = delay_s
-        self.calls: list[tuple[list[list[int]], SamplingParams]] = []
-        self.cancelled = 0
-        self.closed = False
-        self.stats = {"generate_calls": 0}
-
-    async def generate(self, prompts, params):
-        self.calls.append((prompts, params))
-        self.stats["generate_calls"] += 1
-        try:
-            if self.delay_s and prompts[0][0] != 1:
-                await asyncio.to_thread(time.sleep, self.delay_s)  # like the real engines: off the loop
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        if prompts[0][0] == 666:
-            raise RuntimeError("engine exploded")
-        out = []
-        for prompt in prompts:
-            group = []
-            for _ in range(params.n):
-                tokens, reason = [], "length"
-                for k in range(params.max_tokens):
-                    tokens.append(prompt[-1] + 1 + k)
-                    if tokens[-1] in params.stop_token_ids:
-                        reason = "stop"
-                        break
-                group.append(Completion(tokens, [-0.5] * len(tokens), reason, self.policy_version))
-            out.append(group)
-        return out
-
-    async def load_snapshot(self, path, version):
-        if Path(path).name == "wrong-shape":
-            raise SnapshotRefused(f"{path}: a different model shape")
-        self.policy_version = version
-        return 0.125
-
-    async def close(self):
-        self.closed = True
+        return [c for [[c]] in asyncio.run_coroutine_threadsafe(gather(), self.loop).result(120)]
 
 
 @contextlib.contextmanager
@@ -73,7 +53,7 @@ def running(engine, **kwargs):
     ready, box = threading.Event(), {}
 
     def on_listening(address):
-        box["address"] = address
+        box["address"], box["loop"] = address, asyncio.get_running_loop()
         ready.set()
 
     def run():
@@ -83,22 +63,44 @@ def running(engine, **kwargs):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert ready.wait(30), "server did not start"
-    client = BridgeClient(box["address"], timeout_s=10)
+    client = BridgeClient(box["address"], timeout_s=30)
     try:
-        yield client
+        yield Bridge(client, engine, box["loop"])
     finally:
         client.shutdown()
         thread.join(10)
         client.close()
         assert not thread.is_alive(), "server did not stop after Shutdown"
-        assert engine.closed
+        assert engine._worker is None, "the server did not close its engine"
 
 
 @pytest.fixture(scope="module")
-def bridge():
-    engine = FakeEngine()
-    with running(engine) as client:
-        yield client, engine
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def snapshots(model_dir, tmp_path_factory):
+    """`policy/`: the served model perturbed, as version 5; `other-shape/`: another shape, version 6."""
+    root = tmp_path_factory.mktemp("snapshots")
+    model = load_pretrained(model_dir)
+    state = nnx.state(model, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(state))))
+    state = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), state)
+    writer = SnapshotWriter(root / "policy", model.cfg)
+    writer.publish(state, SNAPSHOT_VERSION)
+    writer.close()
+    other_cfg = tiny_config("qwen3", vocab_size=model.cfg.vocab_size, intermediate_size=96)
+    other = SnapshotWriter(root / "other-shape", other_cfg)
+    other.publish(nnx.state(Decoder(other_cfg, nnx.Rngs(1)), nnx.Param), SNAPSHOT_VERSION + 1)
+    other.close()
+    return root
+
+
+@pytest.fixture(scope="module")
+def bridge(model_dir):
+    with running(JaxEngine(model_dir)) as b:
+        yield b
 
 
 def _params(**kw):
@@ -106,30 +108,53 @@ def _params(**kw):
 
 
 def test_streams_every_episode_with_its_tokens(bridge):
-    client, engine = bridge
-    trajs = list(client.rollout([[1, 2], [10]], 3, _params(max_tokens=4, stop_token_ids=(12,))))
-    assert sorted((t.group_id, t.index_in_group) for t in trajs) == [(g, i) for g in "01" for i in range(3)]
+    client, version = bridge.client, bridge.engine.policy_version
+    prompts, group_size = [[1, 2], [10]], 3
+    params = _params(temperature=1.0, seed=20)
+    # What each episode samples without a stop token (its seed: see the next test) ...
+    free = bridge.direct([(prompts[g], dataclasses.replace(params, seed=20 + g * group_size + j))
+                          for g in range(2) for j in range(group_size)])
+    # ... and a stop token that ends group 1's first episode after two tokens.
+    stop = free[group_size].token_ids[1]
+    assert stop != free[group_size].token_ids[0], free[group_size].token_ids
+
+    trajs = list(client.rollout(prompts, group_size, dataclasses.replace(params, stop_token_ids=(stop,))))
+    assert sorted((t.group_id, t.index_in_group) for t in trajs) == [
+        (g, i) for g in "01" for i in range(group_size)]
+    reasons = []
     for t in trajs:
-        if t.group_id == "0":
-            np.testing.assert_array_equal(t.completion_ids, [3, 4, 5, 6])
-            assert t.finish_reason == "length"
-        else:
-            np.testing.assert_array_equal(t.completion_ids, [11, 12])
-            assert t.finish_reason == "stop"
-        assert t.loss_mask.tolist() == [1] * len(t.completion_ids)
-        np.testing.assert_allclose(t.sampler_logprobs, -0.5)
-        assert t.num_turns == 1 and t.total_s >= 0
+        g = int(t.group_id)
+        ref = free[g * group_size + t.index_in_group]
+        end = ref.token_ids.index(stop) + 1 if stop in ref.token_ids else len(ref.token_ids)
+        reasons.append(t.finish_reason)
+        assert t.prompt_ids.tolist() == prompts[g]
+        assert t.completion_ids.tolist() == ref.token_ids[:end]  # the stop token stays in
+        assert t.finish_reason == ("stop" if stop in ref.token_ids else "length")
+        np.testing.assert_allclose(t.sampler_logprobs, ref.logprobs[:end], atol=1e-5)
+        assert np.all(t.sampler_logprobs < 0) and np.all(np.isfinite(t.sampler_logprobs))
+        assert t.loss_mask.tolist() == [1] * end and t.token_versions.tolist() == [version] * end
+        assert t.num_turns == 1 and t.error == "" and t.generate_s > 0 and t.total_s >= t.generate_s
+    assert "stop" in reasons and "length" in reasons
 
 
 def test_episode_seeds_count_up_from_the_request_seed(bridge):
-    client, engine = bridge
-    engine.calls.clear()
-    list(client.rollout([[1], [2]], 3, _params(seed=100)))
-    assert sorted(p.seed for _, p in engine.calls) == [100, 101, 102, 103, 104, 105]
-    assert all(p.n == 1 for _, p in engine.calls)
-    engine.calls.clear()
-    list(client.rollout([[1]], 2, _params()))
-    assert [p.seed for _, p in engine.calls] == [None, None]
+    client = bridge.client
+    prompts, group_size = [[1], [2, 3]], 3
+    params = _params(temperature=1.0, max_tokens=6, seed=100)
+    trajs = list(client.rollout(prompts, group_size, params))
+    # Episode j of group g has seed 100 + g * group_size + j: replay each with exactly that seed.
+    expected = bridge.direct([(prompts[g], dataclasses.replace(params, seed=100 + g * group_size + j))
+                              for g in range(len(prompts)) for j in range(group_size)])
+    assert len(trajs) == len(expected)
+    for t in trajs:
+        ref = expected[int(t.group_id) * group_size + t.index_in_group]
+        assert t.completion_ids.tolist() == ref.token_ids, (t.group_id, t.index_in_group)
+        np.testing.assert_allclose(t.sampler_logprobs, ref.logprobs, atol=1e-5)
+    for g in "01":
+        assert len({tuple(t.completion_ids.tolist()) for t in trajs if t.group_id == g}) == group_size
+    # Without a request seed every episode draws its own.
+    unseeded = list(client.rollout([[1]], 4, dataclasses.replace(params, seed=None)))
+    assert len({tuple(t.completion_ids.tolist()) for t in unseeded}) == 4
 
 
 @pytest.mark.parametrize("groups, group_size, params, message", [
@@ -140,7 +165,7 @@ def test_episode_seeds_count_up_from_the_request_seed(bridge):
 ])
 def test_bad_rollouts_are_invalid_argument_and_the_bridge_keeps_serving(
         bridge, groups, group_size, params, message):
-    client, _ = bridge
+    client = bridge.client
     with pytest.raises(BridgeRequestError, match=message) as e:
         list(client.rollout(groups, group_size, params))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -149,11 +174,10 @@ def test_bad_rollouts_are_invalid_argument_and_the_bridge_keeps_serving(
 
 
 def test_bad_sampling_params_are_invalid_argument_with_the_message(bridge):
-    client, _ = bridge
     request = wire.rollout_request([[1]], 1, _params())
     request.sampling.max_tokens = 0
     request.sampling.temperature = -1
-    stub = pb_grpc.BridgeStub(client._channel)
+    stub = pb_grpc.BridgeStub(bridge.client._channel)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Rollout(request, timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -161,8 +185,7 @@ def test_bad_sampling_params_are_invalid_argument_with_the_message(bridge):
 
 
 def test_protocol_mismatch_is_failed_precondition(bridge):
-    client, _ = bridge
-    stub = pb_grpc.BridgeStub(client._channel)
+    stub = pb_grpc.BridgeStub(bridge.client._channel)
     request = wire.rollout_request([[1]], 1, _params())
     request.protocol_version = 2
     with pytest.raises(grpc.RpcError) as e:
@@ -175,81 +198,139 @@ def test_protocol_mismatch_is_failed_precondition(bridge):
     assert stub.Health(pb.HealthRequest(), timeout=10).protocol_version == wire.PROTOCOL_VERSION
 
 
-def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, tmp_path):
-    client, engine = bridge
+def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots, tmp_path):
+    client = bridge.client
+    before = client.health().policy_version
+    assert before < SNAPSHOT_VERSION
+    stats_before = client.stats()
     with pytest.raises(BridgeRequestError) as e:
-        list(client.rollout([[1]], 1, _params(), min_policy_version=engine.policy_version + 1))
+        list(client.rollout([[1]], 1, _params(), min_policy_version=SNAPSHOT_VERSION))
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "load that snapshot" in e.value.details
     with pytest.raises(BridgeRequestError) as e:
-        client.load_snapshot(tmp_path / "missing", 1)
+        client.load_snapshot(tmp_path / "missing", SNAPSHOT_VERSION)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
-    (tmp_path / "wrong-shape").mkdir()
-    before = engine.policy_version
+
+    params = _params(temperature=1.0, max_tokens=6, seed=7)
+    [old] = client.rollout([[4, 5, 6]], 1, params)
     with pytest.raises(BridgeRequestError) as e:
-        client.load_snapshot(tmp_path / "wrong-shape", before + 1)
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "different model shape" in e.value.details
+        client.load_snapshot(snapshots / "other-shape", SNAPSHOT_VERSION + 1)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "intermediate_size: serving 128, snapshot 96" in e.value.details
+    assert f"still serving version {before}" in e.value.details
+    with pytest.raises(BridgeRequestError) as e:
+        client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION + 3)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no finished snapshot" in e.value.details
     assert client.health().policy_version == before
-    loaded = client.load_snapshot(tmp_path, before + 5)
-    assert loaded.version == before + 5 and loaded.load_s == 0.125
-    [traj] = client.rollout([[1]], 1, _params(), min_policy_version=before + 5)
-    assert traj.token_versions.tolist() == [before + 5] * 4 and traj.policy_version == before + 5
+    [same] = client.rollout([[4, 5, 6]], 1, params)  # refused snapshots left the weights alone
+    assert same.completion_ids.tolist() == old.completion_ids.tolist()
+    np.testing.assert_allclose(same.sampler_logprobs, old.sampler_logprobs, atol=1e-5)
+
+    loaded = client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION)
+    assert loaded.version == SNAPSHOT_VERSION and loaded.load_s > 0
+    assert client.health().policy_version == SNAPSHOT_VERSION
+    [new] = client.rollout([[4, 5, 6]], 1, params, min_policy_version=SNAPSHOT_VERSION)
+    assert new.token_versions.tolist() == [SNAPSHOT_VERSION] * 6 and new.policy_version == SNAPSHOT_VERSION
+    same_tokens = new.completion_ids.tolist() == old.completion_ids.tolist()
+    assert not (same_tokens and np.allclose(new.sampler_logprobs, old.sampler_logprobs, atol=1e-3)), \
+        "the loaded snapshot's weights are not the ones sampling"
+    stats = client.stats()
+    assert stats["snapshot_loads"] == stats_before["snapshot_loads"] + 1
+    assert stats["snapshot_refusals"] == stats_before["snapshot_refusals"] + 2
 
 
 def test_engine_failures_cost_the_episode_not_the_bridge(bridge):
-    client, _ = bridge
-    errors_before = client.stats()["episode_errors"]
-    trajs = list(client.rollout([[666], [1]], 2, _params()))
+    """An engine ValueError for an episode (here: a prompt that fills the model's whole context)
+    becomes that episode's error trajectory, not INVALID_ARGUMENT for the request: the servicer
+    does not know each engine's limits up front, a multi-turn episode may only outgrow the context
+    after some turns while others already streamed, and the request's other trajectories must
+    not be lost."""
+    client = bridge.client
+    context = bridge.engine.cfg.max_position_embeddings
+    before = client.stats()
+    trajs = list(client.rollout([[5] * context, [5] * (context - 2)], 2, _params(max_tokens=4)))
     failed = [t for t in trajs if t.group_id == "0"]
-    assert all(t.finish_reason == "error" and "engine exploded" in t.error for t in failed)
-    assert all(t.finish_reason == "length" for t in trajs if t.group_id == "1")
-    assert client.stats()["episode_errors"] == errors_before + 2
+    assert len(failed) == 2
+    for t in failed:
+        assert t.finish_reason == "error" and "max_position_embeddings" in t.error
+        assert f"{context} tokens" in t.error and len(t.completion_ids) == 0 and t.num_turns == 0
+    for t in (t for t in trajs if t.group_id == "1"):  # generation stops at the end of the context
+        assert t.finish_reason == "length" and len(t.completion_ids) == 2 and t.error == ""
+    after = client.stats()
+    assert after["episode_errors"] == before["episode_errors"] + 2
+    assert after["trajectories"] == before["trajectories"] + 4
+    assert client.health().status == "serving"
+    assert all(t.finish_reason == "length" for t in client.rollout([[1]], 2, _params()))
 
 
 def test_stats_count_trajectories_and_refusals(bridge):
-    client, _ = bridge
+    client = bridge.client
     before = client.stats()
     list(client.rollout([[1], [2]], 2, _params()))
     with pytest.raises(BridgeRequestError):
         list(client.rollout([[1]], 0, _params()))
     after = client.stats()
+    assert after["rollouts"] == before["rollouts"] + 1
     assert after["trajectories"] == before["trajectories"] + 4
     assert after["request_errors"] == before["request_errors"] + 1
-    assert after["episodes_in_flight"] == 0
-    assert after["engine.generate_calls"] >= 4 and "uptime_s" in after
+    assert after["episodes_in_flight"] == 0 and after["episode_errors"] == before["episode_errors"]
+    assert after["engine.rows"] == before["engine.rows"] + 4
+    assert after["engine.tokens"] == before["engine.tokens"] + 16  # 4 episodes x max_tokens, no stop
+    assert after["engine.batches"] > before["engine.batches"]
+    assert after["policy_version"] == bridge.engine.policy_version
+    assert after["uptime_s"] > before["uptime_s"]
 
 
-def test_health_answers_during_a_long_rollout_and_closing_the_stream_cancels_it():
-    engine = FakeEngine(delay_s=2.0)  # prompts starting with 1 are fast, the others take 2 s
-    with running(engine) as client:
-        stream = client.rollout([[1], [2]], 2, _params())
+def test_health_answers_during_a_long_rollout_and_closing_the_stream_cancels_it(model_dir):
+    # max_batch=1: one episode per device call, so a rollout's episodes finish one after another.
+    engine = JaxEngine(model_dir, max_batch=1)
+    params = _params(temperature=1.0, max_tokens=2000, seed=0)
+    with running(engine) as b:
+        b.direct([([1, 2, 3], params)])  # compiles outside the timed part
+        rows_before = engine.stats["rows"]
+        stream = b.client.rollout([[1, 2, 3]], 4, params)
         first = next(stream)
-        assert first.group_id == "0"
-        assert client.stats()["episodes_in_flight"] >= 2  # the slow ones run
+        episode_s = first.generate_s  # one device call; the second episode's has just started
+        assert len(first.completion_ids) == 2000
+        assert b.client.stats()["episodes_in_flight"] == 3
         t0 = time.monotonic()
-        health = client.health()
-        assert time.monotonic() - t0 < 0.5 and health.status == "serving"
+        health = b.client.health()
+        latency = time.monotonic() - t0
+        assert health.status == "serving" and latency < episode_s / 4, (latency, episode_s)
+
         stream.close()  # the trainer stops listening: the bridge cancels the rest
-        deadline = time.monotonic() + 2
-        while client.stats()["episodes_in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        stats = client.stats()
+        closed = time.monotonic()
+        while b.client.stats()["episodes_in_flight"] and time.monotonic() < closed + 5:
+            time.sleep(0.01)
+        cancel_s = time.monotonic() - closed
+        stats = b.client.stats()
         assert stats["episodes_in_flight"] == 0 and stats["rollouts_cancelled"] == 1
-        assert engine.cancelled == 2
-        assert time.monotonic() - t0 < 1.5  # well before the slow episodes would have finished
+        assert stats["trajectories"] == 1
+        assert cancel_s < episode_s / 2, (cancel_s, episode_s)  # not waiting for the device call
+        print(f"episode {episode_s * 1e3:.0f} ms: Health in {latency * 1e3:.1f} ms, "
+              f"episodes cancelled in {cancel_s * 1e3:.1f} ms")
+
+        # The device call under way finishes; the cancelled episodes still queued never run.
+        deadline = time.monotonic() + 5 * episode_s + 5
+        while engine.stats["rows"] < rows_before + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.5 * episode_s)
+        assert engine.stats["rows"] == rows_before + 2
+        assert b.client.health().status == "serving"
 
 
-class CountdownHook:
-    """Two tool turns, then done with a reward."""
+class ScriptedToolHook:
+    """A deterministic environment: `start` appends [90] to the prompt, the first turn answers
+    with tool tokens [70, 71], the second ends the episode with reward task["target"]."""
 
     def __init__(self, group):
-        self.group, self.turns, self.closed = group, 0, False
+        self.group, self.seen, self.closed = group, [], False
 
     async def start(self):
         return [90]
 
     async def turn(self, completion_ids):
-        self.turns += 1
-        if self.turns == 2:
+        self.seen.append(list(completion_ids))
+        if len(self.seen) == 2:
             return TurnResult([], True, {"reward": float(self.group.task["target"])})
         return TurnResult([70, 71], False)
 
@@ -257,31 +338,42 @@ class CountdownHook:
         self.closed = True
 
 
-def test_episode_hook_factory_runs_multi_turn_episodes():
+def test_episode_hook_factory_runs_multi_turn_episodes(model_dir, snapshots):
     hooks = []
 
     def factory(group):
         if group.env == "broken":
             raise ConnectionError("environment server is down")
-        if group.env != "count":
+        if group.env != "tools":
             return None
-        hooks.append(CountdownHook(group))
+        hooks.append(ScriptedToolHook(group))
         return hooks[-1]
 
-    with running(FakeEngine(), episode_hook_factory=factory) as client:
-        groups = [wire.PromptGroup([5], group_id="a", env="count", task={"target": 3}), wire.PromptGroup([7]),
+    params = _params(temperature=1.0, max_tokens=2, seed=40)
+    with running(JaxEngine(model_dir), episode_hook_factory=factory) as b:
+        assert b.client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION).version == SNAPSHOT_VERSION
+        groups = [wire.PromptGroup([5], group_id="a", env="tools", task={"target": 3}), wire.PromptGroup([7]),
                   wire.PromptGroup([9], group_id="b", env="broken")]
-        stream = client.rollout(groups, 1, _params(max_tokens=2), max_turns=4, max_total_tokens=10)
+        stream = b.client.rollout(groups, 1, params, max_turns=4, max_total_tokens=10)
         trajs = {t.group_id: t for t in stream}
-        assert client.health().status == "serving"
+        # Replay episode "a" (episode 0: seed 40) turn by turn, token in / token out, and "1" (seed 41).
+        [turn1, plain_ref] = b.direct([([5, 90], params), ([7], dataclasses.replace(params, seed=41))])
+        [turn2] = b.direct([([5, 90, *turn1.token_ids, 70, 71], params)])
+        assert b.client.health().status == "serving"
     a, plain, broken = trajs["a"], trajs["1"], trajs["b"]
     assert broken.finish_reason == "error" and "environment server is down" in broken.error
     assert broken.env == "broken" and len(broken.completion_ids) == 0
-    assert a.env == "count" and a.finish_reason == "env_done" and a.num_turns == 2
+    assert a.env == "tools" and a.finish_reason == "env_done" and a.num_turns == 2
     assert a.rewards == {"reward": 3.0}
-    np.testing.assert_array_equal(a.prompt_ids, [5, 90])
-    np.testing.assert_array_equal(a.completion_ids, [91, 92, 70, 71, 72, 73])
+    assert a.prompt_ids.tolist() == [5, 90]
+    assert len(turn1.token_ids) == len(turn2.token_ids) == 2
+    assert a.completion_ids.tolist() == turn1.token_ids + [70, 71] + turn2.token_ids
+    assert hooks[0].seen == [turn1.token_ids, turn2.token_ids]
     assert a.loss_mask.tolist() == [1, 1, 0, 0, 1, 1]
-    assert a.token_versions.tolist() == [0, 0, -1, -1, 0, 0]
-    assert plain.finish_reason == "length" and plain.num_turns == 1
+    v = SNAPSHOT_VERSION
+    assert a.token_versions.tolist() == [v, v, ENV_VERSION, ENV_VERSION, v, v] and ENV_VERSION == -1
+    np.testing.assert_allclose(a.sampler_logprobs, turn1.logprobs + [0.0, 0.0] + turn2.logprobs, atol=1e-5)
+    assert np.all(a.sampler_logprobs[a.loss_mask == 1] < 0)
+    assert plain.finish_reason == "length" and plain.num_turns == 1 and plain.env == ""
+    assert plain.completion_ids.tolist() == plain_ref.token_ids
     assert len(hooks) == 1 and hooks[0].closed

@@ -58,6 +58,12 @@ class JaxEngine:
             raise ValueError("every prompt needs at least one token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer; pass stop_token_ids instead")
+        context = self.cfg.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if len(p) >= context:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens, but the model's context is {context} tokens "
+                    f"(max_position_embeddings), which leaves no room to generate; shorten the prompt")
         if self._worker is None or self._worker.get_loop() is not asyncio.get_running_loop():
             # The batching task lives in the caller's event loop (one per asyncio.run).
             self._queue = asyncio.Queue()
@@ -81,6 +87,9 @@ class JaxEngine:
                     break
                 batch.append(req)
                 rows += len(req.prompts) * req.params.n
+            batch = [req for req in batch if not req.future.done()]  # cancelled: no device time
+            if not batch:
+                continue
             async with self._swap_lock:
                 params, version = self.params, self.policy_version
                 try:
@@ -102,6 +111,9 @@ class JaxEngine:
                     prompts.append(prompt)
                     for key in fields:
                         fields[key].append(getattr(req.params, key))
+                    # Positions stop at the model's context: a completion that reaches it ends "length".
+                    fields["max_tokens"][-1] = min(req.params.max_tokens,
+                                                   self.cfg.max_position_embeddings - len(prompt))
         rows = RowParams(
             temperature=np.asarray(fields["temperature"], np.float32),
             top_p=np.asarray(fields["top_p"], np.float32),
