@@ -1,0 +1,1 @@
+"""OpenEnv environments: sessions over the WebSocket transport and the bundled environments."""
