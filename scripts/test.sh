@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
-# Sets up the test environment and runs the whole test suite. Extra arguments go to pytest.
+# Sets up the test environments and runs the whole test suite in two stages: the main suite in
+# .venv (extra arguments go to this pytest), then the vLLM engine tests in their own .venv-vllm.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# pytest's exit code 5 means it collected no tests: that is a failure too.
+run_pytest() {
+  "$@"
+  local status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: treating that as a failure" >&2
+    return 1
+  fi
+  return "$status"
+}
+
 bash scripts/setup.sh test || exit 1
-.venv/bin/python -m pytest -q "$@"
-status=$?
-if [ "$status" -eq 5 ]; then
-  echo "pytest collected no tests: treating that as a failure" >&2
-  exit 1
-fi
-exit "$status"
+run_pytest .venv/bin/python -m pytest -q --ignore=tests/vllm "$@"
+main_status=$?
+
+bash scripts/setup_vllm.sh || exit 1
+run_pytest .venv-vllm/bin/python -m pytest -q tests/vllm
+vllm_status=$?
+
+[ "$main_status" -eq 0 ] || exit "$main_status"
+exit "$vllm_status"

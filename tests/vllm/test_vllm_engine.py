@@ -1,0 +1,233 @@
+"""VLLMEngine on a tiny local model: logprobs against transformers, stops, batching, weight swaps."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from bridge.engines.base import SamplingParams, SnapshotRefused
+from bridge.engines.vllm_engine import CPU_ENGINE_KWARGS, VLLMEngine
+from jaxrl.models import Decoder, load_pretrained, save_pretrained
+from jaxrl.snapshots import SnapshotWriter
+from jaxrl.tiny import build_tiny_model
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 2, 11], list(range(20, 220))]  # the last spans prefix-cache blocks
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+# A tied qwen3 (the CPU build packs a tied LM head apart from the embedding) and an untied llama.
+@pytest.fixture(scope="module", params=[("qwen3", True), ("llama", False)], ids=["qwen3-tied", "llama"])
+def model_dir(request, tmp_path_factory):
+    family, tied = request.param
+    return build_tiny_model(tmp_path_factory.mktemp("model"), family, tie_word_embeddings=tied)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, loop):
+    engine = VLLMEngine(model_dir, CPU_ENGINE_KWARGS)
+    yield engine
+    loop.run_until_complete(engine.close())
+
+
+def hf_model(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T) of each completion token, from transformers."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp[torch.arange(len(completion)), torch.tensor(completion)].numpy()
+
+
+def assert_matches(model, prompts, results, temperature):
+    for prompt, completions in zip(prompts, results):
+        for c in completions:
+            want = reference_logprobs(model, prompt, c.token_ids, temperature)
+            np.testing.assert_allclose(c.logprobs, want, atol=1e-4, rtol=0)
+
+
+def publish(directory, model, version, dtype=None):
+    writer = SnapshotWriter(directory, model.cfg, dtype)
+    writer.publish(nnx.state(model, nnx.Param), version)
+    writer.close()
+    return directory
+
+
+def greedy(engine, loop):
+    return loop.run_until_complete(engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(engine, model_dir, loop, temperature):
+    params = SamplingParams(n=3, temperature=temperature, max_tokens=12, seed=1)
+    results = loop.run_until_complete(engine.generate(PROMPTS, params))
+    assert [len(r) for r in results] == [3] * len(PROMPTS)
+    assert len({tuple(c.token_ids) for c in results[0]}) > 1  # n samples, not n copies
+    assert all(len(c.logprobs) == len(c.token_ids) == 12 for r in results for c in r)
+    assert_matches(hf_model(model_dir), PROMPTS, results, temperature)
+
+
+def test_greedy_logprobs_are_of_the_plain_softmax(engine, model_dir, loop):
+    results = greedy(engine, loop)
+    model = hf_model(model_dir)
+    assert_matches(model, PROMPTS, results, 1.0)
+    for prompt, [c] in zip(PROMPTS, results):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_samples(engine, loop):
+    params = SamplingParams(n=2, max_tokens=8, seed=7)
+    a = loop.run_until_complete(engine.generate(PROMPTS[:1], params))
+    b = loop.run_until_complete(engine.generate(PROMPTS[:1], params))
+    assert [c.token_ids for c in a[0]] == [c.token_ids for c in b[0]]
+
+
+def test_stop_tokens_and_max_tokens_finish_reasons(engine, loop):
+    prompt = PROMPTS[:1]
+    [[free]] = loop.run_until_complete(engine.generate(prompt, SamplingParams(max_tokens=10, seed=3)))
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    stop_at = next(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i] and i >= 2)
+    params = SamplingParams(max_tokens=10, seed=3, stop_token_ids=(free.token_ids[stop_at],))
+    [[stopped]] = loop.run_until_complete(engine.generate(prompt, params))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: stop_at + 1]  # the stop token is kept
+    np.testing.assert_allclose(stopped.logprobs, free.logprobs[: stop_at + 1], atol=1e-5)
+
+
+def test_stop_strings(engine, model_dir, loop):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompt = PROMPTS[:1]
+    [[free]] = loop.run_until_complete(engine.generate(prompt, SamplingParams(max_tokens=16, seed=5)))
+    ids = free.token_ids
+    for j in range(1, len(ids)):
+        stop = tokenizer.decode(ids[j : j + 1], skip_special_tokens=True)
+        text = tokenizer.decode(ids[: j + 1], skip_special_tokens=True)
+        if stop.strip() and stop.isascii() and text.find(stop) == len(text) - len(stop):
+            break
+    else:
+        pytest.fail(f"no usable stop string in {ids}")
+    params = SamplingParams(max_tokens=16, seed=5, stop=(stop,))
+    [[stopped]] = loop.run_until_complete(engine.generate(prompt, params))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == ids[: j + 1]
+
+
+def test_concurrent_requests_share_one_generate_call(engine, loop):
+    calls = []
+    generate = engine.llm.generate
+
+    def counting(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return generate(prompts, *args, **kwargs)
+
+    engine.llm.generate = counting
+    try:
+        async def together():
+            params = [SamplingParams(n=2, max_tokens=k, seed=k) for k in (3, 5, 7)]
+            return await asyncio.gather(*(engine.generate(PROMPTS[:2], p) for p in params))
+
+        results = loop.run_until_complete(together())
+    finally:
+        del engine.llm.generate
+    assert calls == [6]
+    for k, result in zip((3, 5, 7), results):
+        assert [[len(c.token_ids) for c in r] for r in result] == [[k, k], [k, k]]
+
+
+def test_raw_logprobs_mode_is_refused(model_dir):
+    with pytest.raises(ValueError, match="processed_logprobs"):
+        VLLMEngine(model_dir, {**CPU_ENGINE_KWARGS, "logprobs_mode": "raw_logprobs"})
+
+
+def test_truncated_sampling_is_refused(engine, loop):
+    with pytest.raises(ValueError, match="top_p"):
+        loop.run_until_complete(engine.generate(PROMPTS[:1], SamplingParams(top_p=0.9)))
+
+
+def test_a_bad_request_fails_alone(engine, loop):
+    async def together():
+        good = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3))
+        empty = engine.generate([[]], SamplingParams(max_tokens=3))
+        unknown = engine.generate([[1, 10**6]], SamplingParams(max_tokens=3))
+        return await asyncio.gather(good, empty, unknown, return_exceptions=True)
+
+    good, empty, unknown = loop.run_until_complete(together())
+    assert len(good[0][0].token_ids) == 3
+    assert isinstance(empty, ValueError) and "0 tokens" in str(empty)
+    assert isinstance(unknown, ValueError) and "vocabulary" in str(unknown)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_snapshot_serves_the_new_weights(engine, model_dir, loop, tmp_path, dtype):
+    greedy(engine, loop)  # fills the prefix cache with the current weights
+    model = load_pretrained(model_dir)
+    params = nnx.state(model, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(params))))
+
+    def perturbed(x):
+        # Rounded to the snapshot dtype, so the float32 reference sees the weights vLLM loads.
+        return (x + 0.05 * jax.random.normal(next(keys), x.shape)).astype(dtype).astype(x.dtype)
+
+    nnx.update(model, jax.tree.map(perturbed, params))
+    version = engine.policy_version + 1
+    snapshots = publish(tmp_path / "snaps", model, version, dtype)
+    seconds = loop.run_until_complete(engine.load_snapshot(str(snapshots), version))
+    assert seconds > 0 and engine.policy_version == version
+
+    save_pretrained(model, tmp_path / "hf")
+    new, old = hf_model(tmp_path / "hf"), hf_model(model_dir)
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(n=2, temperature=temperature, max_tokens=8, seed=2)
+        results = loop.run_until_complete(engine.generate(PROMPTS, params))
+        assert {c.policy_version for r in results for c in r} == {version}
+        assert_matches(new, PROMPTS, results, temperature)
+        c = results[0][0]
+        stale = reference_logprobs(old, PROMPTS[0], c.token_ids, temperature)
+        assert np.abs(np.array(c.logprobs) - stale).max() > 1e-2
+
+
+def _assert_refused_and_unchanged(engine, loop, snapshots, version, match):
+    before, version_before = greedy(engine, loop), engine.policy_version
+    with pytest.raises(SnapshotRefused, match=match):
+        loop.run_until_complete(engine.load_snapshot(str(snapshots), version))
+    after = greedy(engine, loop)
+    assert engine.policy_version == version_before
+    for [b], [a] in zip(before, after):
+        assert a.token_ids == b.token_ids and a.policy_version == version_before
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+
+
+def test_snapshot_of_another_shape_is_refused(engine, model_dir, loop, tmp_path):
+    cfg = load_pretrained(model_dir).cfg.replace(intermediate_size=96, num_layers=3)
+    snapshots = publish(tmp_path / "snaps", Decoder(cfg, nnx.Rngs(1)), 50)
+    refused = "num_hidden_layers=3 .*intermediate_size=96 "
+    _assert_refused_and_unchanged(engine, loop, snapshots, 50, refused)
+
+
+def test_damaged_snapshot_is_refused(engine, model_dir, loop, tmp_path):
+    snapshots = publish(tmp_path / "snaps", load_pretrained(model_dir), 60)
+    files = [p for p in (snapshots / "60").rglob("*") if p.is_file()]
+    data = max(files, key=lambda p: p.stat().st_size)  # a tensor's data, not metadata
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64 * [0x7F])
+    data.write_bytes(bytes(raw))
+    _assert_refused_and_unchanged(engine, loop, snapshots, 60, "damaged")
+
+
+def test_missing_snapshot_is_refused(engine, loop, tmp_path):
+    _assert_refused_and_unchanged(engine, loop, tmp_path / "nowhere", 1, "does not exist")
