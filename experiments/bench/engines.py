@@ -97,11 +97,14 @@ def hf_generate(model_dir, prompts, params, repeats):
 
 def vllm_cpu(model_dir, prompts, params, repeats):
     try:
-        from bridge.engines.vllm_engine import VLLMEngine
         import vllm  # noqa: F401
+
+        from bridge.engines.vllm_engine import CPU_ENGINE_KWARGS, VLLMEngine
     except ImportError as e:
         return None, f"vllm not importable here ({e}); run from .venv-vllm"
-    engine = VLLMEngine(model_dir, engine_kwargs={"dtype": "float32"})
+    # In-process, eager, float32, a small KV cache: the CPU build's settings (FACTS.md).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine = VLLMEngine(model_dir, engine_kwargs={**CPU_ENGINE_KWARGS, "max_num_seqs": len(prompts)})
     try:
         def run():
             out = asyncio.run(engine.generate(prompts, params))
