@@ -200,23 +200,6 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     return TrainState(step, params, opt_state, state.ref_params), metrics
 
 
-def state_shardings(state: TrainState, param_shardings) -> TrainState:
-    """Shardings of a TrainState: optimiser moments follow their parameters."""
-    def like_params(tree):
-        return jax.tree.map(lambda x: x.sharding, tree)
-
-    return TrainState(
-        step=jax.sharding.NamedSharding(_mesh_of(param_shardings), jax.sharding.PartitionSpec()),
-        params=param_shardings,
-        opt_state=like_params(state.opt_state),
-        ref_params=None if state.ref_params is None else param_shardings,
-    )
-
-
-def _mesh_of(shardings):
-    return jax.tree.leaves(shardings)[0].mesh
-
-
 def jit_train_step(graphdef, cfg: LearnerConfig, shardings: TrainState, batch_shardings: dict):
     """`train_step` compiled once for these shardings; the state's buffers are donated."""
     def step(state, batch):

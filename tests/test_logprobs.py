@@ -6,7 +6,6 @@ Every check is one jit of several variants at once: compiling is what costs time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from jaxrl.logprobs import completion_logprobs

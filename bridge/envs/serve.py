@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from bridge.envs.bundled import BUNDLED, NAMES, UnknownEnvironmentError  # noqa: F401  (re-export)
+from bridge.envs.bundled import BUNDLED
 
 LISTENING_PREFIX = "ENV_LISTENING "
 DEFAULT_MAX_CONCURRENT_ENVS = 64

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.advantages import AdvantageConfig, compute_advantages
+from jaxrl.advantages import compute_advantages
 from jaxrl.learner import Learner
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import Decoder, positions_from_mask, save_pretrained
