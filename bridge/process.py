@@ -43,6 +43,7 @@ class BridgeProcess:
         max_batch: int | None = None,
         seed: int | None = None,
         engine_kwargs: Mapping | None = None,
+        envs_file: str | Path | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         timeout: float = 300.0,
@@ -54,6 +55,7 @@ class BridgeProcess:
 
         `engine_kwargs` go to the engine (for vllm: `vllm.LLM` arguments such as
         gpu_memory_utilization; for jax: JaxEngine arguments such as batch_window_s).
+        `envs_file`: the environments to serve (`bridge.envs.episode.runtime_from_dict`'s JSON).
         `env` entries are added to this process's environment for the child. The child's stderr
         (its log) is kept (`stderr_tail`) and, with `log_path`, appended to that file.
         """
@@ -67,6 +69,8 @@ class BridgeProcess:
             args += ["--seed", str(seed)]
         if engine_kwargs:
             args += ["--engine-kwargs", json.dumps(dict(engine_kwargs))]
+        if envs_file:
+            args += ["--envs", str(envs_file)]
         args += list(extra_args)
         bridge = cls(ChildServer(args, "bridge", LISTENING_PREFIX, BridgeStartError, env, log_path))
         try:

@@ -35,8 +35,11 @@ class EpisodeHook(Protocol):
     async def turn(self, completion_ids: list[int]) -> TurnResult:
         """Runs the model's turn (e.g. its tool calls) against the environment."""
 
+    async def finish(self, trajectory: Trajectory) -> dict[str, float]:
+        """After an episode that did not fail: its rewards by name."""
+
     async def close(self) -> None:
-        """Releases the session."""
+        """Releases the session (called however the episode ended; may be called twice)."""
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ class Trajectory:
     env: str = ""
     error: str = ""
     num_turns: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. tool_calls, tool_errors
     generate_s: float = 0.0
     env_s: float = 0.0
     total_s: float = 0.0
@@ -74,8 +78,13 @@ async def run_episode(
     env: str = "",
     max_turns: int = 1,
     max_total_tokens: int | None = None,
+    retry_on: tuple[type[BaseException], ...] = (),
 ) -> Trajectory:
-    """One episode; failures of the environment end it with finish_reason 'error', never raise."""
+    """One episode; failures of the environment end it with finish_reason 'error', never raise.
+
+    Except `retry_on` exceptions (a lost environment session): those propagate, the hook closed,
+    for the caller to replay the episode from the start.
+    """
     start = time.perf_counter()
     traj = Trajectory(group_id, index, list(prompt_ids), env=env)
     budget = max_total_tokens or params.max_tokens
@@ -112,10 +121,17 @@ async def run_episode(
             if len(traj.completion_ids) >= budget:
                 traj.finish_reason = "length"
                 break
+        if hook is not None:
+            t0 = time.perf_counter()
+            traj.rewards.update(await hook.finish(traj))
+            traj.env_s += time.perf_counter() - t0
+    except retry_on:
+        raise
     except Exception as e:  # a broken environment costs this episode, not the rollout
         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
     finally:
         if hook is not None:
+            traj.metrics.update(getattr(hook, "metrics", None) or {})
             await hook.close()
     traj.total_s = time.perf_counter() - start
     return traj

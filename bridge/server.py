@@ -18,14 +18,19 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from bridge import wire
 from bridge.engines.base import Engine, SnapshotRefused
+from bridge.envs.session import EndpointUnavailable, SessionLost
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
 from bridge.rollout import EpisodeHook, Trajectory, run_episode
+
+if TYPE_CHECKING:
+    from bridge.envs.episode import EnvRuntime
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+RETRYABLE = (SessionLost, EndpointUnavailable)  # the environment went away: replay the episode
+
 # episode_hook_factory(group) -> EpisodeHook | None (or an awaitable of one), once per episode.
 HookFactory = Callable[[wire.PromptGroup], "EpisodeHook | None | Awaitable[EpisodeHook | None]"]
 
@@ -51,9 +58,16 @@ class _Invalid(Exception):
 
 
 class BridgeServicer(pb_grpc.BridgeServicer):
+    """`envs` (an EnvRuntime) serves named environments; `episode_hook_factory` is the bare hook
+    interface (tests, custom loops). With `envs`, an episode whose session is lost is replayed
+    from the start up to its environment's `max_retries`, then dropped and counted."""
+
     def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
-                 on_shutdown: Callable[[], None] | None = None):
+                 on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None):
         self.engine = engine
+        self.envs = envs
+        if envs is not None and episode_hook_factory is None:
+            episode_hook_factory = lambda g: envs.hook(g.env, g.task) if g.env else None  # noqa: E731
         self.episode_hook_factory = episode_hook_factory
         self.on_shutdown = on_shutdown
         self.started = time.monotonic()
@@ -68,6 +82,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             "request_errors": 0,
             "snapshot_loads": 0,
             "snapshot_refusals": 0,
+            "episodes_retried": 0,
+            "episodes_dropped": 0,
         }
 
     # -- helpers ------------------------------------------------------------------------------
@@ -108,8 +124,12 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         except ValueError as e:  # WireError included
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         for g in groups:
-            if len(g.prompt_ids) == 0:
+            if len(g.prompt_ids) == 0 and not g.env:  # an environment writes its own prompt
                 raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"group {g.group_id!r} has an empty prompt")
+            if g.env and self.envs is not None and g.env not in self.envs.connectors:
+                raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"group {g.group_id!r} names environment {g.env!r}; this bridge serves: "
+                               f"{', '.join(self.envs.connectors)}")
             if g.env and self.episode_hook_factory is None:
                 raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                                f"group {g.group_id!r} names environment {g.env!r}, but this bridge "
@@ -123,21 +143,42 @@ class BridgeServicer(pb_grpc.BridgeServicer):
     async def _episode(self, group: wire.PromptGroup, index: int, params, max_turns: int,
                        max_total_tokens: int | None) -> Trajectory:
         self.counters["episodes_in_flight"] += 1
+        prompt = [int(t) for t in group.prompt_ids]
+        spec = self.envs.specs.get(group.env) if self.envs is not None else None
+        retries = spec.max_retries if spec is not None else 0
         try:
-            hook = None
-            if self.episode_hook_factory is not None:
+            for attempt in range(retries + 1):
+                hook = None
+                if self.episode_hook_factory is not None:
+                    try:
+                        hook = self.episode_hook_factory(group)
+                        if inspect.isawaitable(hook):
+                            hook = await hook
+                    except Exception as e:  # an environment that cannot start costs this episode
+                        traj = Trajectory(group.group_id, index, prompt, env=group.env)
+                        traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+                        return traj
                 try:
-                    hook = self.episode_hook_factory(group)
-                    if inspect.isawaitable(hook):
-                        hook = await hook
-                except Exception as e:  # an environment that cannot start costs this episode
-                    traj = Trajectory(group.group_id, index, [int(t) for t in group.prompt_ids], env=group.env)
-                    traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+                    traj = await run_episode(
+                        self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,
+                        max_turns=max_turns, max_total_tokens=max_total_tokens, retry_on=RETRYABLE,
+                    )
+                    traj.metrics["retries"] = float(attempt)
                     return traj
-            return await run_episode(
-                self.engine, group.group_id, index, [int(t) for t in group.prompt_ids], params,
-                hook=hook, env=group.env, max_turns=max_turns, max_total_tokens=max_total_tokens,
-            )
+                except RETRYABLE as e:
+                    lost = f"{type(e).__name__}: {e}"
+                    if attempt == retries:
+                        break
+                    self.counters["episodes_retried"] += 1
+                    log.warning("episode %s/%d lost its %s session (%s); replaying it from reset (retry %d/%d)",
+                                group.group_id, index, group.env, lost, attempt + 1, retries)
+                    await asyncio.sleep(spec.retry_backoff_s * 2**attempt)
+            self.counters["episodes_dropped"] += 1
+            traj = Trajectory(group.group_id, index, prompt, env=group.env)
+            traj.finish_reason = "error"
+            traj.error = f"dropped after {retries} retries: {lost}"
+            traj.metrics["retries"] = float(retries)
+            return traj
         finally:
             self.counters["episodes_in_flight"] -= 1
 
@@ -211,6 +252,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         counters = {k: float(v) for k, v in self.counters.items()}
         counters["policy_version"] = float(self.engine.policy_version)
         counters["uptime_s"] = time.monotonic() - self.started
+        if self.envs is not None:
+            counters.update(self.envs.metrics())
         for k, v in (getattr(self.engine, "stats", None) or {}).items():
             if isinstance(v, (int, float)):
                 counters[f"engine.{k}"] = float(v)
@@ -237,14 +280,17 @@ async def serve(
     grace_s: float = 5.0,
     parent_pid: int | None = None,
     handle_signals: bool = True,
+    envs: EnvRuntime | None = None,
 ) -> None:
     """Serves `engine` until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the parent's exit.
 
-    `on_listening(host:port)` is called once the server accepts calls. The engine is closed on the
-    way out.
+    `on_listening(host:port)` is called once the server accepts calls. `envs` is started (every
+    environment checked) before that. The engine and the environments are closed on the way out.
     """
     stop = asyncio.Event()
-    servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set)
+    if envs is not None:
+        await envs.start()
+    servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_BridgeServicer_to_server(servicer, server)
     target_host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
@@ -275,6 +321,8 @@ async def serve(
             watchdog.cancel()
         await server.stop(grace_s)
         await engine.close()
+        if envs is not None:
+            await envs.aclose()
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -351,8 +399,13 @@ def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int 
 
 def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host: str = "127.0.0.1",
                port: int = 0, max_batch: int | None = None, seed: int = 0,
-               parent_pid: int | None = None, engine_kwargs: dict | None = None) -> int:
-    """Builds the engine, serves it, prints `BRIDGE_LISTENING host:port` once serving; exit code."""
+               parent_pid: int | None = None, engine_kwargs: dict | None = None,
+               envs_file: str | None = None) -> int:
+    """Builds the engine, serves it, prints `BRIDGE_LISTENING host:port` once serving; exit code.
+
+    `envs_file` (JSON, see `bridge.envs.runtime_from_file`) names the environments and reward
+    functions to serve; they are checked before the engine loads.
+    """
     import sys
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -362,12 +415,23 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
         print(listening_line(address), flush=True)
 
     async def main() -> None:
+        envs = None
+        if envs_file is not None:
+            from bridge.envs.episode import runtime_from_file
+
+            envs = runtime_from_file(envs_file, model_dir)
+            await envs.start()  # unreachable environments fail before the model loads
         # Built inside the loop: an engine may create loop-bound objects.
         engine = build_engine(engine_name, model_dir, dtype, max_batch, seed, engine_kwargs)
-        await serve(engine, host, port, on_listening=announce, parent_pid=parent_pid)
+        await serve(engine, host, port, on_listening=announce, parent_pid=parent_pid, envs=envs)
+
+    from bridge.envs.spec import EnvConfigError
 
     try:
         asyncio.run(main())
+    except EnvConfigError as e:
+        print(f"jaxrl bridge: error: {e}", file=sys.stderr)
+        return 2
     except (StartupError, OSError) as e:
         print(f"jaxrl bridge: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, StartupError) else 1

@@ -199,6 +199,7 @@ class TrajectoryData:
     generate_s: float = 0.0
     env_s: float = 0.0
     total_s: float = 0.0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -227,6 +228,7 @@ def trajectory_to_proto(traj: Trajectory) -> pb.Trajectory:
         timings=pb.Timings(generate_s=traj.generate_s, env_s=traj.env_s, total_s=traj.total_s),
         error=traj.error,
         num_turns=traj.num_turns,
+        metrics=dict(traj.metrics),
     )
 
 
@@ -252,4 +254,5 @@ def trajectory_from_proto(msg: pb.Trajectory) -> TrajectoryData:
         generate_s=msg.timings.generate_s,
         env_s=msg.timings.env_s,
         total_s=msg.timings.total_s,
+        metrics=dict(msg.metrics),
     )

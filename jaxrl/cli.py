@@ -97,7 +97,7 @@ def _bridge(args) -> int:
         return 2
     return run_bridge(args.engine, args.model, dtype=args.dtype, host=args.host, port=args.port,
                       max_batch=args.max_batch, seed=args.seed, parent_pid=args.parent_pid,
-                      engine_kwargs=engine_kwargs)
+                      engine_kwargs=engine_kwargs, envs_file=args.envs)
 
 
 def _env_serve(args) -> int:
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     br.add_argument("--max-batch", type=int, help="most sequences generated together")
     br.add_argument("--seed", type=int, default=0, help="sampling seed for requests without one")
     br.add_argument("--engine-kwargs", help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
+    br.add_argument("--envs", help="JSON file of the environments and reward functions to serve")
     br.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this parent is gone
     br.set_defaults(func=_bridge)
 

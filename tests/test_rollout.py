@@ -33,6 +33,9 @@ class ToolHook:
         done = len(self.turns) >= self.done_after
         return TurnResult([] if done else TOOL_RESULT, done, {"env": float(len(self.turns))})
 
+    async def finish(self, trajectory):
+        return {}
+
     async def close(self):
         self.closed = True
 

@@ -334,6 +334,9 @@ class ScriptedToolHook:
             return TurnResult([], True, {"reward": float(self.group.task["target"])})
         return TurnResult([70, 71], False)
 
+    async def finish(self, trajectory):
+        return {}
+
     async def close(self):
         self.closed = True
 

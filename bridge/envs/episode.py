@@ -1,0 +1,566 @@
+"""Episodes against environments: the `EpisodeHook` the bridge's rollout loop drives.
+
+Three kinds of environment sit behind one interface (`Connector.open(task) -> EnvEpisode`):
+
+- a running OpenEnv server (`url`), reached through the session layer (`bridge.envs.session`)
+  over its WebSocket `/ws`; what a model turn means comes from the server's `/schema`;
+- an openenv `Environment` subclass run in-process (`env_class`), one instance per episode;
+- a tool-environment class (`env_class`, TRL `environment_factory` style): public documented
+  methods are the tools (`bridge.envs.tools.ToolEnvironment`).
+
+How a model turn becomes actions (`EnvSpec.action`, `auto` picks from the action schema):
+
+- `text`: the reply (special tokens dropped, stripped) fills one string field; the
+  observation comes back as the next user turn;
+- `tool_call`: the action is `{tool, arguments}`; the tools are listed in reset's observation
+  (`tools`); each parsed tool call is one step;
+- `mcp`: OpenEnv MCP environments: tools from `ListToolsAction`, calls as `CallToolAction`;
+- `tool`: the whole action is one tool whose parameters are the action's fields.
+
+In the tool modes a turn without a tool call is the model's final answer. Malformed calls,
+unknown tools, bad arguments and tools that raise come back to the model as `Error: ...` tool
+results (counted in the episode's `tool_errors`), never as a crash. Everything the environment
+says is rendered with the model's chat template and appended with loss mask 0.
+
+A lost session (`SessionLost`) or an unreachable endpoint (`EndpointUnavailable`) is raised out
+of the hook: the bridge replays the whole episode from `reset()` on a fresh session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+from typing import Any
+
+from bridge.envs.session import Endpoint, EnvServerError
+from bridge.envs.spec import ENV_REWARD, EnvConfigError, EnvSpec, RewardSpec, import_object
+from bridge.envs.tools import ToolEnvironment
+from bridge.rollout import TurnResult
+from bridge.tool_calls import ToolCallParser, format_tool_results, render_tool_results
+
+OBSERVATION_TEXT_FIELDS = ("text", "prompt", "message", "content")
+_NOT_SHOWN = {"reward", "done", "metadata", "tools"}
+
+
+@dataclasses.dataclass
+class EpisodeRecord:
+    """What reward functions see of an episode's environment (`environments[i]` for remote ones)."""
+
+    env: str
+    task: dict[str, Any]
+    observations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards))
+
+    @property
+    def last_observation(self) -> dict[str, Any]:
+        return self.observations[-1] if self.observations else {}
+
+
+@dataclasses.dataclass
+class Step:
+    text: str
+    done: bool = False
+    error: bool = False
+
+
+def observation_text(observation: dict[str, Any], field: str | None = None) -> str:
+    """What the model is shown of an observation: its text field, else the observation as JSON."""
+    if field is not None:
+        value = observation.get(field, "")
+        return value if isinstance(value, str) else json.dumps(value, default=str)
+    for key in OBSERVATION_TEXT_FIELDS:
+        if isinstance(observation.get(key), str):
+            return observation[key]
+    shown = {k: v for k, v in observation.items() if k not in _NOT_SHOWN}
+    return json.dumps(shown, default=str)
+
+
+def as_function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool spec in the chat templates' `{"type": "function", "function": {...}}` form."""
+    if tool.get("type") == "function" and "function" in tool:
+        return tool
+    parameters = tool.get("parameters") or tool.get("input_schema") or tool.get("inputSchema") or {
+        "type": "object", "properties": {}}
+    return {"type": "function", "function": {
+        "name": tool["name"], "description": tool.get("description") or "", "parameters": parameters}}
+
+
+def resolve_action_mode(spec: EnvSpec, action_schema: dict[str, Any]) -> tuple[str, str | None]:
+    """(mode, text field) for an action JSON schema; EnvConfigError if `text` has no string field."""
+    props = {k: v for k, v in (action_schema.get("properties") or {}).items() if k != "metadata"}
+    mode = spec.action
+    if mode == "auto":
+        if {"tool_name", "arguments"} <= set(props):
+            mode = "mcp"
+        elif {"tool", "arguments"} <= set(props):
+            mode = "tool_call"
+        elif _string_field(action_schema) is not None or spec.text_field:
+            mode = "text"
+        else:
+            mode = "tool"
+    field = None
+    if mode == "text":
+        field = spec.text_field or _string_field(action_schema)
+        if field is None or field not in props:
+            raise EnvConfigError(
+                f"environment {spec.name!r}: text mode needs a string action field; the action has "
+                f"{', '.join(props) or 'no fields'}: set text_field, or action: tool")
+    return mode, field
+
+
+def _string_field(schema: dict[str, Any]) -> str | None:
+    props = schema.get("properties") or {}
+    required = [k for k in schema.get("required", []) if k != "metadata"]
+    strings = [k for k in required if props.get(k, {}).get("type") == "string"]
+    return strings[0] if len(required) == 1 and len(strings) == 1 else None
+
+
+def _action_tool(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    props = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
+    required = [k for k in schema.get("required", []) if k in props]
+    return as_function_tool({
+        "name": name, "description": schema.get("description") or f"Act in the {name} environment.",
+        "parameters": {"type": "object", "properties": props, "required": required}})
+
+
+def _check_arguments(tool: dict[str, Any], arguments: Any) -> str | None:
+    """What is wrong with a call's arguments against its JSON schema's fields, or None."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {type(arguments).__name__}"
+    params = tool["function"].get("parameters") or {}
+    props = params.get("properties")
+    missing = [k for k in params.get("required", []) if k not in arguments]
+    unknown = sorted(set(arguments) - set(props)) if props is not None else []
+    problems = []
+    if missing:
+        problems.append(f"missing argument(s) {', '.join(missing)}")
+    if unknown:
+        problems.append(f"unknown argument(s) {', '.join(unknown)}; expected: {', '.join(props) or 'none'}")
+    return "; ".join(problems) or None
+
+
+# -- sessions: remote or in-process, the same three calls ----------------------------------------
+
+
+class _LocalSession:
+    """An in-process openenv Environment with the remote Session's reset/step/close."""
+
+    def __init__(self, env_cls: type, action_cls: type):
+        self.env = env_cls()
+        self.action_cls = action_cls
+
+    async def reset(self, **kwargs) -> dict:
+        from openenv.core.env_server.serialization import serialize_observation
+
+        obs = await asyncio.to_thread(self.env.reset, **kwargs)
+        return serialize_observation(obs)
+
+    async def step(self, action: dict) -> dict:
+        from openenv.core.env_server.serialization import serialize_observation
+        from pydantic import ValidationError
+
+        try:
+            parsed = self.action_cls(**action)
+        except ValidationError as e:  # what the server answers as VALIDATION_ERROR
+            raise EnvServerError("the environment", "VALIDATION_ERROR", "invalid action",
+                                 {"errors": e.errors(include_url=False)}) from None
+        obs = await asyncio.to_thread(self.env.step, parsed)
+        return serialize_observation(obs)
+
+    async def close(self) -> None:
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
+
+def _action_class(spec: EnvSpec, env_cls: type) -> type:
+    """The Action class: `action_class` in the spec, else `step`'s annotation."""
+    from openenv.core.env_server import Action
+
+    if spec.action_class:
+        action_cls = import_object(spec.action_class, f"environment {spec.name!r}: action_class")
+    else:
+        action_cls = inspect.get_annotations(env_cls.step, eval_str=True).get("action")
+    if not (inspect.isclass(action_cls) and issubclass(action_cls, Action)) or action_cls is Action:
+        raise EnvConfigError(
+            f"environment {spec.name!r}: cannot tell the Action class of {env_cls.__name__}: annotate "
+            f"`def step(self, action: MyAction)` or set action_class: 'module:MyAction'")
+    return action_cls
+
+
+class SessionEpisode:
+    """One episode over a session (remote or in-process): actions by the resolved mode."""
+
+    def __init__(self, connector: SessionConnector, session: Any, task: dict[str, Any]):
+        self.connector = connector
+        self.spec = connector.spec
+        self.session = session
+        self.record = EpisodeRecord(self.spec.name, task)
+        self.tools: list[dict[str, Any]] = []
+        self.first_text = ""
+
+    def _observe(self, payload: dict[str, Any]) -> dict[str, Any]:
+        obs = payload.get("observation") or {}
+        self.record.observations.append(obs)
+        if payload.get("reward") is not None:
+            self.record.rewards.append(float(payload["reward"]))
+        self.record.done = bool(payload.get("done"))
+        return obs
+
+    async def start(self) -> None:
+        obs = self._observe(await self.session.reset(**self.record.task))
+        self.first_text = observation_text(obs, self.spec.observation_field)
+        mode = self.connector.mode
+        if mode == "tool":
+            self.tools = [self.connector.action_tool]
+        elif mode == "tool_call":
+            self.tools = [as_function_tool(t) for t in obs.get("tools") or []]
+        elif mode == "mcp":
+            listed = await self.session.step({"type": "list_tools"})
+            self.tools = [as_function_tool(t) for t in (listed.get("observation") or {}).get("tools") or []]
+
+    async def act_text(self, text: str) -> Step:
+        obs = self._observe(await self.session.step({self.connector.text_field: text}))
+        return Step(observation_text(obs, self.spec.observation_field), self.record.done)
+
+    async def call_tool(self, name: str, arguments: Any) -> Step:
+        tool = next((t for t in self.tools if t["function"]["name"] == name), None)
+        if tool is None:
+            known = ", ".join(t["function"]["name"] for t in self.tools) or "(none)"
+            return Step(f"Error: unknown tool '{name}'. Available tools: {known}.", error=True)
+        problem = _check_arguments(tool, arguments)
+        if problem is not None:
+            return Step(f"Error: invalid call to '{name}': {problem}.", error=True)
+        mode = self.connector.mode
+        if mode == "tool":
+            action = dict(arguments)
+        elif mode == "tool_call":
+            action = {"tool": name, "arguments": arguments}
+        else:
+            action = {"type": "call_tool", "tool_name": name, "arguments": arguments}
+        try:
+            obs = self._observe(await self.session.step(action))
+        except EnvServerError as e:  # the server refused the action: the model's mistake
+            return Step(f"Error: {str(e).split(' answered ', 1)[-1]}", error=True)
+        if mode == "mcp":
+            return _mcp_step(obs, self.record.done)
+        error = bool(obs.get("error"))
+        return Step(observation_text(obs, self.spec.observation_field), self.record.done, error)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    @property
+    def handle(self) -> Any:
+        return getattr(self.session, "env", self.record)
+
+
+def _mcp_step(obs: dict[str, Any], done: bool) -> Step:
+    error = obs.get("error")
+    if error:
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        return Step(f"Error: {message}", done, True)
+    result = obs.get("result")
+    if isinstance(result, dict):
+        content = result.get("content")
+        if isinstance(content, list):
+            texts = [c.get("text", "") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+            is_error = bool(result.get("is_error") or result.get("isError"))
+            return Step("\n".join(texts), done, is_error)
+        if "data" in result:
+            result = result["data"]
+    return Step(result if isinstance(result, str) else json.dumps(result, default=str), done)
+
+
+class SessionConnector:
+    """Opens episodes on an OpenEnv server (`endpoint`) or an in-process Environment class."""
+
+    def __init__(self, spec: EnvSpec, endpoint: Endpoint | None = None, env_cls: type | None = None):
+        self.spec = spec
+        self.endpoint = endpoint
+        self.env_cls = env_cls
+        self.action_cls = _action_class(spec, env_cls) if env_cls is not None else None
+        self.mode = spec.action
+        self.text_field: str | None = None
+        self.action_tool: dict[str, Any] | None = None
+
+    async def start(self) -> None:
+        """Reads the action schema (checking the server answers) and resolves the action mode."""
+        if self.endpoint is not None:
+            await self.endpoint.check()
+            schema = (await self.endpoint.schema()).get("action") or {}
+        else:
+            schema = self.action_cls.model_json_schema()
+        self.mode, self.text_field = resolve_action_mode(self.spec, schema)
+        self.action_tool = _action_tool(self.spec.tool_name or self.spec.name, schema)
+
+    async def open(self, task: dict[str, Any]) -> SessionEpisode:
+        if self.endpoint is not None:
+            session = await self.endpoint.open()
+        else:
+            session = _LocalSession(self.env_cls, self.action_cls)
+        episode = SessionEpisode(self, session, task)
+        try:
+            await episode.start()
+        except BaseException:
+            await session.close()
+            raise
+        return episode
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return dict(self.endpoint.metrics) if self.endpoint is not None else {}
+
+    async def aclose(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.aclose()
+
+
+class ToolClassEpisode:
+    """One episode of a tool-environment class: its own instance, tools by its methods."""
+
+    mode = "tool_class"
+
+    def __init__(self, spec: EnvSpec, cls: type, task: dict[str, Any]):
+        self.spec = spec
+        self.env = ToolEnvironment(cls())
+        self.record = EpisodeRecord(spec.name, task)
+        self.tools = self.env.tools
+        self.first_text = ""
+
+    async def start(self) -> None:
+        self.first_text = await self.env.areset(**self.record.task)
+
+    async def call_tool(self, name: str, arguments: Any) -> Step:
+        errors = self.env.metrics["errors"]
+        text = await self.env.acall(name, arguments, timeout_s=self.spec.session.step_timeout_s)
+        self.record.done = bool(getattr(self.env.env, "done", False))
+        return Step(text, self.record.done, self.env.metrics["errors"] > errors)
+
+    async def close(self) -> None:
+        reward = getattr(self.env.env, "reward", None)
+        if callable(reward):  # the class's own reward, read before it is closed
+            value = reward()
+            if value is not None:
+                self.record.rewards.append(float(value))
+        await self.env.aclose()
+
+    @property
+    def handle(self) -> Any:
+        return self.env.env
+
+
+class ToolClassConnector:
+    mode = "tool_class"
+
+    def __init__(self, spec: EnvSpec, cls: type):
+        self.spec = spec
+        self.cls = cls
+
+    async def start(self) -> None:
+        ToolEnvironment(self.cls())  # schema mistakes in the class surface at start-up
+
+    async def open(self, task: dict[str, Any]) -> ToolClassEpisode:
+        episode = ToolClassEpisode(self.spec, self.cls, task)
+        await episode.start()
+        return episode
+
+    metrics: dict[str, float] = {}
+
+    async def aclose(self) -> None:
+        pass
+
+
+def build_connector(spec: EnvSpec) -> SessionConnector | ToolClassConnector:
+    """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
+    if spec.url:
+        return SessionConnector(spec, endpoint=Endpoint(spec.url, spec.session, name=spec.name))
+    if spec.bundled:
+        raise EnvConfigError(f"environment {spec.name!r}: bundled {spec.bundled!r} has no server; the trainer "
+                             "starts bundled servers and passes their url")
+    from openenv.core.env_server import Environment
+
+    cls = import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+    if not inspect.isclass(cls):
+        raise EnvConfigError(f"environment {spec.name!r}: env_class {spec.env_class!r} is not a class")
+    if issubclass(cls, Environment):
+        return SessionConnector(spec, env_cls=cls)
+    return ToolClassConnector(spec, cls)
+
+
+# -- the hook -----------------------------------------------------------------------------------
+
+
+class EnvEpisodeHook:
+    """Drives one episode: reset -> prompt, model turns -> actions, observations -> tokens."""
+
+    def __init__(self, runtime: Any, connector: SessionConnector | ToolClassConnector, task: dict[str, Any]):
+        self.runtime = runtime
+        self.connector = connector
+        self.spec = connector.spec
+        self.task = task
+        self.episode: SessionEpisode | ToolClassEpisode | None = None
+        self.metrics = {"tool_calls": 0.0, "tool_errors": 0.0, "env_steps": 0.0}
+
+    async def start(self) -> list[int]:
+        self.episode = await self.connector.open(self.task)
+        tok = self.runtime.tokenizer
+        messages = []
+        if self.spec.system_prompt:
+            messages.append({"role": "system", "content": self.spec.system_prompt})
+        messages.append({"role": "user", "content": self.episode.first_text})
+        return list(tok.apply_chat_template(
+            messages, tools=self.episode.tools or None, add_generation_prompt=True, tokenize=True,
+            return_dict=False, **self.runtime.template_kwargs))
+
+    async def turn(self, completion_ids: list[int]) -> TurnResult:
+        tok = self.runtime.tokenizer
+        reply = tok.decode(completion_ids, skip_special_tokens=True)
+        if getattr(self.episode, "mode", None) == "tool_class" or self.connector.mode != "text":
+            parsed = self.runtime.parser.parse(reply)
+            if not parsed.calls and not parsed.errors:
+                return TurnResult([], done=False)  # the final answer
+            self.metrics["tool_errors"] += len(parsed.errors)
+            results, done = [], False
+            for call in parsed.calls:
+                if done:
+                    results.append("Error: the episode ended before this call.")
+                    self.metrics["tool_errors"] += 1
+                    continue
+                step = await self.episode.call_tool(call.name, call.arguments)
+                self.metrics["tool_calls"] += 1
+                self.metrics["env_steps"] += 1
+                self.metrics["tool_errors"] += step.error
+                results.append(step.text)
+                done = step.done
+            messages = format_tool_results(parsed.calls, results, parsed.errors)
+        else:
+            step = await self.episode.act_text(reply.strip())
+            self.metrics["env_steps"] += 1
+            done = step.done
+            messages = [{"role": "user", "content": step.text}]
+        if done:
+            return TurnResult([], done=True)
+        ended = bool(completion_ids) and completion_ids[-1] == tok.eos_token_id
+        text = render_tool_results(tok, messages, turn_end=None if ended else "", **self.runtime.template_kwargs)
+        return TurnResult(tok.encode(text, add_special_tokens=False), done=False)
+
+    async def finish(self, trajectory) -> dict[str, float]:
+        """The episode's rewards by name (functions answering None leave theirs out)."""
+        if self.episode is None:
+            return {}
+        await self.close()
+        return await self.runtime.score(self.spec.name, self.episode, trajectory, self.task)
+
+    async def close(self) -> None:
+        if self.episode is not None and not getattr(self, "_closed", False):
+            self._closed = True
+            await self.episode.close()
+
+
+class EnvRuntime:
+    """The bridge's environments: connectors by name, the tokenizer, the parser, reward functions."""
+
+    def __init__(self, specs: list[EnvSpec], tokenizer: Any, parser: ToolCallParser,
+                 rewards: list[RewardSpec] = (), template_kwargs: dict[str, Any] | None = None):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise EnvConfigError(f"environment names must be unique, got {names}")
+        self.specs = {s.name: s for s in specs}
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self.template_kwargs = dict(template_kwargs or {})
+        self.reward_specs = list(rewards)
+        self.reward_fns = {r.key: (None if r.fn == ENV_REWARD else import_object(r.fn, "reward function"))
+                           for r in self.reward_specs}
+        for key, fn in self.reward_fns.items():
+            if fn is not None and not callable(fn):
+                raise EnvConfigError(f"reward function {key!r} is not callable")
+        self.connectors = {s.name: build_connector(s) for s in specs}
+        self.started = False
+
+    async def start(self) -> None:
+        """Checks every environment answers (or can be built) before any episode runs; once."""
+        if self.started:
+            return
+        self.started = True
+        for name, connector in self.connectors.items():
+            try:
+                await connector.start()
+            except EnvConfigError:
+                raise
+            except Exception as e:
+                raise EnvConfigError(f"environment {name!r}: {type(e).__name__}: {e}") from e
+
+    def hook(self, env: str, task: dict[str, Any]) -> EnvEpisodeHook:
+        if env not in self.connectors:
+            raise ValueError(f"unknown environment {env!r}; this bridge serves: {', '.join(self.connectors)}")
+        return EnvEpisodeHook(self, self.connectors[env], task)
+
+    async def score(self, env: str, episode: Any, trajectory, task: dict[str, Any]) -> dict[str, float]:
+        rewards: dict[str, float] = {}
+        if episode.record.rewards:
+            rewards[ENV_REWARD] = episode.record.total_reward
+        completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
+        for key, fn in self.reward_fns.items():
+            if fn is None:
+                continue
+            fields = {k: [v] for k, v in task.items() if k not in ("completions", "environments")}
+            value = fn(completions=[completion], environments=[episode.handle], env=[env], **fields)
+            if inspect.isawaitable(value):
+                value = await value
+            if not isinstance(value, (list, tuple)) or len(value) != 1:
+                raise TypeError(f"reward function {key!r} must return a list with one value per completion, "
+                                f"got {value!r}")
+            if value[0] is not None:
+                rewards[key] = float(value[0])
+        return rewards
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, connector in self.connectors.items():
+            for k, v in connector.metrics.items():
+                out[f"env.{name}.{k}"] = float(v)
+        return out
+
+    async def aclose(self) -> None:
+        for connector in self.connectors.values():
+            await connector.aclose()
+
+
+def runtime_from_dict(data: dict[str, Any], tokenizer: Any) -> EnvRuntime:
+    """An EnvRuntime from `{"envs": [...], "rewards": [...], "tool_parser": "qwen",
+    "chat_template_kwargs": {...}}` (what the trainer writes for its bridges)."""
+    from bridge.tool_calls import get_parser
+
+    unknown = sorted(set(data) - {"envs", "rewards", "tool_parser", "chat_template_kwargs"})
+    if unknown:
+        raise EnvConfigError(f"environments file: unknown key(s) {', '.join(unknown)}")
+    specs = [EnvSpec.from_dict(d) for d in data.get("envs") or []]
+    if not specs:
+        raise EnvConfigError("environments file lists no environments")
+    rewards = [RewardSpec.from_dict(d) for d in data.get("rewards") or []]
+    try:
+        parser = get_parser(data.get("tool_parser"))
+    except ValueError as e:
+        raise EnvConfigError(str(e)) from None
+    return EnvRuntime(specs, tokenizer, parser, rewards, data.get("chat_template_kwargs"))
+
+
+def runtime_from_file(path: str, model_dir: str) -> EnvRuntime:
+    """The runtime a `jaxrl bridge --envs FILE` serves, with the model directory's tokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EnvConfigError(f"environments file {path}: {e}") from None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return runtime_from_dict(data, tokenizer)

@@ -1,0 +1,137 @@
+"""What a run says about its environments and reward functions (the `envs:` / `rewards:` config).
+
+The trainer resolves `bundled` entries to the `url` of the server it started and hands the bridge
+the rest as plain dicts (`EnvSpec.from_dict`), so the bridge needs no config machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Literal
+
+from bridge.envs.session import SessionConfig
+
+ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
+ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]
+ENV_REWARD = "env"  # the reward name of the environment's own (summed) reward
+
+
+class EnvConfigError(ValueError):
+    """An environment or reward entry that cannot work; the message names it and says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """One environment of a run. Exactly one of `bundled`, `url`, `env_class` says where it lives."""
+
+    name: str = dataclasses.field(metadata={"help": "the name dataset rows and metrics use"})
+    bundled: str | None = dataclasses.field(
+        default=None, metadata={"help": "a bundled environment (echo, wordle, guess_number); the trainer serves it"})
+    url: str | None = dataclasses.field(
+        default=None, metadata={"help": "a running OpenEnv server, e.g. http://127.0.0.1:8000 (WebSocket /ws)"})
+    env_class: str | None = dataclasses.field(
+        default=None, metadata={"help": "'module:Class': an openenv Environment run in-process, or a "
+                                        "tool-environment class (public documented methods are tools)"})
+    action_class: str | None = dataclasses.field(
+        default=None, metadata={"help": "env_class Environments: 'module:Action' when step() does not annotate it"})
+    action: ActionMode = dataclasses.field(
+        default="auto", metadata={"help": "how model turns become actions: text (the reply fills one string "
+                                          "field), tool (the action is one tool), tool_call ({tool, arguments} "
+                                          "actions, tools listed in reset's observation), mcp (ListTools/CallTool); "
+                                          "auto picks from the action schema"})
+    text_field: str | None = dataclasses.field(
+        default=None, metadata={"help": "text mode: the action field the reply fills (default: the only required "
+                                        "string field)"})
+    tool_name: str | None = dataclasses.field(
+        default=None, metadata={"help": "tool mode: the tool's name (default: the environment's name)"})
+    observation_field: str | None = dataclasses.field(
+        default=None, metadata={"help": "the observation field shown to the model (default: text, prompt, "
+                                        "message or content; else the observation as JSON)"})
+    system_prompt: str = dataclasses.field(default="", metadata={"help": "system message of every episode"})
+    max_concurrent_envs: int = dataclasses.field(
+        default=64, metadata={"help": "sessions at once (bundled servers are started with this capacity)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "bundled server seed (resets without a seed)"})
+    max_retries: int = dataclasses.field(
+        default=2, metadata={"help": "an episode whose session is lost is replayed from reset() this many "
+                                     "times, then dropped and counted"})
+    retry_backoff_s: float = dataclasses.field(default=0.5, metadata={"help": "first wait before a retry; doubles"})
+    session: SessionConfig = dataclasses.field(
+        default_factory=SessionConfig, metadata={"help": "timeouts, pings, capacity backoff and circuit breaker"})
+
+    def __post_init__(self):
+        where = [k for k in ("bundled", "url", "env_class") if getattr(self, k)]
+        if len(where) != 1:
+            raise EnvConfigError(
+                f"environment {self.name!r}: set exactly one of bundled, url, env_class (got "
+                f"{', '.join(where) or 'none'})")
+        if not self.name:
+            raise EnvConfigError("an environment needs a name")
+        if self.action not in ACTION_MODES:
+            raise EnvConfigError(f"environment {self.name!r}: action {self.action!r} is not one of "
+                                 f"{', '.join(ACTION_MODES)}")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise EnvConfigError(f"environment {self.name!r}: url {self.url!r} must start with http:// or https://")
+        if self.env_class and ":" not in self.env_class:
+            raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_concurrent_envs < 1:
+            raise EnvConfigError(f"environment {self.name!r}: max_retries and retry_backoff_s must be >= 0 "
+                                 "and max_concurrent_envs >= 1")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EnvSpec:
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise EnvConfigError(f"environment {data.get('name', '?')!r}: unknown key(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(sorted(known))}")
+        session = data.get("session")
+        if isinstance(session, dict):
+            try:
+                data["session"] = SessionConfig(**session)
+            except (TypeError, ValueError) as e:
+                raise EnvConfigError(f"environment {data.get('name', '?')!r}: session: {e}") from None
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """A reward function `fn(completions, environments, **task_fields) -> list[float | None]`, or `env`."""
+
+    fn: str = dataclasses.field(metadata={"help": "'module:function', or 'env' for the environment's own reward"})
+    weight: float = dataclasses.field(default=1.0, metadata={"help": "weight in the summed reward"})
+    name: str | None = dataclasses.field(default=None, metadata={"help": "metric name (default: the function's)"})
+
+    @property
+    def key(self) -> str:
+        if self.name:
+            return self.name
+        return ENV_REWARD if self.fn == ENV_REWARD else self.fn.rsplit(":", 1)[-1]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RewardSpec:
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise EnvConfigError(f"reward {data!r}: {e}") from None
+
+
+def import_object(path: str, what: str) -> Any:
+    """`module:attr` imported; EnvConfigError naming `what` if it cannot be."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise EnvConfigError(f"{what} {path!r} must be written 'module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise EnvConfigError(f"{what} {path!r}: cannot import module {module_name!r} ({e})") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EnvConfigError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj

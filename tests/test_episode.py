@@ -1,0 +1,264 @@
+"""The environment episode layer in-process: action modes, tool loop, rewards, token masks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from bridge.engines.base import SamplingParams
+from bridge.envs.episode import (
+    EnvRuntime, as_function_tool, observation_text, resolve_action_mode, runtime_from_dict,
+)
+from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec
+from bridge.rollout import ENV_VERSION, run_episode
+from bridge.tool_calls import get_parser
+from jaxrl.tiny_tokenizer import build_tokenizer
+from scripted_engine import ScriptedEngine, guess_number_policy, tool_call
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def run(engine, runtime, env, task, max_turns=8, budget=2048):
+    async def go():
+        await runtime.start()
+        hook = runtime.hook(env, task)
+        return await run_episode(engine, "g", 0, [], PARAMS, hook, env=env, max_turns=max_turns,
+                                 max_total_tokens=budget)
+
+    return asyncio.run(go())
+
+
+def segments(traj):
+    """(mask, token ids) runs of a trajectory's completion."""
+    out = []
+    for t, m in zip(traj.completion_ids, traj.loss_mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(t)
+        else:
+            out.append((m, [t]))
+    return out
+
+
+def check_masks(traj, tok):
+    assert len(traj.loss_mask) == len(traj.completion_ids) == len(traj.token_versions)
+    for t, m, v, lp in zip(traj.completion_ids, traj.loss_mask, traj.token_versions, traj.sampler_logprobs):
+        assert (v == ENV_VERSION) == (m == 0)
+        if m == 0:
+            assert lp == 0.0
+    for m, ids in segments(traj):
+        if m == 0:  # what the environment wrote ends by opening the model's next turn
+            assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+# -- schemas and modes --------------------------------------------------------------------------
+
+
+def schema(props, required):
+    return {"type": "object", "properties": props, "required": required}
+
+
+@pytest.mark.parametrize("props, required, mode, field", [
+    ({"message": {"type": "string"}, "metadata": {"type": "object"}}, ["message"], "text", "message"),
+    ({"tool": {"type": "string"}, "arguments": {"type": "object"}}, ["tool"], "tool_call", None),
+    ({"type": {"type": "string"}, "tool_name": {"type": "string"}, "arguments": {"type": "object"}},
+     ["tool_name"], "mcp", None),
+    ({"x": {"type": "integer"}, "y": {"type": "integer"}}, ["x", "y"], "tool", None),
+])
+def test_auto_mode_follows_the_action_schema(props, required, mode, field):
+    assert resolve_action_mode(EnvSpec("e", url="http://127.0.0.1:1"), schema(props, required)) == (mode, field)
+
+
+def test_text_mode_without_a_string_field_is_a_config_error():
+    spec = EnvSpec("grid", url="http://127.0.0.1:1", action="text")
+    with pytest.raises(EnvConfigError, match="grid.*text_field"):
+        resolve_action_mode(spec, schema({"x": {"type": "integer"}}, ["x"]))
+
+
+def test_observation_text_and_tool_specs():
+    assert observation_text({"text": "hi", "reward": 1}) == "hi"
+    assert json.loads(observation_text({"board": [1, 2], "done": False})) == {"board": [1, 2]}
+    assert observation_text({"a": "x", "b": 3}, "b") == "3"
+    tool = as_function_tool({"name": "add", "input_schema": schema({"a": {"type": "integer"}}, ["a"])})
+    assert tool["function"]["parameters"]["required"] == ["a"] and tool["type"] == "function"
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"name": "x"}, "exactly one of bundled, url, env_class"),
+    ({"name": "x", "url": "http://a", "bundled": "echo"}, "exactly one"),
+    ({"name": "x", "url": "ftp://a"}, "must start with http"),
+    ({"name": "x", "env_class": "nocolon"}, "module:Class"),
+    ({"name": "x", "url": "http://a", "colour": 1}, "unknown key.*colour"),
+    ({"name": "x", "url": "http://a", "session": {"step_timeout_s": -1}}, "session.*step_timeout_s"),
+])
+def test_env_spec_errors_name_the_problem(data, message):
+    with pytest.raises(EnvConfigError, match=message):
+        EnvSpec.from_dict(data)
+
+
+def test_runtime_errors_at_start_up(tok):
+    with pytest.raises(EnvConfigError, match="cannot tell the Action class.*action_class"):
+        runtime_from_dict({"envs": [{"name": "x", "env_class": "bridge.envs.bundled.echo:EchoEnvironment"}]}, tok)
+    with pytest.raises(EnvConfigError, match="cannot import module 'no_such_module'"):
+        runtime_from_dict({"envs": [{"name": "x", "env_class": "no_such_module:Env"}]}, tok)
+    with pytest.raises(EnvConfigError, match="has no 'Nope'"):
+        runtime_from_dict({"envs": [{"name": "x", "env_class": "test_episode:Nope"}]}, tok)
+    with pytest.raises(EnvConfigError, match="unknown tool-call parser"):
+        runtime_from_dict({"envs": [{"name": "x", "url": "http://127.0.0.1:1"}], "tool_parser": "gpt9"}, tok)
+    with pytest.raises(EnvConfigError, match="lists no environments"):
+        runtime_from_dict({"envs": []}, tok)
+    with pytest.raises(EnvConfigError, match="reward function 'test_episode:missing'"):
+        runtime_from_dict({"envs": [{"name": "x", "url": "http://127.0.0.1:1"}],
+                           "rewards": [{"fn": "test_episode:missing"}]}, tok)
+
+
+# -- an in-process openenv Environment ----------------------------------------------------------
+
+
+def test_in_process_guess_number_plays_tool_calls_with_masks(tok):
+    runtime = EnvRuntime([EnvSpec("guess", env_class="bridge.envs.bundled.guess_number:GuessNumberEnvironment",
+                                  action_class="bridge.envs.bundled.guess_number:GuessNumberAction")],
+                         tok, get_parser("qwen"))
+    engine = ScriptedEngine(tok, guess_number_policy)
+    task = {"seed": 0, "low": 11, "high": 30, "secret": 23, "max_guesses": 6}
+    traj = run(engine, runtime, "guess", task)
+    assert traj.finish_reason == "env_done", traj.error
+    assert traj.rewards == {"env": 1.0}
+    # low is odd: the first turn is a malformed call, answered as an error, then bisection.
+    assert traj.metrics["tool_errors"] == 1 and traj.metrics["tool_calls"] >= 2
+    text = tok.decode(traj.prompt_ids)
+    assert '"name": "guess"' in text and "between 11 and 30" in text  # tools in the system turn
+    check_masks(traj, tok)
+    model_turns = [tok.decode(ids) for m, ids in segments(traj) if m == 1]
+    assert model_turns[0].startswith("<tool_call>\n{not json") and len(model_turns) == traj.num_turns
+    env_turns = [tok.decode(ids) for m, ids in segments(traj) if m == 0]
+    assert "<tool_response>" in env_turns[0] and "Error" in env_turns[0]
+    assert "correct" not in "".join(env_turns)  # the winning guess ends the episode: nothing appended
+
+
+def test_in_process_text_mode_echo(tok):
+    runtime = EnvRuntime([EnvSpec("echo", env_class="bridge.envs.bundled.echo:EchoEnvironment",
+                                  action_class="bridge.envs.bundled.echo:EchoAction",
+                                  system_prompt="Repeat exactly.")], tok, get_parser())
+    engine = ScriptedEngine(tok, lambda prompt: prompt.split("Repeat this text exactly: ")[-1].split("<|im_end|>")[0]
+                            if "Repeat this text exactly: " in prompt else "amber moon")
+    traj = run(engine, runtime, "echo", {"target": "amber moon"})
+    assert traj.finish_reason == "env_done" and traj.rewards == {"env": 1.0}
+    assert tok.decode(traj.prompt_ids).startswith("<|im_start|>system\nRepeat exactly.")
+    assert traj.metrics["env_steps"] == 1 and traj.metrics["tool_calls"] == 0
+
+
+def test_multi_step_text_mode_appends_observations_as_user_turns(tok):
+    runtime = EnvRuntime([EnvSpec("echo", env_class="bridge.envs.bundled.echo:EchoEnvironment",
+                                  action_class="bridge.envs.bundled.echo:EchoAction")], tok, get_parser())
+    engine = ScriptedEngine(tok, lambda prompt: "red")
+    traj = run(engine, runtime, "echo", {"target": "blue sky", "max_steps": 3})
+    assert traj.finish_reason == "env_done" and traj.num_turns == 3
+    assert traj.rewards == {"env": 0.0}
+    check_masks(traj, tok)
+    env_turns = [tok.decode(ids) for m, ids in segments(traj) if m == 0]
+    assert len(env_turns) == 2 and all("<|im_start|>user\n" in t for t in env_turns)
+
+
+def test_invalid_action_is_told_to_the_model(tok):
+    """The action schema's validation (what a server answers VALIDATION_ERROR) is the model's error."""
+    runtime = EnvRuntime([EnvSpec("guess", env_class="bridge.envs.bundled.guess_number:GuessNumberEnvironment",
+                                  action_class="bridge.envs.bundled.guess_number:GuessNumberAction",
+                                  action="tool", tool_name="act")], tok, get_parser())
+    replies = iter([tool_call("act", {"tool": 5}), "I give up."])
+    traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, "guess",
+               {"seed": 1, "low": 0, "high": 9, "secret": 3, "max_guesses": 4})
+    assert traj.finish_reason == "stop" and traj.metrics["tool_errors"] == 1
+    env_text = [tok.decode(ids) for m, ids in segments(traj) if m == 0][0]
+    assert "VALIDATION_ERROR" in env_text and "tool" in env_text
+
+
+# -- a tool-environment class -------------------------------------------------------------------
+
+
+class Counter:
+    """A TRL-style environment: tools are its documented public methods."""
+
+    def reset(self, start: int = 0, **task) -> str:
+        self.value, self.done = start, False
+        return f"The counter is at {start}. Reach 3."
+
+    def add(self, amount: int) -> str:
+        """Adds to the counter.
+
+        Args:
+            amount: How much to add.
+        """
+        if amount < 0:
+            raise ValueError("amount must be positive")
+        self.value += amount
+        self.done = self.value >= 3
+        return f"counter = {self.value}"
+
+    def reward(self) -> float:
+        return 1.0 if self.value == 3 else 0.0
+
+
+def over_two(completions, environments, start, **kwargs):
+    return [None if s == 0 else float(env.value > 2) for env, s in zip(environments, start)]
+
+
+def length_penalty(completions, environments, **kwargs):
+    return [-len(c) / 1000 for c in completions]
+
+
+def test_tool_class_episode_counts_errors_and_scores(tok):
+    runtime = EnvRuntime(
+        [EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser(),
+        [RewardSpec("env"), RewardSpec("test_episode:over_two", 0.5), RewardSpec("test_episode:length_penalty")])
+    replies = iter([
+        tool_call("add", {"amount": 1}) + tool_call("mul", {"x": 2}),   # one good, one unknown tool
+        tool_call("add", {"amount": "two"}),                            # wrong type
+        tool_call("add", {"amount": -1}),                               # the tool raises
+        tool_call("add", {"amount": 2}),                                # reaches 3: done
+    ])
+    traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, "counter", {"start": 0})
+    assert traj.finish_reason == "env_done", traj.error
+    assert traj.metrics == {"tool_calls": 5, "tool_errors": 3, "env_steps": 5}
+    assert traj.rewards["env"] == 1.0 and "over_two" not in traj.rewards  # None: does not apply
+    assert traj.rewards["length_penalty"] < 0
+    check_masks(traj, tok)
+    env_text = "".join(tok.decode(ids) for m, ids in segments(traj) if m == 0)
+    assert "unknown tool 'mul'" in env_text and "ValueError: amount must be positive" in env_text
+
+    replies = iter([tool_call("add", {"amount": 3})])
+    traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, "counter", {"start": 1})
+    assert traj.rewards["over_two"] == 1.0 and traj.rewards["env"] == 0.0  # 4 != 3
+
+
+def test_answer_without_tool_call_ends_the_episode(tok):
+    runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser())
+    traj = run(ScriptedEngine(tok, lambda prompt: "The answer is 3."), runtime, "counter", {})
+    assert traj.finish_reason == "stop" and traj.num_turns == 1 and traj.rewards == {"env": 0.0}
+
+
+def test_max_turns_and_budget_end_episodes(tok):
+    runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser())
+    traj = run(ScriptedEngine(tok, lambda prompt: tool_call("add", {"amount": 0})), runtime, "counter", {},
+               max_turns=3)
+    assert traj.finish_reason == "max_turns" and traj.num_turns == 3
+    traj = run(ScriptedEngine(tok, lambda prompt: tool_call("add", {"amount": 0})), runtime, "counter", {},
+               max_turns=50, budget=120)
+    assert traj.finish_reason == "length" and len(traj.completion_ids) >= 120
+
+
+def test_reward_function_errors_fail_the_episode_not_the_rollout(tok):
+    runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser(),
+                         [RewardSpec("test_episode:bad_reward")])
+    traj = run(ScriptedEngine(tok, lambda prompt: "done"), runtime, "counter", {})
+    assert traj.finish_reason == "error" and "one value per completion" in traj.error
+
+
+def bad_reward(completions, environments, **kwargs):
+    return 1.0
