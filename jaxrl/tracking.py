@@ -1,0 +1,193 @@
+"""What a researcher sees while a run trains: metrics files, TensorBoard, W&B and a progress bar.
+
+```
+RUN/
+  metrics.jsonl    {"step": 12, "time": 1767225600.123, "reward/mean": 0.5, ...} per logged step
+  samples.jsonl    {"step": 12, ...} per completion sample
+  tensorboard/     TensorBoard event files (tensorboardX)
+```
+
+metrics.jsonl is the record the reports read: always valid JSON lines (NaN and inf are null),
+flushed at every step so a killed run keeps everything it logged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxrl.run_dir import RunDir
+
+
+class MetricsLogger:
+    """Logs each step's metrics to RUN/metrics.jsonl, TensorBoard and optionally W&B.
+
+    An existing run directory is appended to. `resume_step`: the run restarts from its
+    checkpoint at this step, so what the earlier run logged at or after it is dropped from
+    metrics.jsonl and samples.jsonl, and hidden in TensorBoard; curves have no duplicate steps.
+    `wandb`: keyword arguments for `wandb.init` (None: no W&B).
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: dict | None = None,
+                 resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        # W&B first: a missing package should fail before anything is written.
+        self._wandb = _start_wandb(wandb, self.run_dir) if wandb is not None else None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path, samples_path = RunDir(self.run_dir).metrics, self.run_dir / "samples.jsonl"
+        for path in (metrics_path, samples_path):
+            _trim(path, resume_step)
+        self._metrics = open(metrics_path, "a")
+        self._samples = open(samples_path, "a")
+        self._tensorboard = None
+        if tensorboard:
+            # tensorboardX imports torch when it is installed (~1 s): only pay that when asked.
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records `metrics` (numbers: Python, NumPy or JAX scalars) at `step`."""
+        values = {key: _number(key, value) for key, value in metrics.items()}
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        row |= {key: value if math.isfinite(value) else None for key, value in values.items()}
+        self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
+        self._metrics.flush()
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, int(step))
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=int(step))
+
+    def samples(self, step: int, rows: list[Mapping[str, Any]]) -> None:
+        """Appends completion samples (prompt, completion, reward, ...) to RUN/samples.jsonl."""
+        for sample in rows:
+            record = {"step": int(step), **_jsonable(dict(sample))}
+            self._samples.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+        self._samples.flush()
+
+    def close(self) -> None:
+        for f in (self._metrics, self._samples):
+            f.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of RUN/metrics.jsonl, in order; a half-written last line (a killed run) is skipped."""
+    path = RunDir(run_dir).metrics
+    lines = path.read_text().splitlines(keepends=True)
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if number == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line: {line[:80]!r}") from None
+    return rows
+
+
+def _trim(path: Path, resume_step: int | None) -> None:
+    """Drops a half-written last line and, on resume, the rows at steps >= `resume_step`."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # appending after it would corrupt the next row too
+    if resume_step is not None:
+        lines = [line for line in lines if _step_of(line) is None or _step_of(line) < resume_step]
+    kept = "".join(lines)
+    if kept != text:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(kept)
+        os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _number(key: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {key!r} must be a number, got {value!r}") from None
+
+
+def _jsonable(value):
+    """`value` with arrays as lists and NaN/inf as None, so that json.dumps writes valid JSON."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):  # NumPy / JAX arrays and scalars
+        return _jsonable(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _start_wandb(kwargs: dict, run_dir: Path):
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(
+            "W&B logging is configured but the wandb package is not installed: "
+            "`pip install wandb`, or turn W&B logging off in the config"
+        ) from None
+    return wandb.init(**({"dir": str(run_dir)} | kwargs))
+
+
+# Postfix name -> the metric keys it shows, first present wins.
+PROGRESS_KEYS = {"reward": ("reward/mean", "reward"), "kl": ("kl",)}
+
+
+class Progress:
+    """A progress bar on stderr: step / total, rate, ETA, and the latest reward and KL."""
+
+    def __init__(self, total_steps: int, initial: int = 0):
+        self._bar = tqdm(total=total_steps, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self._shown: dict[str, str] = {}
+
+    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """Moves the bar to `step` (absolute, not an increment); shows the latest reward and KL."""
+        for name, keys in PROGRESS_KEYS.items():
+            value = next((metrics[k] for k in keys if k in (metrics or {})), None)
+            if value is not None:  # a step without it (e.g. no eval this step) keeps the last one
+                self._shown[name] = f"{float(value):.4g}"
+        self._bar.set_postfix(self._shown, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
