@@ -1,0 +1,202 @@
+"""The training config: every key of `jaxrl train`, with its default and what it means.
+
+`jaxrl config --defaults` prints this file's defaults as commented YAML. A YAML config sets
+only what differs; `--set dotted.key=value` overrides on the command line. The resolved config
+is saved as `config.yaml` in the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from bridge.envs.bundled import NAMES as BUNDLED_NAMES
+from bridge.envs.spec import ENV_REWARD, EnvSpec, RewardSpec
+from jaxrl.sharding import MeshConfig
+from jaxrl.train_step import LearnerConfig
+from jaxrl.typed_config import ConfigError, load
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+def _help(text: str, **kw) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    family: Literal["qwen3", "qwen2", "llama"] = _help("architecture of the tiny model", default="qwen3")
+    hidden_size: int = _help("width", default=64)
+    intermediate_size: int = _help("MLP width", default=128)
+    num_layers: int = _help("layers", default=2)
+    seed: int = _help("initialisation seed", default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    dir: str = _help("Hugging Face model directory (config.json, safetensors, tokenizer)")
+    tiny: TinyModelConfig | None = _help(
+        "build a random tiny model with the bundled tokenizer in `dir` when it does not exist "
+        "(the CPU default; nothing is downloaded)", default=None)
+    dtype: Literal["float32", "bfloat16"] = _help("learner parameter dtype", default="float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeConfig:
+    addresses: list[str] = _help("running bridges (host:port); empty: start one for this run; several: "
+                                 "requests are spread over them", default_factory=list)
+    engine: Literal["jax", "vllm"] = _help("generation engine of a started bridge", default="jax")
+    engine_kwargs: dict[str, Any] = _help("passed to the engine (vllm.LLM arguments for vllm)",
+                                          default_factory=dict)
+    max_batch: int | None = _help("most sequences the engine generates together", default=None)
+    start_timeout_s: float = _help("how long a started bridge may take to serve", default=300.0)
+    request_timeout_s: float = _help("a rollout request that takes longer is an error", default=900.0)
+    tool_parser: str = _help("tool-call format of the model family (qwen, hermes)", default="qwen")
+    chat_template_kwargs: dict[str, Any] = _help("extra chat-template arguments, e.g. enable_thinking: false",
+                                                 default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train_file: str | None = _help(
+        "JSON lines of training tasks ({\"env\": name, ...task fields}); default: tasks drawn by seed from "
+        "each environment (bundled ones: their train split)", default=None)
+    eval_file: str | None = _help("JSON lines of held-out tasks; default: seeds of the bundled test split, "
+                                  "or seeds past the training ones", default=None)
+    mix: dict[str, float] = _help("environment name -> share of seed-drawn training tasks (default: equal)",
+                                  default_factory=dict)
+    task_fields: dict[str, dict[str, Any]] = _help(
+        "environment name -> task fields added to every seed-drawn task (e.g. max_steps)", default_factory=dict)
+    seed: int = _help("order of the training tasks", default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    mode: Literal["sync", "async"] = _help(
+        "sync: generate, then learn; async: the bridge generates the next batch while the learner trains "
+        "(importance-sampling corrected, stale trajectories dropped)", default="sync")
+    groups_per_step: int = _help("tasks per training step (each sampled learner.group_size times)", default=8)
+    temperature: float = _help("sampling temperature (the learner uses the same)", default=1.0)
+    top_p: float = _help("nucleus sampling (vLLM refuses < 1: logprobs would not match)", default=1.0)
+    max_tokens: int = _help("tokens per model turn", default=64)
+    max_turns: int = _help("model turns per episode", default=1)
+    max_total_tokens: int = _help("all turns of an episode, environment tokens included", default=256)
+    max_staleness: int = _help("async: drop trajectories more than this many versions older than the learner",
+                               default=1)
+    dynamic_sampling: bool = _help("DAPO: drop groups whose rewards are all equal and refill", default=False)
+    max_refills: int = _help("dynamic sampling: extra requests per step at most", default=4)
+    drop_truncated: bool = _help("drop episodes cut by the token budget (finish_reason length)", default=False)
+    min_success_fraction: float = _help(
+        "stop with an error when fewer episodes than this succeed in a step (environments down)", default=0.25)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = _help("evaluate every N steps (0: only before and after training)", default=0)
+    episodes: int = _help("held-out episodes per evaluation", default=64)
+    temperature: float = _help("0: greedy", default=0.0)
+    pass_k: int = _help("samples per task; success if any succeeds (pass@k)", default=1)
+    before: bool = _help("evaluate before training (after the warm start's start point)", default=True)
+    success_threshold: float = _help("an episode succeeds when its summed reward reaches this", default=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    steps: int = _help("supervised warm-start steps on solver demonstrations (0: none)", default=0)
+    batch_size: int = _help("demonstrations per step", default=32)
+    learning_rate: float = _help("warm-start learning rate (AdamW, cosine decay)", default=3e-3)
+    demonstrations: int = _help("solver episodes generated (training split)", default=1024)
+    envs: list[str] = _help("environments to demonstrate (default: all bundled ones of the run)",
+                            default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    tensorboard: bool = _help("write TensorBoard event files in the run directory", default=True)
+    wandb: dict[str, Any] | None = _help("Weights & Biases `wandb.init` arguments; null: off", default=None)
+    samples_per_step: int = _help("completions written to samples.jsonl per step", default=2)
+    progress: bool = _help("show a progress bar", default=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = _help("where checkpoints, snapshots, metrics and plots go")
+    model: ModelConfig = _help("the policy model")
+    envs: list[EnvSpec] = _help("environments (name + one of bundled / url / env_class); see bridge.envs.spec")
+    steps: int = _help("training steps (one batch each)", default=100)
+    seed: int = _help("sampling and data seed", default=0)
+    rewards: list[RewardSpec] = _help(
+        "reward functions fn(completions, environments, **task_fields) -> list[float | None], or 'env' "
+        "(the environment's own reward), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
+    data: DataConfig = _help("tasks", default_factory=DataConfig)
+    rollout: RolloutConfig = _help("generation", default_factory=RolloutConfig)
+    learner: LearnerConfig = _help("loss, advantages, optimizer (group_size lives here)",
+                                   default_factory=LearnerConfig)
+    mesh: MeshConfig = _help("learner device mesh", default_factory=MeshConfig)
+    bridge: BridgeConfig = _help("generation", default_factory=BridgeConfig)
+    eval: EvalConfig = _help("held-out evaluation", default_factory=EvalConfig)
+    sft: SFTConfig = _help("supervised warm start before RL", default_factory=SFTConfig)
+    log: LogConfig = _help("what the run shows and writes", default_factory=LogConfig)
+    sync_every: int = _help("publish weights to the bridge every N steps", default=1)
+    checkpoint_every: int = _help("train checkpoint every N steps (and at the end)", default=25)
+    keep_checkpoints: int = _help("train checkpoints kept", default=2)
+
+    def __post_init__(self):
+        positive = ("steps", "sync_every", "checkpoint_every", "keep_checkpoints")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
+        if not self.envs:
+            raise ValueError("envs: list at least one environment")
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"envs: names must be unique, got {names}")
+        for e in self.envs:
+            if e.bundled and e.bundled not in BUNDLED_NAMES:
+                raise ValueError(f"envs: {e.name!r} names bundled environment {e.bundled!r}; "
+                                 f"known: {', '.join(BUNDLED_NAMES)}")
+        for key, where in (("mix", self.data.mix), ("task_fields", self.data.task_fields)):
+            unknown = sorted(set(where) - set(names))
+            if unknown:
+                raise ValueError(f"data.{key} names unknown environment(s) {unknown}; envs: {names}")
+        unknown = sorted(set(self.sft.envs) - set(names))
+        if unknown:
+            raise ValueError(f"sft.envs names unknown environment(s) {unknown}; envs: {names}")
+        keys = [r.key for r in self.rewards]
+        if not keys or len(set(keys)) != len(keys):
+            raise ValueError(f"rewards: need at least one, with distinct names; got {keys}")
+        r = self.rollout
+        if r.groups_per_step < 1 or r.max_tokens < 1 or r.max_turns < 1 or r.max_total_tokens < r.max_tokens:
+            raise ValueError("rollout: groups_per_step, max_tokens, max_turns must be >= 1 and "
+                             f"max_total_tokens >= max_tokens (got {r.max_total_tokens} < {r.max_tokens})"
+                             if r.max_total_tokens < r.max_tokens else
+                             "rollout: groups_per_step, max_tokens and max_turns must be >= 1")
+        if not 0 <= r.min_success_fraction <= 1 or r.max_staleness < 0 or r.max_refills < 0:
+            raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
+        if r.temperature <= 0:
+            raise ValueError(f"rollout.temperature={r.temperature} must be > 0 (greedy is for evaluation)")
+        if (self.groups_per_step_rows % self.learner.grad_accum) != 0:
+            raise ValueError(f"rollout.groups_per_step x learner.group_size = {self.groups_per_step_rows} must be "
+                             f"divisible by learner.grad_accum={self.learner.grad_accum}")
+        if self.eval.episodes < 0 or self.eval.pass_k < 1 or self.eval.temperature < 0 or self.eval.every < 0:
+            raise ValueError("eval: episodes and every must be >= 0, pass_k >= 1, temperature >= 0")
+        if self.sft.steps < 0 or self.sft.batch_size < 1 or self.sft.demonstrations < 1:
+            raise ValueError("sft: steps must be >= 0, batch_size and demonstrations >= 1")
+
+    @property
+    def groups_per_step_rows(self) -> int:
+        return self.rollout.groups_per_step * self.learner.group_size
+
+    @property
+    def reward_keys(self) -> list[str]:
+        return [r.key for r in self.rewards]
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """The resolved training config; ConfigError (one line naming the key) when it is wrong."""
+    return load(TrainConfig, path, overrides)
+
+
+__all__ = ["ConfigError", "TrainConfig", "load_config"]
