@@ -1,0 +1,472 @@
+"""OpenEnv sessions over the WebSocket `/ws` transport: a bounded pool per server, with timeouts,
+capacity back-off and a circuit breaker.
+
+One `Session` is one environment instance on the server (one WebSocket connection). The
+protocol is request / reply: `{"type": "reset" | "step" | "state", "data": ...}` answered by
+`{"type": "observation" | "state", "data": ...}` or `{"type": "error", "data": {"message",
+"code", ...}}`; `{"type": "close"}` ends the session.
+
+What openenv-core 0.3.0's server does, and how this module meets it:
+
+- It creates the session's environment right after the WebSocket handshake. At capacity it
+  sends an unsolicited `CAPACITY_REACHED` error frame and closes; when it has a slot it sends
+  nothing. So `Endpoint.open` sends a `state` message (read-only, answered even before any
+  reset) and only hands the session out once a non-capacity reply came back; a capacity
+  answer is a back-off and a retry, never an error and never a breaker failure.
+- After a `close` message it destroys the environment and only then closes the socket. A
+  client-initiated close frame is echoed at once, before the slot is free; so `Session.close`
+  waits for the server's own close, which makes our pool and the server's count agree.
+- Replies carry no ids: a reply that timed out would be read as the answer to the next call.
+  A timed-out, dropped or cancelled call therefore ends the session (`SessionLost`); the
+  episode restarts from `reset()` on a new session, never on a silently re-created one.
+
+    endpoint = Endpoint(server.url, SessionConfig(max_sessions=64))
+    async with endpoint.session() as env:
+        first = await env.reset(seed=3)
+        reply = await env.step({"message": "hi"})  # {"observation", "reward", "done"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import time
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, WebSocketException
+from websockets.protocol import State
+
+from bridge.envs.serve import is_loopback
+
+CAPACITY_REACHED = "CAPACITY_REACHED"
+# Error codes the server sends right before closing the socket: the session never started.
+SESSION_FATAL = frozenset({"FACTORY_ERROR", "SESSION_ERROR"})
+# Waiting for the peer's close frame after ours (a failed keepalive included): a live server
+# answers in milliseconds, and until it does or this passes, calls on a dead session block.
+CLOSE_TIMEOUT_S = 1.0
+METRICS = ("sessions_opened", "sessions_active", "capacity_waits", "connect_failures",
+           "sessions_lost", "timeouts", "server_errors", "breaker_opens")
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionConfig:
+    """Per-endpoint limits; every field is checked on construction."""
+
+    max_sessions: int = 64  # pool bound per endpoint: the server's max_concurrent_envs
+    connect_timeout_s: float = 10.0
+    step_timeout_s: float = 60.0  # each reset / step / state reply
+    # Pings keep a session alive through long generations and detect a frozen server.
+    ping_interval_s: float | None = 10.0
+    ping_timeout_s: float = 20.0
+    # First wait after CAPACITY_REACHED; it doubles (with jitter) up to capacity_backoff_max_s.
+    capacity_backoff_s: float = 0.05
+    capacity_backoff_max_s: float = 2.0
+    capacity_wait_s: float = 600.0  # then EndpointUnavailable: no server slot came free
+    # This many failures in a row within breaker_window_s open the breaker; after
+    # breaker_cooldown_s one trial session is let through: success closes it, failure re-opens.
+    breaker_failures: int = 5
+    breaker_window_s: float = 30.0
+    breaker_cooldown_s: float = 5.0
+    max_message_bytes: int = 16 * 2**20
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "ping_interval_s" and value is None:
+                continue
+            if f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    _bad(f.name, value, "an integer >= 1")
+            elif (isinstance(value, bool) or not isinstance(value, (int, float))
+                  or not math.isfinite(value) or value <= 0):
+                _bad(f.name, value, "a finite number of seconds > 0"
+                     + (", or None for no pings" if f.name == "ping_interval_s" else ""))
+        if self.capacity_backoff_max_s < self.capacity_backoff_s:
+            _bad("capacity_backoff_max_s", self.capacity_backoff_max_s,
+                 f"at least capacity_backoff_s ({self.capacity_backoff_s})")
+
+
+def _bad(name: str, value: Any, allowed: str):
+    raise ValueError(f"SessionConfig.{name} must be {allowed}, got {value!r}")
+
+
+class EnvError(Exception):
+    """Base of the errors this module raises."""
+
+
+class EnvServerError(EnvError):
+    """The server answered an error frame (not capacity); `.code`, `.message`, `.details`."""
+
+    def __init__(self, where: str, code: str, message: str, details: dict[str, Any]):
+        self.code, self.message, self.details = code, message, details
+        text = f"{where} answered {code}: {message}"
+        errors = details.get("errors")
+        if isinstance(errors, list):  # pydantic's list: the useful part of a VALIDATION_ERROR
+            text += " (" + "; ".join(_pydantic_error(e) for e in errors) + ")"
+        super().__init__(text)
+
+
+def _pydantic_error(error: Any) -> str:
+    if not isinstance(error, dict):
+        return str(error)
+    loc = ".".join(map(str, error.get("loc", ()))) or "action"
+    return f"{loc}: {error.get('msg', error)}"
+
+
+class SessionLost(EnvError):
+    """The connection dropped, closed or a reply timed out: restart the episode from reset()
+    on a new session."""
+
+
+class EndpointUnavailable(EnvError):
+    """No session could be opened: cannot connect, breaker open, or no slot in time."""
+
+
+class Session:
+    """One environment instance on the server; one call at a time. Get one from Endpoint.open."""
+
+    def __init__(self, endpoint: Endpoint, ws: ClientConnection):
+        self._endpoint = endpoint
+        self._ws = ws
+        self._busy = False
+        self.closed = False
+
+    async def reset(self, **kwargs: Any) -> dict[str, Any]:
+        """Starts an episode; kwargs (seed, split, task fields) go to the environment's reset."""
+        return await self._call("reset", {"type": "reset", "data": kwargs}, "observation")
+
+    async def step(self, action: dict[str, Any]) -> dict[str, Any]:
+        """Plays one action: {"observation": ..., "reward": ..., "done": ...}."""
+        return await self._call("step", {"type": "step", "data": action}, "observation")
+
+    async def state(self) -> dict[str, Any]:
+        """The environment's state (episode id, step count, environment-specific fields)."""
+        return await self._call("state", {"type": "state"}, "state")
+
+    async def close(self) -> None:
+        """Ends the session on the server and frees its slot; idempotent, never raises."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            # The server closes the socket once the environment is destroyed (see module doc).
+            async with asyncio.timeout(self._endpoint.config.step_timeout_s):
+                await self._ws.send('{"type":"close"}')
+                await self._ws.wait_closed()
+        except (TimeoutError, ConnectionClosed, OSError):
+            pass
+        finally:
+            self._end()
+
+    async def _call(self, what: str, message: dict[str, Any], expect: str) -> dict[str, Any]:
+        if self.closed:
+            raise SessionLost(f"{self._endpoint}: {what} on a closed session; open a new one "
+                              "and restart the episode from reset()")
+        if self._ws.state is not State.OPEN:  # e.g. a keepalive ping went unanswered meanwhile
+            protocol = self._ws.protocol
+            raise self._lost(f"the connection closed before {what} "
+                             f"({_frame_why(protocol.close_rcvd, protocol.close_sent)})")
+        if self._busy:
+            raise RuntimeError(f"{self._endpoint}: {what} while another call on this session "
+                               "waits for its reply; await each call before the next")
+        text = json.dumps(message)  # an unserializable action is the caller's error, raised as is
+        self._busy = True
+        try:
+            async with asyncio.timeout(self._endpoint.config.step_timeout_s):
+                await self._ws.send(text)
+                raw = await self._ws.recv()
+            reply = json.loads(raw)
+            kind, data = reply["type"], reply["data"]
+            if not isinstance(data, dict):
+                raise TypeError(f"data is a {type(data).__name__}, not an object")
+        except TimeoutError:
+            self._endpoint.metrics["timeouts"] += 1
+            limit = self._endpoint.config.step_timeout_s
+            raise self._lost(f"no reply to {what} within {limit:g} s (server frozen or overloaded)"
+                             ) from None
+        except ConnectionClosed as e:
+            raise self._lost(f"the connection closed during {what} ({_closed_why(e)})") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise self._lost(f"unreadable reply to {what}: {e}") from None
+        except BaseException:
+            # Cancelled (or worse) mid-call: a late reply would answer the next call.
+            self._end()
+            raise
+        finally:
+            self._busy = False
+        if kind == "error":
+            self._endpoint.metrics["server_errors"] += 1
+            raise EnvServerError(f"{self._endpoint} {what}", str(data.get("code", "UNKNOWN")),
+                                 str(data.get("message", "")), data)
+        if kind != expect:
+            raise self._lost(f"expected a {expect!r} reply to {what}, got {kind!r}")
+        self._endpoint._breaker_success()
+        return data
+
+    def _lost(self, why: str) -> SessionLost:
+        """Ends the session as lost (a breaker failure) and says so."""
+        self._endpoint.metrics["sessions_lost"] += 1
+        self._endpoint._breaker_failure()
+        self._end()
+        return SessionLost(f"{self._endpoint}: {why}; the episode is lost: restart it from "
+                           "reset() on a new session")
+
+    def _end(self) -> None:
+        """Drops the connection (if still open) and gives the pool slot back, exactly once."""
+        self.closed = True
+        self._ws.transport.abort()
+        self._endpoint._release(self)
+
+
+class Endpoint:
+    """One OpenEnv server: a pool of at most `config.max_sessions` sessions and its breaker.
+
+    Use it from one event loop (its pool is an asyncio.Semaphore). The pool wait itself is not
+    bounded: it is this process's own queue; `capacity_wait_s` bounds the wait for the server.
+    """
+
+    def __init__(self, url: str, config: SessionConfig = SessionConfig(), name: str = ""):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"environment server url must be http(s)://host:port, got {url!r}")
+        self.url = url.rstrip("/")
+        self.ws_url = "ws" + self.url[len("http"):] + "/ws"
+        self.name = name or parts.netloc
+        self.config = config
+        self.metrics: dict[str, float] = dict.fromkeys(METRICS, 0)
+        # A local server is reached directly, whatever proxy the environment names.
+        self._direct = is_loopback(parts.hostname)
+        self._slots = asyncio.Semaphore(config.max_sessions)
+        self._sessions: set[Session] = set()
+        self._capacity_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._failures: collections.deque[float] = collections.deque()
+        self._opened_at: float | None = None   # the breaker is open (or half-open) since then
+        self._trial = False                    # a half-open trial session is being opened
+        self._schema: dict[str, Any] | None = None
+        self._closed = False
+
+    def __str__(self) -> str:
+        return f"environment server {self.name!r} ({self.url})"
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def open(self) -> Session:
+        """A session the server has accepted. Waits for a pool slot, then for a server slot
+        (backing off on CAPACITY_REACHED); EndpointUnavailable if it cannot get one."""
+        if self._closed:
+            raise EndpointUnavailable(f"{self} is closed (Endpoint.aclose was called)")
+        await self._slots.acquire()
+        try:
+            ws = await self._connect_accepted()
+        except BaseException:
+            self._slots.release()
+            raise
+        session = Session(self, ws)
+        self._sessions.add(session)
+        self.metrics["sessions_opened"] += 1
+        self.metrics["sessions_active"] += 1
+        return session
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[Session]:
+        """`async with endpoint.session() as s:` open() ... close()."""
+        s = await self.open()
+        try:
+            yield s
+        finally:
+            await s.close()
+
+    async def _connect_accepted(self) -> ClientConnection:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.capacity_wait_s
+        backoff = cfg.capacity_backoff_s
+        trial = self._enter_breaker()
+        try:
+            while True:
+                ws = await self._connect(trial)
+                reply = await self._confirm(ws, trial)
+                code = reply["data"].get("code") if reply["type"] == "error" else None
+                if code in SESSION_FATAL:
+                    ws.transport.abort()
+                    self.metrics["server_errors"] += 1
+                    self._breaker_failure(trial)
+                    raise EnvServerError(f"{self} open", code, str(reply["data"].get("message")),
+                                         reply["data"])
+                self._breaker_success()  # the server answered: it is alive
+                if code != CAPACITY_REACHED:
+                    return ws
+                await ws.close()  # the server closes a refused socket itself
+                self.metrics["capacity_waits"] += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EndpointUnavailable(
+                        f"{self} stayed at capacity ({reply['data'].get('max_sessions', '?')} "
+                        f"sessions) for {cfg.capacity_wait_s:g} s; other clients hold its slots: "
+                        "raise the server's max_concurrent_envs or lower SessionConfig.max_sessions")
+                await self._wait_for_free_slot(min(backoff * random.uniform(0.5, 1.0), left))
+                backoff = min(2 * backoff, cfg.capacity_backoff_max_s)
+        finally:
+            if trial:
+                self._trial = False
+
+    async def _connect(self, trial: bool) -> ClientConnection:
+        cfg = self.config
+        try:
+            return await connect(
+                self.ws_url, proxy=None if self._direct else True,
+                open_timeout=cfg.connect_timeout_s, ping_interval=cfg.ping_interval_s,
+                ping_timeout=cfg.ping_timeout_s, close_timeout=CLOSE_TIMEOUT_S,
+                max_size=cfg.max_message_bytes)
+        except (OSError, TimeoutError, WebSocketException) as e:
+            self.metrics["connect_failures"] += 1
+            self.metrics["timeouts"] += isinstance(e, TimeoutError)
+            self._breaker_failure(trial)
+            raise EndpointUnavailable(
+                f"cannot connect to {self} at {self.ws_url}: {_why(e, cfg.connect_timeout_s)}; "
+                "check that the server is running and the url is right") from None
+
+    async def _confirm(self, ws: ClientConnection, trial: bool) -> dict[str, Any]:
+        """The server's first frame: capacity or fatal errors arrive unasked, else state's reply."""
+        try:
+            async with asyncio.timeout(self.config.step_timeout_s):
+                try:
+                    await ws.send('{"type":"state"}')
+                except ConnectionClosed:
+                    pass  # a refusal closes at once; its frame still waits to be read
+                reply = json.loads(await ws.recv())
+            if not isinstance(reply.get("data"), dict) or "type" not in reply:
+                raise ValueError(f"not an OpenEnv reply: {reply!r:.200}")
+            return reply
+        except BaseException as e:
+            ws.transport.abort()
+            if not isinstance(e, (TimeoutError, ConnectionClosed, ValueError, AttributeError)):
+                raise  # cancelled
+            self.metrics["timeouts"] += isinstance(e, TimeoutError)
+            self._breaker_failure(trial)
+            raise EndpointUnavailable(
+                f"{self} accepted a connection but did not confirm the session "
+                f"({_why(e, self.config.step_timeout_s)}); check that the server is healthy") from None
+
+    async def _wait_for_free_slot(self, delay: float) -> None:
+        """Sleeps `delay`, or less when one of our own sessions frees a server slot first."""
+        freed = asyncio.get_running_loop().create_future()
+        self._capacity_waiters.append(freed)
+        try:
+            await asyncio.wait([freed], timeout=delay)
+        finally:
+            with contextlib.suppress(ValueError):
+                self._capacity_waiters.remove(freed)
+
+    def _release(self, session: Session) -> None:
+        if session in self._sessions:
+            self._sessions.discard(session)
+            self.metrics["sessions_active"] -= 1
+            self._slots.release()
+            # One waiter retries now (all of them would mostly meet CAPACITY_REACHED again).
+            if self._capacity_waiters:
+                self._capacity_waiters.popleft().set_result(None)
+
+    # -- circuit breaker ------------------------------------------------------------------------
+
+    @property
+    def breaker_state(self) -> str:
+        """"closed" (sessions open normally), "open" (refused) or "half_open" (one trial)."""
+        if self._opened_at is None:
+            return "closed"
+        if time.monotonic() - self._opened_at < self.config.breaker_cooldown_s:
+            return "open"
+        return "half_open"
+
+    def _enter_breaker(self) -> bool:
+        """EndpointUnavailable unless a session may be tried now; True for the half-open trial."""
+        state = self.breaker_state
+        if state == "closed":
+            return False
+        if state == "half_open" and not self._trial:
+            self._trial = True
+            return True
+        wait = self._opened_at + self.config.breaker_cooldown_s - time.monotonic()
+        why = ("a trial session is being opened" if state == "half_open" else
+               f"it failed {self.config.breaker_failures} times in a row; a trial in {wait:.1f} s")
+        raise EndpointUnavailable(f"{self}: circuit breaker {state} ({why}); retry later")
+
+    def _breaker_failure(self, trial: bool = False) -> None:
+        now = time.monotonic()
+        if self._opened_at is not None:
+            if trial:
+                self._opened_at = now  # the trial failed: open again for a full cooldown
+            return
+        self._failures.append(now)
+        while self._failures[0] < now - self.config.breaker_window_s:
+            self._failures.popleft()
+        if len(self._failures) >= self.config.breaker_failures:
+            self._opened_at = now
+            self._failures.clear()
+            self.metrics["breaker_opens"] += 1
+
+    def _breaker_success(self) -> None:
+        """Any answer from the server ends a run of failures and closes the breaker."""
+        self._failures.clear()
+        self._opened_at = None
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    async def schema(self) -> dict[str, Any]:
+        """GET /schema: {"action", "observation", "state"} JSON schemas (fetched once)."""
+        if self._schema is None:
+            self._schema = await self._get_json("/schema")
+        return self._schema
+
+    async def check(self) -> None:
+        """Fails fast (EndpointUnavailable) unless /health and /schema answer."""
+        health = await self._get_json("/health")
+        if health.get("status") != "healthy":
+            raise EndpointUnavailable(f"{self} answers /health with {health!r}, not healthy")
+        await self.schema()
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        try:
+            async with httpx.AsyncClient(trust_env=not self._direct,
+                                         timeout=self.config.connect_timeout_s) as client:
+                response = await client.get(self.url + path)
+                response.raise_for_status()
+                body = response.json()
+            if not isinstance(body, dict):
+                raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+            return body
+        except (httpx.HTTPError, ValueError) as e:
+            raise EndpointUnavailable(f"{self}: GET {path} failed: {type(e).__name__}: {e}; "
+                                      "check that an OpenEnv server runs at this url") from None
+
+    async def aclose(self) -> None:
+        """Closes every open session; open() refuses afterwards."""
+        self._closed = True
+        await asyncio.gather(*(s.close() for s in list(self._sessions)))
+
+
+def _why(e: BaseException, timeout_s: float) -> str:
+    if isinstance(e, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(e, ConnectionClosed):
+        return _closed_why(e)
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _closed_why(e: ConnectionClosed) -> str:
+    return _frame_why(e.rcvd, e.sent)
+
+
+def _frame_why(rcvd, sent) -> str:
+    frame = rcvd or sent
+    if frame is None:
+        return "dropped without a close frame"
+    return f"close code {frame.code}{': ' + frame.reason if frame.reason else ''}"
