@@ -348,8 +348,7 @@ def dump_yaml(obj, path: str | Path) -> Path:
 
 def describe(cls) -> str:
     """Every key of `cls` with its default, as YAML, with its help above and its type beside it."""
-    defaults = {name: _plain(_default(f)) for name, f in _init_fields(cls).items() if _has_default(f)}
-    return "\n".join(_describe_lines(cls, defaults, "")) + "\n"
+    return "\n".join(_describe_lines(cls, _defaults(cls), "")) + "\n"
 
 
 def _describe_lines(cls, values: Mapping[str, Any], pad: str) -> list[str]:
@@ -358,10 +357,16 @@ def _describe_lines(cls, values: Mapping[str, Any], pad: str) -> list[str]:
     for name, field in _init_fields(cls).items():
         tp = hints[name]
         lines += [f"{pad}# {line}" for line in field.metadata.get("help", "").splitlines()]
+        section = _section_type(tp)
         if name not in values:
-            lines.append(f"{pad}{name}:  # required, {_label(tp)}")
+            if section is not None:
+                lines.append(f"{pad}{name}:  # required")
+                lines += _describe_lines(section, _defaults(section), pad + "  ")
+            else:
+                lines.append(f"{pad}{name}:  # required, {_label(tp)}")
+                lines += _item_keys(tp, pad)
             continue
-        value, section = values[name], _section_type(tp)
+        value = values[name]
         if section is not None and isinstance(value, dict):
             lines.append(f"{pad}{name}:")
             lines += _describe_lines(section, value, pad + "  ")
@@ -374,12 +379,20 @@ def _describe_lines(cls, values: Mapping[str, Any], pad: str) -> list[str]:
             lines += [f"{pad}# {_label(tp)}"] + [pad + line for line in (first, *rest)]
         else:
             lines += [f"{pad}{first}  # {_label(tp)}"] + [pad + line for line in rest]
-        item = _item_type(tp)
-        if item is not None:
-            # An empty list or a null section still has keys worth knowing: show them commented.
-            item_defaults = {n: _plain(_default(f)) for n, f in _init_fields(item).items() if _has_default(f)}
-            lines += [f"{pad}#   {line}" for line in _describe_lines(item, item_defaults, "")]
+        lines += _item_keys(tp, pad)
     return lines
+
+
+def _item_keys(tp, pad: str) -> list[str]:
+    """The keys of the dataclass inside `tp` (a list or an unset section of them), commented."""
+    item = _item_type(tp)
+    if item is None:
+        return []
+    return [f"{pad}#   {line}" for line in _describe_lines(item, _defaults(item), "")]
+
+
+def _defaults(cls) -> dict[str, Any]:
+    return {name: _plain(_default(f)) for name, f in _init_fields(cls).items() if _has_default(f)}
 
 
 def _label(tp) -> str:

@@ -221,3 +221,15 @@ def test_describe_output_is_valid_yaml_for_listed_sections_and_multiline_strings
     text = describe(Prompted)
     assert "envs:  # list[Env]\n- {url: 'ws://a', name: echo, max_turns: 4}\n" in text
     assert from_dict(Prompted, yaml.safe_load(text)) == Prompted()
+
+
+@dataclasses.dataclass
+class Needs:
+    learner: Learner
+    envs: list[Env]
+
+
+def test_describe_shows_the_keys_of_required_sections():
+    text = describe(Needs)
+    assert text.startswith("learner:  # required\n  # Peak learning rate.\n  lr: 1.0e-06  # float\n")
+    assert "envs:  # required, list[Env]\n#   url:  # required, str\n" in text
