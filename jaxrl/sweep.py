@@ -68,7 +68,7 @@ def expand(spec_path: str | Path) -> tuple[SweepSpec, list[SweepRun]]:
     if (spec.grid is None) == (spec.runs is None):
         raise ConfigError(
             f"{spec_path}: a sweep needs exactly one of `grid:` (dotted.key: [values]) "
-            f"or `runs:` (a list of {{dotted.key: value}}); it has {'both' if spec.grid else 'neither'}"
+            f"or `runs:` (a list of {{dotted.key: value}}); it has {'both' if spec.grid is not None else 'neither'}"
         )
     if spec.grid is not None:
         empty = [key for key, values in spec.grid.items() if not values]
@@ -140,7 +140,9 @@ def write_configs(runs: Sequence[SweepRun], resolve: Resolve, run_dir_key: str =
     if errors:
         failed = sum(len(names) for names in errors.values())
         lines = [f"{', '.join(names)}: {message}" for message, names in errors.items()]
-        raise ConfigError(f"{failed} of {len(runs)} sweep runs have invalid configs, so none ran:\n  " + "\n  ".join(lines))
+        raise ConfigError(
+            f"{failed} of {len(runs)} sweep runs have invalid configs, so none ran:\n  " + "\n  ".join(lines)
+        )
     for run, config in zip(runs, resolved):
         dump_yaml(config, run.config_path)
     return [shlex.join(["jaxrl", "train", str(run.config_path)]) for run in runs]

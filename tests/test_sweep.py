@@ -100,7 +100,8 @@ def test_run_names_are_safe_file_names_and_unique():
     ("base: base.yaml\ngrid: {learner.lr: []}\n", r"grid key 'learner\.lr' has no values"),
     ("base: base.yaml\nruns: []\n", r"`runs:` is empty"),
     ("base: base.yaml\nruns: [lr=1]\n", r"config key 'runs\.0': expected a mapping, got 'lr=1'$"),
-    ("base: nope.yaml\nruns: [{a: 1}]\n", r"base config .*nope\.yaml not found \(`base:` is relative to the sweep file\)$"),
+    ("base: nope.yaml\nruns: [{a: 1}]\n",
+     r"base config .*nope\.yaml not found \(`base:` is relative to the sweep file\)$"),
     ("grid: {a: [1]}\n", r"missing required config key 'base'"),
     ("base: base.yaml\ngird: {a: [1]}\n", r"unknown config key 'gird' \(did you mean 'grid'\?"),
 ])

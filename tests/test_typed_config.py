@@ -93,7 +93,8 @@ def test_empty_section_takes_defaults_and_optional_takes_null():
         ({"bf16": "yes please"}, r"^config key 'bf16': expected a bool \(true or false\), got 'yes please'$"),
         ({"model": 3}, r"^config key 'model': expected a string, got 3$"),
         ({"rollout": {"mode": "fast"}}, r"^config key 'rollout\.mode': 'fast' is not one of 'sync', 'async'$"),
-        ({"learner": {"max_grad_norm": "x"}}, r"^config key 'learner\.max_grad_norm': expected a float or null, got 'x'$"),
+        ({"learner": {"max_grad_norm": "x"}},
+         r"^config key 'learner\.max_grad_norm': expected a float or null, got 'x'$"),
         ({"learner": {"betas": [0.9]}}, r"^config key 'learner\.betas': expected a list of 2 items, got 1: \[0\.9\]$"),
         ({"learner": {"weights": [1, "a"]}}, r"^config key 'learner\.weights\.1': expected a float, got 'a'$"),
         ({"rollout": {"stop": "</a>"}}, r"^config key 'rollout\.stop': expected a list, got '</a>'$"),
@@ -120,7 +121,8 @@ def test_errors_name_the_key_the_value_and_what_is_allowed(data, message):
 
 
 def test_missing_required_key_names_it_with_its_help():
-    with pytest.raises(ConfigError, match=r"^missing required config key 'model' \(a string\): Hugging Face model directory\.$"):
+    message = r"^missing required config key 'model' \(a string\): Hugging Face model directory\.$"
+    with pytest.raises(ConfigError, match=message):
         from_dict(Config, {})
     with pytest.raises(ConfigError, match=r"^config: expected a mapping of Config keys, got \[1\]$"):
         from_dict(Config, [1])
@@ -154,7 +156,8 @@ def test_apply_overrides_copies_creates_and_indexes_lists():
 
 
 @pytest.mark.parametrize("key,message", [
-    ("envs.2.url", r"^cannot set config key 'envs\.2\.url': 'envs' is a list of 2 items, so 'envs\.2' needs an index from 0 to 1$"),
+    ("envs.2.url",
+     r"^cannot set config key 'envs\.2\.url': 'envs' is a list of 2 items, so 'envs\.2' needs an index from 0 to 1$"),
     ("envs.url", r"'envs' is a list of 2 items, so 'envs\.url' needs an index"),
     ("seed.x", r"^cannot set config key 'seed\.x': 'seed' is 3, not a mapping$"),
 ])
@@ -186,7 +189,7 @@ def test_load_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.yaml:3:1: invalid YAML: duplicate key 'seed'$"):
         read_yaml(bad)
     bad.write_text("- a\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: expected a mapping of config keys at the top level, got \['a'\]$"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: expected a mapping of config keys at the top level, got \['a'\]"):
         load(Config, bad)
     bad.write_text("model: m\nlearner: {lr: fast}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: config key 'learner\.lr': expected a float, got 'fast'$"):
