@@ -67,7 +67,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self.engine = engine
         self.envs = envs
         if envs is not None and episode_hook_factory is None:
-            episode_hook_factory = lambda g: envs.hook(g.env, g.task) if g.env else None  # noqa: E731
+            episode_hook_factory = lambda g: envs.hook(g.env, g.task or {}) if g.env else None  # noqa: E731
         self.episode_hook_factory = episode_hook_factory
         self.on_shutdown = on_shutdown
         self.started = time.monotonic()

@@ -46,6 +46,52 @@ def _smoke(args) -> int:
     return 0
 
 
+def _load_train_config(args, prog: str):
+    from jaxrl.config import load_config
+    from jaxrl.typed_config import ConfigError
+
+    try:
+        return load_config(args.config, args.set or [])
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _train(args) -> int:
+    """Trains against environments; the last stdout line is a JSON summary of the run."""
+    cfg = _load_train_config(args, "jaxrl train")
+    if cfg is None:
+        return 2
+    from jaxrl.rollouts import EnvironmentsDown
+    from jaxrl.train import StartupError, train
+
+    try:
+        summary = train(cfg, resume=args.resume)
+    except (StartupError, EnvironmentsDown) as e:
+        print(f"jaxrl train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("jaxrl train: stopped", file=sys.stderr)
+        return 130
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _config(args) -> int:
+    """Prints every training config key with its default and help, or checks a config file."""
+    from jaxrl.config import TrainConfig
+    from jaxrl.typed_config import describe, to_dict
+
+    if args.config is None:
+        print(describe(TrainConfig), end="")
+        return 0
+    cfg = _load_train_config(args, "jaxrl config")
+    if cfg is None:
+        return 2
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False, width=100), end="")
+    return 0
+
+
 def _assets(args) -> int:
     from jaxrl.tiny import build_tiny_model
 
@@ -138,6 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     smoke = sub.add_parser("smoke", help="load the configured model and generate a few tokens")
     smoke.add_argument("config", nargs="?", default="configs/tiny_cpu.yaml")
     smoke.set_defaults(func=_smoke)
+
+    tr = sub.add_parser("train", help="train a model against environments (the main job)")
+    tr.add_argument("config", help="YAML training config (see `jaxrl config`)")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
+    tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
+    tr.set_defaults(func=_train)
+
+    co = sub.add_parser("config", help="print the training config defaults, or a config file resolved")
+    co.add_argument("config", nargs="?", help="a config file to check and print resolved")
+    co.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted)")
+    co.set_defaults(func=_config)
 
     assets = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer as an HF directory")
     assets.add_argument("out_dir")

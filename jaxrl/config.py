@@ -177,6 +177,11 @@ class TrainConfig:
             raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
         if r.temperature <= 0:
             raise ValueError(f"rollout.temperature={r.temperature} must be > 0 (greedy is for evaluation)")
+        if r.mode == "async" and self.learner.loss.is_level == "none":
+            raise ValueError("rollout.mode=async trains on trajectories of older weights: set "
+                             "learner.loss.is_level to token or sequence (importance-sampling correction)")
+        if self.eval.pass_k > 1 and self.eval.temperature == 0:
+            raise ValueError("eval.pass_k > 1 needs eval.temperature > 0 (greedy samples are all the same)")
         if (self.groups_per_step_rows % self.learner.grad_accum) != 0:
             raise ValueError(f"rollout.groups_per_step x learner.group_size = {self.groups_per_step_rows} must be "
                              f"divisible by learner.grad_accum={self.learner.grad_accum}")

@@ -1,0 +1,262 @@
+"""From environment tasks to a learner batch: requests spread over bridges, group filters,
+DAPO dynamic sampling with refills, async prefetch with a staleness bound, and the padded batch.
+
+Groups are the unit: GRPO advantages compare the samples of one task, so a group with a failed
+or stale episode is dropped whole (and refilled), never trained half. A truncated episode keeps
+its place in its group but, with `drop_truncated`, contributes no loss (DAPO overlong filtering).
+Rows missing after the refills are padding groups: loss mask 0, constant reward.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from bridge.client import BridgeClient
+from bridge.engines.base import SamplingParams
+from bridge.wire import PromptGroup, TrajectoryData
+from jaxrl.config import TrainConfig
+from jaxrl.tasks import Task, TaskSource
+
+Group = list[TrajectoryData]
+
+
+class EnvironmentsDown(RuntimeError):
+    """Too few episodes succeed: the environments (or the bridge's sessions to them) are failing."""
+
+
+@dataclasses.dataclass
+class StepRollouts:
+    groups: list[Group]
+    tasks: list[Task]
+    counts: collections.Counter
+    wall_s: float
+    generate_s: float  # the wall time split by the episodes' own generate/env shares
+    env_s: float
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two >= n: few distinct shapes, few recompilations."""
+    return max(minimum, 1 << max(n - 1, 1).bit_length())
+
+
+def weighted_reward(traj: TrajectoryData, keys: list[str], weights: list[float]) -> float | None:
+    values = [(traj.rewards[k], w) for k, w in zip(keys, weights) if k in traj.rewards]
+    return sum(v * w for v, w in values) if values else None
+
+
+class RolloutClient:
+    """Rollout requests for tasks, spread over one or more bridges, concurrently."""
+
+    def __init__(self, addresses: list[str], cfg: TrainConfig):
+        if not addresses:
+            raise ValueError("no bridge addresses")
+        self.cfg = cfg
+        self.clients = [BridgeClient(a, timeout_s=60.0) for a in addresses]
+        self.pool = concurrent.futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout")
+
+    def request(self, tasks: list[Task], group_ids: list[str], group_size: int, params: SamplingParams,
+                min_version: int) -> list[Group]:
+        """Trajectories of each task's group, in task order."""
+        r = self.cfg.rollout
+        shards = [list(range(i, len(tasks), len(self.clients))) for i in range(len(self.clients))]
+
+        def run(client: BridgeClient, idx: list[int]) -> list[TrajectoryData]:
+            groups = [PromptGroup(np.zeros(0, np.int32), group_ids[i], tasks[i][0], tasks[i][1]) for i in idx]
+            return list(client.rollout(groups, group_size, params, min_policy_version=min_version,
+                                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+                                       timeout_s=self.cfg.bridge.request_timeout_s))
+
+        futures = [self.pool.submit(run, c, idx) for c, idx in zip(self.clients, shards) if idx]
+        by_group: dict[str, Group] = {g: [] for g in group_ids}
+        for f in futures:
+            for traj in f.result():
+                by_group[traj.group_id].append(traj)
+        return [sorted(by_group[g], key=lambda t: t.index_in_group) for g in group_ids]
+
+    def load_snapshot(self, path: str, version: int) -> None:
+        list(self.pool.map(lambda c: c.load_snapshot(path, version, timeout_s=self.cfg.bridge.start_timeout_s),
+                           self.clients))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()
+
+
+class Collector:
+    """One step's groups: request, filter, refill; in async mode the next step is prefetched."""
+
+    def __init__(self, cfg: TrainConfig, client: RolloutClient, tasks: TaskSource, stop_ids: tuple[int, ...]):
+        self.cfg = cfg
+        self.client = client
+        self.tasks = tasks
+        self.keys = cfg.reward_keys
+        self.weights = [r.weight for r in cfg.rewards]
+        r = cfg.rollout
+        self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                     stop_token_ids=stop_ids, seed=None)
+        self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self.pending: tuple[int, concurrent.futures.Future] | None = None
+
+    def _keep(self, group: Group, learner_version: int, counts: collections.Counter) -> bool:
+        if any(t.finish_reason == "error" for t in group):
+            counts["groups_failed"] += 1
+            return False
+        if self.cfg.rollout.mode == "async":
+            oldest = min(t.policy_version for t in group)
+            if oldest < learner_version - self.cfg.rollout.max_staleness:
+                counts["groups_stale"] += 1
+                return False
+        if self.cfg.rollout.dynamic_sampling:
+            rewards = [weighted_reward(t, self.keys, self.weights) for t in group]
+            if len({r for r in rewards if r is not None}) <= 1:
+                counts["groups_zero_variance"] += 1
+                return False
+        return True
+
+    def _collect(self, step: int, min_version: int, learner_version_at_use: int) -> StepRollouts:
+        r = self.cfg.rollout
+        need, slot = r.groups_per_step, 0
+        kept: list[Group] = []
+        kept_tasks: list[Task] = []
+        counts: collections.Counter = collections.Counter()
+        start = time.perf_counter()
+        gen = env = 0.0
+        for attempt in range(r.max_refills + 1):
+            n = need - len(kept)
+            tasks = [self.tasks.train(step, slot + i) for i in range(n)]
+            ids = [f"{step}-{slot + i}" for i in range(n)]
+            slot += n
+            groups = self.client.request(tasks, ids, self.cfg.learner.group_size, self.params, min_version)
+            counts["requests"] += 1
+            episodes = [t for g in groups for t in g]
+            counts["episodes"] += len(episodes)
+            counts["episodes_failed"] += sum(t.finish_reason == "error" for t in episodes)
+            gen += sum(t.generate_s for t in episodes)
+            env += sum(t.env_s for t in episodes)
+            for task, group in zip(tasks, groups):
+                if self._keep(group, learner_version_at_use, counts):
+                    kept.append(group)
+                    kept_tasks.append(task)
+            if len(kept) >= need:
+                break
+        wall = time.perf_counter() - start
+        ok = counts["episodes"] - counts["episodes_failed"]
+        if ok < r.min_success_fraction * counts["episodes"]:
+            errors = collections.Counter(t.error.split(":")[0] + ": " + t.error.split(":", 1)[-1][:160]
+                                         for g in groups for t in g if t.finish_reason == "error")
+            worst, n = errors.most_common(1)[0]
+            raise EnvironmentsDown(
+                f"step {step}: only {ok} of {counts['episodes']} episodes succeeded (rollout.min_success_fraction="
+                f"{r.min_success_fraction}); most common error ({n}x): {worst}")
+        counts["refills"] = max(counts["requests"] - 1, 0)
+        counts["groups_padded"] = need - len(kept)
+        share = env / (gen + env) if gen + env > 0 else 0.0
+        return StepRollouts(kept, kept_tasks, counts, wall, wall * (1 - share), wall * share)
+
+    def collect(self, step: int, learner_version: int) -> StepRollouts:
+        """The groups of `step`; async mode returns the prefetched ones and starts the next."""
+        if self.cfg.rollout.mode == "sync":
+            return self._collect(step, learner_version, learner_version)
+        if self.pending is not None and self.pending[0] == step:
+            result = self.pending[1].result()
+        else:
+            result = self._collect(step, learner_version, learner_version)
+        self.pending = None
+        return result
+
+    def prefetch_next(self, step: int, learner_version: int) -> None:
+        """Async mode: generate `step`'s groups with the current weights while the learner trains.
+
+        Used after the update, at version learner_version + 1: trajectories older than
+        `max_staleness` versions by then are dropped.
+        """
+        if self.cfg.rollout.mode != "async" or self.pending is not None:
+            return
+        min_version = max(0, learner_version - self.cfg.rollout.max_staleness)
+        self.pending = (step, self.prefetch.submit(self._collect, step, min_version, learner_version + 1))
+
+    def close(self) -> None:
+        self.prefetch.shutdown(wait=False, cancel_futures=True)
+
+
+def build_batch(groups: list[Group], cfg: TrainConfig, pad_id: int, with_sampler_logp: bool) -> dict[str, np.ndarray]:
+    """The learner batch: groups_per_step x group_size rows, prompts left-padded, completions
+    right-padded to `rollout.max_total_tokens`, missing groups as padding rows."""
+    G, B = cfg.learner.group_size, cfg.groups_per_step_rows
+    C = cfg.rollout.max_total_tokens
+    trajs = [t for g in groups for t in g]
+    P = bucket(max((len(t.prompt_ids) for t in trajs), default=1))
+    keys = cfg.reward_keys
+    batch = {
+        "prompt_BxP": np.full((B, P), pad_id, np.int32),
+        "prompt_mask_BxP": np.zeros((B, P), np.int32),
+        "completion_BxC": np.full((B, C), pad_id, np.int32),
+        "completion_mask_BxC": np.zeros((B, C), np.int32),
+        "loss_mask_BxC": np.zeros((B, C), np.int32),
+        "rewards_BxR": np.zeros((B, len(keys)), np.float32),
+    }
+    if with_sampler_logp:
+        batch["sampler_logp_BxC"] = np.zeros((B, C), np.float32)
+    for i, t in enumerate(trajs[:B]):
+        p, c = len(t.prompt_ids), min(len(t.completion_ids), C)
+        batch["prompt_BxP"][i, P - p:] = t.prompt_ids
+        batch["prompt_mask_BxP"][i, P - p:] = 1
+        batch["completion_BxC"][i, :c] = t.completion_ids[:c]
+        batch["completion_mask_BxC"][i, :c] = 1
+        if not (cfg.rollout.drop_truncated and t.finish_reason == "length"):
+            batch["loss_mask_BxC"][i, :c] = t.loss_mask[:c]
+        batch["rewards_BxR"][i] = [t.rewards.get(k, math.nan) for k in keys]
+        if with_sampler_logp:
+            batch["sampler_logp_BxC"][i, :c] = t.sampler_logprobs[:c]
+    for i in range(len(trajs), B):  # padding rows still need one prompt token to attend to
+        batch["prompt_mask_BxP"][i, -1] = 1
+    assert len(trajs) % G == 0
+    return batch
+
+
+def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
+    """Rewards (summed and per function), per-environment reward/success/tool use, lengths, counts."""
+    keys, weights = cfg.reward_keys, [r.weight for r in cfg.rewards]
+    trajs = [t for g in result.groups for t in g]
+    out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in result.counts.items()}
+    if not trajs:
+        return out
+    summed = [weighted_reward(t, keys, weights) for t in trajs]
+    summed = [s for s in summed if s is not None]
+    if summed:
+        out["reward/mean"] = float(np.mean(summed))
+        out["reward/std"] = float(np.std(summed))
+    for k in keys:
+        vals = [t.rewards[k] for t in trajs if k in t.rewards]
+        if vals:
+            out[f"reward/{k}"] = float(np.mean(vals))
+    by_env = collections.defaultdict(list)
+    for t in trajs:
+        by_env[t.env].append(t)
+    threshold = cfg.eval.success_threshold
+    for env, ts in by_env.items():
+        rs = [weighted_reward(t, keys, weights) for t in ts]
+        rs = [r for r in rs if r is not None]
+        if rs:
+            out[f"env/{env}/reward"] = float(np.mean(rs))
+            out[f"env/{env}/success"] = float(np.mean([r >= threshold for r in rs]))
+        for m in ("tool_calls", "tool_errors", "env_steps", "retries"):
+            vals = [t.metrics.get(m, 0.0) for t in ts]
+            if any(vals):
+                out[f"env/{env}/{m}"] = float(np.mean(vals))
+        out[f"env/{env}/episodes"] = float(len(ts))
+    model_tokens = [int(t.loss_mask.sum()) for t in trajs]
+    out["completion/model_tokens"] = float(np.mean(model_tokens))
+    out["completion/total_tokens"] = float(np.mean([len(t.completion_ids) for t in trajs]))
+    out["completion/turns"] = float(np.mean([t.num_turns for t in trajs]))
+    out["completion/truncated"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
+    versions = [t.policy_version for t in trajs]
+    out["rollout/oldest_version"] = float(min(versions))
+    return out

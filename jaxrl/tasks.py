@@ -1,0 +1,94 @@
+"""Tasks a run trains and evaluates on: a pure function of (config, step), so a resumed run
+draws exactly the tasks the interrupted one would have.
+
+A task is `(env name, task fields)`; the fields go to the environment's `reset(**fields)` and
+to the reward functions. Seed-drawn tasks are `{"seed": k}` (bundled environments also get
+`"split"`); a JSON-lines file gives explicit rows `{"env": name, ...fields}`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from jaxrl.config import TrainConfig
+
+EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
+
+Task = tuple[str, dict[str, Any]]
+
+
+class TaskError(ValueError):
+    """A task file that cannot be used; the message names the file and line."""
+
+
+def read_task_file(path: str | Path, env_names: list[str]) -> list[Task]:
+    tasks = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise TaskError(f"task file {path}: {e.strerror or e}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"task file {path} line {i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or row.get("env") not in env_names:
+            raise TaskError(f"task file {path} line {i}: needs \"env\" naming one of {env_names}, got "
+                            f"{row.get('env') if isinstance(row, dict) else row!r}")
+        env = row.pop("env")
+        tasks.append((env, row))
+    if not tasks:
+        raise TaskError(f"task file {path} has no tasks")
+    return tasks
+
+
+class TaskSource:
+    """Training tasks by (step, slot) and the fixed held-out set."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.names = [e.name for e in cfg.envs]
+        self.bundled = {e.name for e in cfg.envs if e.bundled}
+        self.train_rows = read_task_file(cfg.data.train_file, self.names) if cfg.data.train_file else None
+        self.eval_rows = read_task_file(cfg.data.eval_file, self.names) if cfg.data.eval_file else None
+        weights = [cfg.data.mix.get(n, 1.0 if not cfg.data.mix else 0.0) for n in self.names]
+        if sum(weights) <= 0:
+            raise TaskError(f"data.mix gives every environment weight 0: {cfg.data.mix}")
+        self.weights = weights
+
+    def _fields(self, env: str, seed: int, split: str) -> dict[str, Any]:
+        fields: dict[str, Any] = {"seed": seed}
+        if env in self.bundled:
+            fields["split"] = split
+        elif split == "test":
+            fields["seed"] = EVAL_SEED_OFFSET + seed
+        fields.update(self.cfg.data.task_fields.get(env, {}))
+        return fields
+
+    def train(self, step: int, slot: int) -> Task:
+        """The task of group `slot` (refills continue the slot count) at `step`."""
+        rng = random.Random(f"{self.cfg.data.seed}:{step}:{slot}")
+        if self.train_rows is not None:
+            epoch_len = len(self.train_rows)
+            index = step * self.cfg.rollout.groups_per_step + slot
+            order = list(range(epoch_len))
+            random.Random(f"{self.cfg.data.seed}:epoch:{index // epoch_len}").shuffle(order)
+            env, row = self.train_rows[order[index % epoch_len]]
+            return env, dict(row)
+        env = rng.choices(self.names, self.weights)[0]
+        return env, self._fields(env, rng.randrange(2**31), "train")
+
+    def held_out(self, env: str | None = None, n: int | None = None) -> list[Task]:
+        """The evaluation tasks: `n` (default eval.episodes) spread over the environments."""
+        n = self.cfg.eval.episodes if n is None else n
+        if self.eval_rows is not None:
+            rows = [t for t in self.eval_rows if env is None or t[0] == env]
+            return [(e, dict(r)) for e, r in rows[:n]]
+        names = [env] if env is not None else self.names
+        return [(names[i % len(names)], self._fields(names[i % len(names)], i // len(names), "test"))
+                for i in range(n)]
