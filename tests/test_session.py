@@ -196,7 +196,7 @@ def test_a_frozen_server_times_out_opens_the_breaker_and_recovers(freezable):
             start = time.monotonic()
             with pytest.raises(EndpointUnavailable, match="circuit breaker open"):
                 await endpoint.open()
-            assert time.monotonic() - start < 0.05  # refused at once, nothing attempted
+            assert time.monotonic() - start < 0.2  # refused at once, nothing attempted
 
             await asyncio.sleep(config.breaker_cooldown_s)
             assert endpoint.breaker_state == "half_open"
@@ -227,7 +227,7 @@ def test_pings_keep_an_idle_session_and_detect_a_frozen_one(freezable):
         async with endpoint.session() as env:
             await env.reset(seed=3)
             with frozen(freezable):
-                await asyncio.sleep(1.0)  # idle while frozen: a ping goes unanswered
+                await asyncio.sleep(1.5)  # idle while frozen: a ping goes unanswered
                 start = time.monotonic()
                 with pytest.raises(SessionLost, match="keepalive ping timeout"):
                     await env.step({"message": "x"})

@@ -20,6 +20,10 @@ What openenv-core 0.3.0's server does, and how this module meets it:
   A timed-out, dropped or cancelled call therefore ends the session (`SessionLost`); the
   episode restarts from `reset()` on a new session, never on a silently re-created one.
 
+Per endpoint, `breaker_failures` failures in a row (connect errors, unconfirmed or lost
+sessions; not capacity, not error replies) open a circuit breaker: `open()` is refused at once
+until a cooldown has passed, then one trial session decides whether it closes again.
+
     endpoint = Endpoint(server.url, SessionConfig(max_sessions=64))
     async with endpoint.session() as env:
         first = await env.reset(seed=3)
@@ -209,7 +213,7 @@ class Session:
                                  str(data.get("message", "")), data)
         if kind != expect:
             raise self._lost(f"expected a {expect!r} reply to {what}, got {kind!r}")
-        self._endpoint._breaker_success()
+        self._endpoint._failures.clear()  # a run of failures is broken (an open breaker stays open)
         return data
 
     def _lost(self, why: str) -> SessionLost:
@@ -301,7 +305,7 @@ class Endpoint:
                     self._breaker_failure(trial)
                     raise EnvServerError(f"{self} open", code, str(reply["data"].get("message")),
                                          reply["data"])
-                self._breaker_success()  # the server answered: it is alive
+                self._breaker_success()
                 if code != CAPACITY_REACHED:
                     return ws
                 await ws.close()  # the server closes a refused socket itself
@@ -414,7 +418,7 @@ class Endpoint:
             self.metrics["breaker_opens"] += 1
 
     def _breaker_success(self) -> None:
-        """Any answer from the server ends a run of failures and closes the breaker."""
+        """The server accepted or refused a new session: it is alive, the breaker closes."""
         self._failures.clear()
         self._opened_at = None
 
