@@ -416,6 +416,8 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
 
     async def main() -> None:
         envs = None
+        if not (Path(model_dir) / "config.json").is_file():
+            raise StartupError(f"{model_dir}: not a model directory (no config.json)")
         if envs_file is not None:
             from bridge.envs.episode import runtime_from_file
 

@@ -77,6 +77,20 @@ def _train(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    """Runs a sweep's configs one after another (or, with --dry-run, writes them and prints commands)."""
+    from jaxrl.config import TrainConfig
+    from jaxrl.sweep import run_sweep
+    from jaxrl.typed_config import ConfigError, load, to_dict
+
+    try:
+        return run_sweep(args.sweep, lambda base, overrides: to_dict(load(TrainConfig, base, overrides)),
+                         dry_run=args.dry_run, train_command=[sys.executable, "-m", "jaxrl.cli", "train"])
+    except ConfigError as e:
+        print(f"jaxrl sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
 def _config(args) -> int:
     """Prints every training config key with its default and help, or checks a config file."""
     from jaxrl.config import TrainConfig
@@ -190,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
     tr.set_defaults(func=_train)
+
+    sw = sub.add_parser("sweep", help="run a grid or list of config overrides, then compare the runs")
+    sw.add_argument("sweep", help="sweep YAML: base config + grid or runs")
+    sw.add_argument("--dry-run", action="store_true", help="write one resolved config per run and print the commands")
+    sw.set_defaults(func=_sweep)
 
     co = sub.add_parser("config", help="print the training config defaults, or a config file resolved")
     co.add_argument("config", nargs="?", help="a config file to check and print resolved")

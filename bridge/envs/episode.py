@@ -505,9 +505,7 @@ class EnvRuntime:
         return EnvEpisodeHook(self, self.connectors[env], task)
 
     async def score(self, env: str, episode: Any, trajectory, task: dict[str, Any]) -> dict[str, float]:
-        rewards: dict[str, float] = {}
-        if episode.record.rewards:
-            rewards[ENV_REWARD] = episode.record.total_reward
+        rewards = {ENV_REWARD: episode.record.total_reward}  # no reward given: 0, not "does not apply"
         completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
         for key, fn in self.reward_fns.items():
             if fn is None:
