@@ -1,0 +1,210 @@
+"""`jaxrl train` end to end with real processes (bridge, environment servers), resume, signals,
+sweeps, and bad configs that fail in one line before any heavy work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxrl.tiny import build_tiny_model
+from jaxrl.tracking import read_metrics
+
+ROOT = Path(__file__).parents[1]
+WORKER = Path(__file__).parent / "workers" / "custom_env_server.py"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", "qwen3")
+
+
+def write_config(path: Path, model_dir: Path, run_dir: Path, **sections) -> Path:
+    cfg = {
+        "run_dir": str(run_dir),
+        "model": {"dir": str(model_dir)},
+        "envs": [{"name": "echo", "bundled": "echo", "max_concurrent_envs": 16}],
+        "steps": 3,
+        "rollout": {"groups_per_step": 2, "max_tokens": 12, "max_total_tokens": 24},
+        "learner": {"group_size": 4, "optimizer": {"learning_rate": 1e-3}},
+        "eval": {"episodes": 8},
+        "checkpoint_every": 2,
+        "log": {"progress": False},
+    }
+    cfg.update(sections)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def jaxrl(*args, timeout=600, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxrl.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, **kwargs)
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir)
+    summary = summary_of(jaxrl("train", config))
+    assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
+    for key in ("wall_s", "eval_before", "eval_after", "eval_stderr"):
+        assert isinstance(summary[key], float), key
+    rows = read_metrics(run_dir)
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    assert steps == [1, 2, 3]
+    for key in ("loss", "entropy", "grad_norm", "env/echo/reward", "time/generate_s", "time/learn_s", "time/sync_s"):
+        assert key in rows[0], key
+    assert (run_dir / "checkpoints" / "3").is_dir()
+    bridge_log = (run_dir / "logs" / "bridge.log").read_text()
+    assert "serving snapshot" in bridge_log and "version 4" in bridge_log  # the weights after 3 updates
+    for png in ("reward.png", "metrics.png"):
+        assert (run_dir / "plots" / png).stat().st_size > 1000
+    assert list((run_dir / "tensorboard").iterdir())
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["steps"] == 3
+    assert (run_dir / "samples.jsonl").read_text().count("\n") == 3 * 2
+
+    refused = jaxrl("train", config, "--set", "steps=5")  # a finished run is not overwritten
+    assert refused.returncode == 1 and "--resume" in refused.stderr
+
+    summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--resume"))
+    assert summary["steps"] == 5 and summary["eval_before"] is not None
+    steps = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert steps == [1, 2, 3, 4, 5]
+    assert (run_dir / "checkpoints" / "5").is_dir()
+
+
+def _children_of(pid: int) -> list[int]:
+    """Processes started with `--parent-pid pid` (our bridge and environment servers)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                args = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(pid).encode():
+                out.append(int(p))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, checkpoint_every=1000)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "train", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.5)
+        children = _children_of(proc.pid)
+        assert len(children) == 2  # the bridge and the echo server
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped"] == "signal" and 1 <= summary["steps"] < 10_000
+    assert "eval_after" not in summary  # a stopped run is not evaluated as finished
+    assert (run_dir / "checkpoints" / str(summary["steps"])).is_dir()
+    assert not [c for c in children if _alive(c)]
+
+
+def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_path):
+    server = subprocess.Popen([sys.executable, str(WORKER), "reverse"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().split()[1]
+        config = write_config(
+            tmp_path / "c.yaml", model_dir, tmp_path / "run",
+            envs=[{"name": "echo", "bundled": "echo", "max_concurrent_envs": 16},
+                  {"name": "reverse", "url": url, "session": {"connect_timeout_s": 30.0}}],
+            rollout={"mode": "async", "groups_per_step": 4, "max_tokens": 12, "max_total_tokens": 24},
+            learner={"group_size": 2, "loss": {"is_level": "token"}},
+        )
+        # the test-only server may still be starting: check_startup would refuse it, so wait
+        deadline = time.monotonic() + 60
+        while jaxrl("config", config).returncode != 0 or not _answers(url):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        summary = summary_of(jaxrl("train", config))
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert summary["steps"] == 3
+    rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    envs_seen = {k.split("/")[1] for r in rows for k in r if k.startswith("env/") and k.endswith("/episodes")}
+    assert envs_seen == {"echo", "reverse"}
+    assert all("rollout/groups_stale" in r or "rollout/episodes" in r for r in rows)
+    assert max(r["version"] for r in rows) == 4
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2)
+        return True
+    except OSError:
+        return False
+
+
+def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_path):
+    base = write_config(tmp_path / "base.yaml", model_dir, tmp_path / "unused", steps=1, eval={"episodes": 0})
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "sweeps"),
+        "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
+    }))
+    dry = jaxrl("sweep", sweep, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert len([line for line in dry.stdout.splitlines() if line.startswith("jaxrl train ")]) == 4
+    proc = jaxrl("sweep", sweep, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(p for p in (tmp_path / "sweeps").iterdir() if (p / "config.yaml").exists())
+    assert len(runs) == 4 and all(read_metrics(r) for r in runs)
+    table = (tmp_path / "sweeps" / "summary.md").read_text()
+    assert all(r.name in table for r in runs) and "reward/mean" in table
+    assert (tmp_path / "sweeps" / "compare_reward.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.lr=1e-3"], "unknown config key 'learner.lr'"),
+    (["steps=many"], "config key 'steps': expected an int"),
+    (["envs=[]"], "envs: list at least one environment"),
+    (["envs.0.bundled=chess"], "bundled environment 'chess'"),
+    (["bridge.addresses=[127.0.0.1:9]"], "127.0.0.1:9 does not answer"),
+    (["envs.0.bundled=null", "envs.0.url=http://127.0.0.1:9"], "environment 'echo'"),
+    (["rollout.mode=async"], "learner.loss.is_level"),
+])
+def test_bad_configs_fail_in_one_line_before_heavy_work(model_dir, tmp_path, overrides, message):
+    config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")
+    args = [a for o in overrides for a in ("--set", o)]
+    start = time.perf_counter()
+    proc = jaxrl("train", config, *args, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+    assert time.perf_counter() - start < 60
