@@ -11,41 +11,6 @@ from pathlib import Path
 import yaml
 
 
-def _smoke(args) -> int:
-    """Loads the configured model (building the tiny one if missing) and samples a completion."""
-    from transformers import AutoTokenizer
-
-    from jaxrl.models import load_pretrained
-    from jaxrl.sampling import generate
-    from jaxrl.tiny import build_tiny_model
-
-    config = yaml.safe_load(Path(args.config).read_text())
-    model_dir = Path(config["model"]["dir"])
-    if not (model_dir / "config.json").exists():
-        print(f"building tiny {config['model']['family']} model in {model_dir}", file=sys.stderr)
-        build_tiny_model(model_dir, config["model"]["family"], seed=config["model"].get("seed", 0))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = load_pretrained(model_dir)
-    messages = [{"role": "user", "content": config["smoke"]["prompt"]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    start = time.perf_counter()
-    smoke = config["smoke"]
-    out = generate(
-        model, [prompt], smoke["max_new_tokens"], (tokenizer.eos_token_id,),
-        temperature=smoke.get("temperature", 0.0), seed=smoke.get("seed", 0),
-    )
-    wall = time.perf_counter() - start
-    print(tokenizer.decode(prompt) + tokenizer.decode(out.tokens[0]))
-    print(json.dumps({
-        "model_dir": str(model_dir),
-        "prompt_tokens": len(prompt),
-        "new_tokens": len(out.tokens[0]),
-        "finish_reason": out.finish_reasons[0],
-        "wall_s": round(wall, 3),
-    }))
-    return 0
-
-
 def _load_train_config(args, prog: str):
     from jaxrl.config import load_config
     from jaxrl.typed_config import ConfigError
@@ -194,10 +159,6 @@ def _env_list(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    smoke = sub.add_parser("smoke", help="load the configured model and generate a few tokens")
-    smoke.add_argument("config", nargs="?", default="configs/tiny_cpu.yaml")
-    smoke.set_defaults(func=_smoke)
 
     tr = sub.add_parser("train", help="train a model against environments (the main job)")
     tr.add_argument("config", help="YAML training config (see `jaxrl config`)")

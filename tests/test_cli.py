@@ -1,24 +1,32 @@
 """The `jaxrl` console script, run as a user would."""
 
-import json
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_smoke_builds_the_tiny_model_and_generates(tmp_path):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"family": "qwen3", "dir": str(tmp_path / "model"), "seed": 0},
-        "smoke": {"prompt": "hello", "max_new_tokens": 5, "temperature": 1.0},
-    }))
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl.cli", "smoke", str(config)],
-        capture_output=True, text=True, timeout=300,
-    )
+
+def jaxrl(*args):
+    return subprocess.run([sys.executable, "-m", "jaxrl.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_tiny_model_writes_a_model_directory(tmp_path):
+    proc = jaxrl("tiny-model", tmp_path / "model", "--family", "llama")
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["new_tokens"] == 5 and summary["finish_reason"] == "length"
-    assert (tmp_path / "model" / "config.json").exists()
-    assert (tmp_path / "model" / "tokenizer.json").exists()
+    assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "tokenizer.json").exists()
+
+
+def test_config_prints_documented_defaults_and_resolves_files():
+    defaults = jaxrl("config")
+    assert defaults.returncode == 0, defaults.stderr
+    assert "# training steps (one batch each)\nsteps: 100" in defaults.stdout
+    resolved = jaxrl("config", "configs/tiny_cpu.yaml", "--set", "steps=7")
+    assert resolved.returncode == 0, resolved.stderr
+    cfg = yaml.safe_load(resolved.stdout)
+    assert cfg["steps"] == 7 and cfg["envs"][0]["bundled"] and cfg["learner"]["group_size"] >= 2
+    bad = jaxrl("config", "configs/tiny_cpu.yaml", "--set", "rollout.mode=fast")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'sync', 'async'" in bad.stderr
