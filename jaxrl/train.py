@@ -274,7 +274,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
                     logger.samples(step, _sample_rows(result, tokenizer, cfg.log.samples_per_step))
                 if progress is not None:
                     progress.update(step, metrics)
-            ckpt.save(step, learner.state, {**meta_base, "step": step}, force=True)
+            if ckpt.latest_step() != step:
+                ckpt.save(step, learner.state, {**meta_base, "step": step}, force=True)
             ckpt.wait()
             summary["steps"] = step
             if step >= cfg.steps and cfg.eval.episodes:
