@@ -1,60 +1,35 @@
-"""ModelConfig <-> Hugging Face config dicts."""
+"""The training config: shipped configs load, cross-field checks name the keys."""
+
+from pathlib import Path
 
 import pytest
-import transformers
 
-from jaxrl.models import ModelConfig, ModelConfigError, RopeScaling
-from jaxrl.tiny import tiny_config
+from jaxrl.config import ConfigError, TrainConfig, load_config
+from jaxrl.typed_config import from_dict
 
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("tied", [True, False])
-def test_round_trip_through_transformers_config(family, tied):
-    cfg = tiny_config(family, tied=tied)
-    hf = transformers.AutoConfig.for_model(**cfg.to_hf())
-    assert ModelConfig.from_hf(hf.to_dict()) == cfg
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
 
 
-def test_legacy_rope_keys_are_read():
-    hf = tiny_config("llama").to_hf()
-    del hf["rope_parameters"]
-    hf["rope_theta"] = 500000.0
-    hf["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    cfg = ModelConfig.from_hf(hf)
-    assert cfg.rope_theta == 500000.0
-    assert cfg.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.envs and cfg.steps >= 1
 
 
-def test_qwen2_always_has_qkv_bias_and_llama_bias_follows_attention_bias():
-    assert ModelConfig.from_hf(tiny_config("qwen2").to_hf()).qkv_bias
-    hf = tiny_config("llama").to_hf() | {"attention_bias": True}
-    cfg = ModelConfig.from_hf(hf)
-    assert cfg.qkv_bias and cfg.o_bias
-
-
-@pytest.mark.parametrize(
-    "change,message",
-    [
-        ({"model_type": "mistral"}, "model_type 'mistral' .* not supported"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"use_sliding_window": True}, "use_sliding_window"),
-        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
-    ],
-)
-def test_bad_configs_name_the_key(change, message):
-    hf = tiny_config("qwen2").to_hf() | change
-    with pytest.raises(ModelConfigError, match=message):
-        ModelConfig.from_hf(hf, source="model/config.json")
-
-
-def test_missing_key_is_named():
-    hf = tiny_config("qwen3").to_hf()
-    del hf["hidden_size"]
-    with pytest.raises(ModelConfigError, match="missing required key 'hidden_size'"):
-        ModelConfig.from_hf(hf)
-
-
-def test_bad_dtype_is_named():
-    with pytest.raises(ModelConfigError, match=r"dtype='float8'.*allowed"):
-        tiny_config("qwen3", dtype="float8")
+@pytest.mark.parametrize("extra, message", [
+    ({"envs": []}, "list at least one environment"),
+    ({"envs": [{"name": "a", "bundled": "echo"}, {"name": "a", "bundled": "wordle"}]}, "names must be unique"),
+    ({"data": {"mix": {"chess": 1.0}}}, "data.mix names unknown environment"),
+    ({"rewards": []}, "rewards: need at least one"),
+    ({"rewards": [{"fn": "env"}, {"fn": "env"}]}, "distinct names"),
+    ({"rollout": {"max_tokens": 64, "max_total_tokens": 32}}, "max_total_tokens >= max_tokens"),
+    ({"rollout": {"mode": "async"}}, "learner.loss.is_level"),
+    ({"eval": {"pass_k": 4}}, "eval.temperature > 0"),
+    ({"rollout": {"groups_per_step": 3}, "learner": {"group_size": 2, "grad_accum": 4}}, "divisible"),
+    ({"sft": {"envs": ["wordle"]}}, "sft.envs names unknown"),
+    ({"envs": [{"name": "x", "url": "http://a", "env_class": "m:C"}]}, "exactly one of bundled, url, env_class"),
+])
+def test_cross_field_errors(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(TrainConfig, {**BASE, **extra})
