@@ -175,7 +175,9 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
 
     children: list[Any] = []
     summary: dict[str, Any] = {"run_dir": str(run.path)}
-    client = collector = logger = progress = writer = None
+    client = collector = logger = progress = writer = learner = None
+    step = 0
+    meta_base: dict[str, Any] = {}
     with _Stop() as stop:
         try:
             specs = []
@@ -289,6 +291,12 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             if stop.requested and step < cfg.steps:
                 summary["stopped"] = "signal"
         finally:
+            if learner is not None and step > 0 and ckpt.latest_step() != step:
+                try:  # however the run ends, the steps it took are kept
+                    ckpt.save(step, learner.state, {**meta_base, "step": step}, force=True)
+                    ckpt.wait()
+                except Exception as e:
+                    log.warning("final checkpoint at step %d failed: %s", step, e)
             for closer in (progress, logger, collector, client, writer):
                 if closer is not None:
                     try:

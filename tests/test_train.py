@@ -208,3 +208,32 @@ def test_bad_configs_fail_in_one_line_before_heavy_work(model_dir, tmp_path, ove
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "run" / "logs").exists()  # nothing started
     assert time.perf_counter() - start < 60
+
+
+def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_dir, tmp_path):
+    server = subprocess.Popen([sys.executable, str(WORKER), "reverse"], stdout=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "run"
+    try:
+        url = server.stdout.readline().split()[1]
+        deadline = time.monotonic() + 60
+        while not _answers(url):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
+                              envs=[{"name": "reverse", "url": url, "max_retries": 1, "retry_backoff_s": 0.1}])
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "train", str(config)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        children = _children_of(proc.pid)
+        server.kill()  # the only environment goes away for good
+        out, err = proc.communicate(timeout=180)
+    finally:
+        server.kill()
+        server.wait(10)
+    assert proc.returncode == 1
+    assert "jaxrl train: error: step" in err and "episodes succeeded" in err and "EndpointUnavailable" in err
+    last = max(r["step"] for r in read_metrics(run_dir))
+    assert (run_dir / "checkpoints" / str(last)).is_dir()  # the steps taken are kept
+    assert not [c for c in children if _alive(c)]
