@@ -16,6 +16,12 @@ normaliser that ``policy_loss`` takes explicitly::
     bnpo     sum_{b,t} m*L            /  number of active tokens
     dapo     sum_{b,t} m*L            /  number of active tokens
     dr_grpo  sum_{b,t} m*L            /  (number of active sequences * max_completion_length)
+    sft      sum_{b,t} m*(-logp)      /  number of active tokens
+
+``sft`` is supervised fine-tuning on demonstrations (the warm start): the token mean of the
+negative log-likelihood, plus ``beta * k3`` when beta > 0. Advantages, clipping and
+importance weights do not apply (demonstrations have no sampler), so ``is_level`` must be
+``none``.
 
 The train step computes ``normalizer = loss_normalizer(cfg, mask_BxT)`` ONCE on the mask of
 the whole accumulated global batch (all micro-batches, all devices), passes that same value
@@ -38,7 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sft")
 IS_LEVELS = ("none", "token", "sequence")
 IS_MODES = ("truncate", "mask")
 
@@ -74,6 +80,11 @@ class LossConfig:
         for key, allowed in (("loss_type", LOSS_TYPES), ("is_level", IS_LEVELS), ("is_mode", IS_MODES)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"LossConfig.{key}={getattr(self, key)!r} is not one of {allowed}")
+        if self.loss_type == "sft" and self.is_level != "none":
+            raise ValueError(
+                f"LossConfig.is_level={self.is_level!r} does not apply to loss_type='sft': "
+                "demonstrations have no sampler logprobs; set is_level='none'"
+            )
         if not (0 <= self.eps_low < 1):
             raise ValueError(f"LossConfig.eps_low={self.eps_low!r} must be in [0, 1)")
         if not (0 <= self.eps_high < math.inf):
@@ -94,6 +105,8 @@ class LossConfig:
 
 class LossBatch(NamedTuple):
     """The rollout-side inputs of the loss (a pytree; None fields are absent).
+
+    adv_B is ignored by loss_type ``sft`` (pass zeros).
 
     logp_old_BxT None means on-policy: ``logp_old = stop_gradient(logp)``, so rho == 1.
     sampler_logp_BxT is needed when ``is_level != 'none'``; ref_logp_BxT when beta > 0
@@ -145,7 +158,7 @@ def loss_normalizer(cfg: LossConfig, mask_BxT):
     if len(shape) != 2:
         raise ValueError(f"mask_BxT has shape {shape}; expected (batch, time)")
     mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
-    if cfg.loss_type in ("bnpo", "dapo"):
+    if cfg.loss_type in ("bnpo", "dapo", "sft"):
         return mask_BxT.sum()
     num_seqs = (mask_BxT.sum(1) > 0).sum().astype(jnp.float32)
     if cfg.loss_type == "grpo":
@@ -194,6 +207,36 @@ def policy_loss(logp_BxT, batch: LossBatch, cfg: LossConfig, normalizer, entropy
     mask_BxT = jnp.asarray(batch.mask_BxT, jnp.float32)
     n_B = mask_BxT.sum(1)
     n_tokens = n_B.sum()
+    if cfg.loss_type == "sft":
+        pg_BxT = -logp_BxT
+        metrics = {"token_prob": _masked_mean(jnp.exp(jax.lax.stop_gradient(logp_BxT)), mask_BxT, n_tokens)}
+    else:
+        pg_BxT, metrics = _clipped_pg(logp_BxT, batch, cfg, mask_BxT, n_B, n_tokens)
+
+    token_loss_BxT = pg_BxT
+    if batch.ref_logp_BxT is not None:
+        delta_BxT = batch.ref_logp_BxT - logp_BxT
+        # expm1(d) - d == exp(d) - d - 1 without float32 cancellation for small d.
+        k3_BxT = jnp.expm1(delta_BxT) - delta_BxT
+        metrics["kl"] = _masked_mean(k3_BxT, mask_BxT, n_tokens)
+        if cfg.beta > 0:
+            token_loss_BxT = pg_BxT + cfg.beta * k3_BxT
+
+    def aggregate(x_BxT):
+        if cfg.loss_type == "grpo":
+            return ((x_BxT * mask_BxT).sum(1) / jnp.maximum(n_B, 1)).sum() / jnp.maximum(normalizer, 1)
+        return (x_BxT * mask_BxT).sum() / jnp.maximum(normalizer, 1)
+
+    loss = aggregate(token_loss_BxT)
+    metrics["loss"] = loss
+    metrics["policy_loss"] = aggregate(pg_BxT)
+    if entropy_BxT is not None:
+        metrics["entropy"] = _masked_mean(entropy_BxT, mask_BxT, n_tokens)
+    return loss, metrics
+
+
+def _clipped_pg(logp_BxT, batch: LossBatch, cfg: LossConfig, mask_BxT, n_B, n_tokens):
+    """The per-token clipped policy-gradient loss (dual clip, importance weights) and its metrics."""
     logp_old_BxT = (
         jax.lax.stop_gradient(logp_BxT) if batch.logp_old_BxT is None else batch.logp_old_BxT
     )
@@ -219,24 +262,4 @@ def policy_loss(logp_BxT, batch: LossBatch, cfg: LossConfig, normalizer, entropy
             metrics[f"{name}_mean"] = _masked_mean(x, mask_BxT, n_tokens)
             metrics[f"{name}_min"], metrics[f"{name}_max"] = _masked_extremes(x, mask_BxT, n_tokens)
         metrics["is_corrected_frac"] = _masked_mean(w_BxT != raw_w_BxT, mask_BxT, n_tokens)
-
-    token_loss_BxT = pg_BxT
-    if batch.ref_logp_BxT is not None:
-        delta_BxT = batch.ref_logp_BxT - logp_BxT
-        # expm1(d) - d == exp(d) - d - 1 without float32 cancellation for small d.
-        k3_BxT = jnp.expm1(delta_BxT) - delta_BxT
-        metrics["kl"] = _masked_mean(k3_BxT, mask_BxT, n_tokens)
-        if cfg.beta > 0:
-            token_loss_BxT = pg_BxT + cfg.beta * k3_BxT
-
-    def aggregate(x_BxT):
-        if cfg.loss_type == "grpo":
-            return ((x_BxT * mask_BxT).sum(1) / jnp.maximum(n_B, 1)).sum() / jnp.maximum(normalizer, 1)
-        return (x_BxT * mask_BxT).sum() / jnp.maximum(normalizer, 1)
-
-    loss = aggregate(token_loss_BxT)
-    metrics["loss"] = loss
-    metrics["policy_loss"] = aggregate(pg_BxT)
-    if entropy_BxT is not None:
-        metrics["entropy"] = _masked_mean(entropy_BxT, mask_BxT, n_tokens)
-    return loss, metrics
+    return pg_BxT, metrics

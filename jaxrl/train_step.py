@@ -1,8 +1,9 @@
 """The learner update: a pure `(state, batch) -> (state, metrics)`, jitted once with shardings.
 
-Read top to bottom: advantages from rewards, the frozen `logp_old` (and reference) logprobs,
-then `num_iterations` optimiser updates, each accumulating gradients over micro-batches with
-loss normalisers taken over the whole batch, so accumulation equals one large batch.
+Read top to bottom: advantages from rewards (none for the supervised `sft` loss), the frozen
+`logp_old` (and reference) logprobs, then `num_iterations` optimiser updates, each
+accumulating gradients over micro-batches with loss normalisers taken over the whole batch, so
+accumulation equals one large batch.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int 
             f"of rows divisible by the {num_batch_shards} batch shards of the mesh"
         )
     rewards = np.asarray(batch["rewards_BxR"])
-    validate_rewards(rewards, cfg.group_size, cfg.advantages)
+    if cfg.loss.loss_type != "sft":  # demonstrations have no groups: their rewards are unused
+        validate_rewards(rewards, cfg.group_size, cfg.advantages)
     if np.isinf(rewards).any():
         rows = sorted(set(np.argwhere(np.isinf(rewards))[:, 0].tolist()))[:5]
         raise ValueError(f"train batch rewards_BxR is infinite at rows {rows}; a reward function "
@@ -142,7 +144,10 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     schedule = learning_rate_schedule(cfg.optimizer)
     A = cfg.grad_accum
 
-    adv_B, adv_stats = compute_advantages(batch["rewards_BxR"], cfg.group_size, cfg.advantages)
+    if cfg.loss.loss_type == "sft":
+        adv_B, adv_stats = jnp.zeros(batch["rewards_BxR"].shape[:1], jnp.float32), {}
+    else:
+        adv_B, adv_stats = compute_advantages(batch["rewards_BxR"], cfg.group_size, cfg.advantages)
     loss_mask = batch["loss_mask_BxC"].astype(jnp.float32)
     normalizer = loss_normalizer(cfg.loss, loss_mask)
     micro = {k: _micro_batches(v, A) for k, v in batch.items() if k != "rewards_BxR"}

@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]  # the policy-gradient ones; sft below
 CLIPS = {"symmetric": (0.2, 0.2, None), "clip_higher": (0.2, 0.28, None), "dual_clip": (0.2, 0.28, 1.5)}
 IS_SETTINGS = [("none", "truncate")] + [
     (level, mode) for level in ("token", "sequence") for mode in ("truncate", "mask")
@@ -236,7 +236,7 @@ def test_beta_zero_needs_no_reference_and_all_masked_batch_is_finite():
     [
         (
             {"loss_type": "ppo"},
-            r"LossConfig.loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)",
+            r"LossConfig.loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'sft'\)",
         ),
         ({"is_level": "seq"}, r"LossConfig.is_level='seq' is not one of \('none', 'token', 'sequence'\)"),
         ({"is_mode": "clip"}, r"LossConfig.is_mode='clip' is not one of \('truncate', 'mask'\)"),
@@ -285,3 +285,39 @@ def test_bad_logp_and_entropy_shapes_raise():
         policy_loss(np.zeros((4, 5)), batch, LossConfig(), 1.0, np.zeros((4, 4)))
     with pytest.raises(TypeError, match="LossBatch"):
         policy_loss(np.zeros((4, 5)), {"mask_BxT": np.ones((4, 5))}, LossConfig(), 1.0)
+
+
+def test_sft_is_the_token_mean_negative_log_likelihood():
+    """Advantages, old logprobs and clipping do not reach it; its gradient is -mask / tokens."""
+    a = make_batch(seed=2)
+    logp, batch = to_jax(a, with_ref=False, with_sampler=False)
+    cfg = LossConfig(loss_type="sft", eps_low=0.01, eps_high=0.01)  # clipping would bind if it applied
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)
+    active = a["mask"] > 0
+    assert float(normalizer) == active.sum()
+    (loss, metrics), grad = jax.value_and_grad(policy_loss, has_aux=True)(logp, batch, cfg, normalizer)
+    want = -a["logp"].astype(np.float64)[active].mean()
+    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["policy_loss"]), want, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["token_prob"]), np.exp(a["logp"][active]).mean(), rtol=1e-6)
+    assert not any(k.startswith("clip_frac") for k in metrics)
+    np.testing.assert_allclose(np.asarray(grad), -a["mask"] / active.sum(), rtol=1e-6)
+    other = batch._replace(adv_B=-batch.adv_B, logp_old_BxT=batch.logp_old_BxT + 1.0)
+    assert float(policy_loss(logp, other, cfg, normalizer)[0]) == float(loss)
+
+
+def test_sft_with_beta_adds_the_k3_penalty():
+    a = make_batch(seed=4)
+    logp, batch = to_jax(a, with_sampler=False)
+    cfg = LossConfig(loss_type="sft", beta=0.1)
+    loss, metrics = policy_loss(logp, batch, cfg, loss_normalizer(cfg, batch.mask_BxT))
+    active = a["mask"] > 0
+    d = (a["ref"] - a["logp"]).astype(np.float64)
+    k3 = np.exp(d) - d - 1
+    np.testing.assert_allclose(float(loss), (-a["logp"] + 0.1 * k3)[active].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["kl"]), k3[active].mean(), rtol=1e-5)
+
+
+def test_sft_refuses_importance_sampling():
+    with pytest.raises(ValueError, match=r"is_level='token' does not apply to loss_type='sft'"):
+        LossConfig(loss_type="sft", is_level="token")

@@ -145,3 +145,34 @@ def test_micro_batches_must_split_over_the_batch_shards():
 def test_bad_configs_name_the_key(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_sft_step_is_the_demonstration_log_likelihood_gradient(grad_accum):
+    """No groups or advantages: the loss is -mean log p over loss-masked tokens, and so is its gradient."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxrl.logprobs import completion_logprobs
+
+    batch = make_batch(B=16, sampler=False)
+    batch["rewards_BxR"] = np.zeros((16, 1), np.float32)  # 16 rows, group_size 3: groups do not apply
+    model = Decoder(MODEL_CFG, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    keys = ("prompt_BxP", "prompt_mask_BxP", "completion_BxC", "completion_mask_BxC")
+
+    def nll(params):
+        logp, _ = completion_logprobs(nnx.merge(graphdef, params), *(jnp.asarray(batch[k]) for k in keys))
+        mask = batch["loss_mask_BxC"]
+        return -(logp * mask).sum() / mask.sum()
+
+    want_loss, want_grad = jax.value_and_grad(nll)(params)
+    want_loss, want_norm = float(want_loss), float(optax.tree.norm(want_grad))
+    cfg = LearnerConfig(group_size=3, grad_accum=grad_accum, loss=LossConfig(loss_type="sft"),
+                        optimizer=OptimizerConfig(learning_rate=1e-2))
+    learner = Learner(model, cfg, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    first = learner.update(batch)
+    assert first["loss"] == pytest.approx(want_loss, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
+    assert "reward_mean" not in first and "clip_frac_low" not in first
+    assert learner.update(batch)["loss"] < first["loss"]
