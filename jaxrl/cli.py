@@ -42,6 +42,99 @@ def _train(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    """Held-out episodes of a run's newest snapshot (or a model directory) against an environment."""
+    import asyncio
+
+    from bridge.envs.bundled import NAMES
+    from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec
+    from jaxrl.typed_config import ConfigError
+
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
+    prog = "jaxrl eval"
+    target = Path(args.target)
+    snapshot = None
+    settings = dict(max_tokens=args.max_tokens, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens)
+    rewards = [RewardSpec("env")]
+    tool_parser, template_kwargs = "qwen", None
+    if (target / "config.yaml").is_file():  # a run directory: its environments, settings, newest weights
+        from jaxrl.config import load_config
+        from jaxrl.snapshots import SnapshotReader
+
+        try:
+            cfg = load_config(target / "config.yaml")
+        except ConfigError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        model_dir, specs, rewards = Path(cfg.model.dir), list(cfg.envs), list(cfg.rewards)
+        tool_parser, template_kwargs = cfg.bridge.tool_parser, cfg.bridge.chat_template_kwargs
+        settings = dict(max_tokens=cfg.rollout.max_tokens, max_turns=cfg.rollout.max_turns,
+                        max_total_tokens=cfg.rollout.max_total_tokens, success_threshold=cfg.eval.success_threshold)
+        versions = SnapshotReader(target / "snapshots").versions() if (target / "snapshots").is_dir() else []
+        snapshot = (target / "snapshots", versions[-1]) if versions else None
+        if args.env not in {s.name for s in specs}:
+            print(f"{prog}: error: the run has no environment {args.env!r}; its envs: "
+                  f"{', '.join(s.name for s in specs)}", file=sys.stderr)
+            return 2
+    elif (target / "config.json").is_file():
+        model_dir = target
+        if args.env in NAMES:
+            specs = [EnvSpec(args.env, bundled=args.env)]
+        elif args.env.startswith(("http://", "https://")):
+            specs = [EnvSpec("env", url=args.env)]
+            args.env = "env"
+        else:
+            print(f"{prog}: error: --env {args.env!r}: name a bundled environment ({', '.join(NAMES)}) "
+                  "or an OpenEnv server url", file=sys.stderr)
+            return 2
+    else:
+        print(f"{prog}: error: {target}: neither a run directory (config.yaml) nor a model directory "
+              "(config.json)", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from bridge.engines.jax_engine import JaxEngine
+    from jaxrl.sft import bundled_name, evaluate_async
+
+    spec = next(s for s in specs if s.name == args.env)
+    tasks = None
+    if bundled_name(spec) is None:  # a server with no seeded split: fresh seeds past the training ones
+        from jaxrl.tasks import EVAL_SEED_OFFSET
+
+        tasks = [{"seed": EVAL_SEED_OFFSET + i} for i in range(args.episodes)]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+    async def run():
+        engine = JaxEngine(model_dir, seed=args.seed, tokenizer=tokenizer)
+        try:
+            if snapshot is not None:
+                await engine.load_snapshot(str(snapshot[0]), snapshot[1])
+            return await evaluate_async(engine, tokenizer, specs, args.env, args.episodes, args.split,
+                                        args.temperature, args.pass_k, args.seed, tasks=tasks, rewards=rewards,
+                                        tool_parser=tool_parser, template_kwargs=template_kwargs, **settings)
+        finally:
+            await engine.close()
+
+    try:
+        result = asyncio.run(run())
+    except (EnvConfigError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    weights = f"snapshot {snapshot[1]}" if snapshot else str(model_dir)
+    rows = [("environment", args.env), ("weights", weights), ("split", args.split),
+            ("episodes", result["episodes"]), (f"success (pass@{args.pass_k})", f"{result['success_rate']:.3f} "
+                                               f"+- {result['success_stderr']:.3f}"),
+            ("mean reward", f"{result['mean_reward']:.3f}"), ("mean turns", f"{result['mean_turns']:.2f}"),
+            ("episode errors", result["errors"])]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps({k: v for k, v in result.items() if k != "examples"}))
+    return 0
+
+
 def _sweep(args) -> int:
     """Runs a sweep's configs one after another (or, with --dry-run, writes them and prints commands)."""
     from jaxrl.config import TrainConfig
@@ -165,6 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
     tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="held-out episodes of a run or a model against an environment")
+    ev.add_argument("target", help="a run directory (its newest snapshot) or a Hugging Face model directory")
+    ev.add_argument("--env", required=True, help="an environment of the run, a bundled name, or a server url")
+    ev.add_argument("--episodes", type=int, default=100)
+    ev.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ev.add_argument("--pass-k", type=int, default=1, help="samples per task; success if any succeeds")
+    ev.add_argument("--split", default="test", help="bundled task split (test: held out)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--max-tokens", type=int, default=64, help="per turn (a run directory uses its own)")
+    ev.add_argument("--max-turns", type=int, default=16)
+    ev.add_argument("--max-total-tokens", type=int, default=1024)
+    ev.set_defaults(func=_eval)
 
     sw = sub.add_parser("sweep", help="run a grid or list of config overrides, then compare the runs")
     sw.add_argument("sweep", help="sweep YAML: base config + grid or runs")

@@ -215,7 +215,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             if cfg.sft.steps and start_step is None:
                 from jaxrl.sft import run_sft
 
-                sft_metrics = run_sft(model_dir, run.path / "sft", cfg)
+                sft_metrics = run_sft(model_dir, run.path / "sft", cfg.envs, cfg.sft, cfg.mesh, cfg.seed,
+                                      task_fields=cfg.data.task_fields, tool_parser=cfg.bridge.tool_parser)
                 summary["sft"] = sft_metrics
                 init_dir = run.path / "sft"
                 print(f"warm start: {json.dumps(sft_metrics)}", file=out, flush=True)

@@ -1,5 +1,6 @@
 """The `jaxrl` console script, run as a user would."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,15 @@ def test_config_prints_documented_defaults_and_resolves_files():
     assert cfg["steps"] == 7 and cfg["envs"][0]["bundled"] and cfg["learner"]["group_size"] >= 2
     bad = jaxrl("config", "configs/tiny_cpu.yaml", "--set", "rollout.mode=fast")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'sync', 'async'" in bad.stderr
+
+
+def test_eval_a_model_directory_against_a_bundled_environment(tmp_path):
+    assert jaxrl("tiny-model", tmp_path / "model").returncode == 0
+    proc = jaxrl("eval", tmp_path / "model", "--env", "guess_number", "--episodes", 4, "--max-turns", 2)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == 4 and result["errors"] == 0 and "success (pass@1)" in proc.stdout
+    bad = jaxrl("eval", tmp_path / "model", "--env", "chess")
+    assert bad.returncode == 2 and "bundled environment" in bad.stderr and bad.stderr.count("\n") == 1
+    missing = jaxrl("eval", tmp_path / "nothing", "--env", "echo")
+    assert missing.returncode == 2 and "neither a run directory" in missing.stderr

@@ -77,6 +77,9 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     refused = jaxrl("train", config, "--set", "steps=5")  # a finished run is not overwritten
     assert refused.returncode == 1 and "--resume" in refused.stderr
 
+    evaluated = summary_of(jaxrl("eval", run_dir, "--env", "echo", "--episodes", 4))  # the newest snapshot
+    assert evaluated["episodes"] == 4 and 0 <= evaluated["success_rate"] <= 1
+
     summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--resume"))
     assert summary["steps"] == 5 and summary["eval_before"] is not None
     steps = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r]
