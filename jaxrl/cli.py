@@ -28,11 +28,12 @@ def _train(args) -> int:
     if cfg is None:
         return 2
     from jaxrl.rollouts import EnvironmentsDown
+    from jaxrl.tasks import TaskError
     from jaxrl.train import StartupError, train
 
     try:
         summary = train(cfg, resume=args.resume)
-    except (StartupError, EnvironmentsDown) as e:
+    except (StartupError, EnvironmentsDown, TaskError) as e:
         print(f"jaxrl train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

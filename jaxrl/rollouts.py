@@ -136,8 +136,14 @@ class Collector:
             groups = self.client.request(tasks, ids, self.cfg.learner.group_size, self.params, min_version)
             counts["requests"] += 1
             episodes = [t for g in groups for t in g]
+            failed = [t for t in episodes if t.finish_reason == "error"]
             counts["episodes"] += len(episodes)
-            counts["episodes_failed"] += sum(t.finish_reason == "error" for t in episodes)
+            counts["episodes_failed"] += len(failed)
+            if len(episodes) - len(failed) < r.min_success_fraction * len(episodes):
+                worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
+                raise EnvironmentsDown(
+                    f"step {step}: only {len(episodes) - len(failed)} of {len(episodes)} episodes succeeded "
+                    f"(rollout.min_success_fraction={r.min_success_fraction}); most common error ({n}x): {worst}")
             gen += sum(t.generate_s for t in episodes)
             env += sum(t.env_s for t in episodes)
             for task, group in zip(tasks, groups):
@@ -147,14 +153,6 @@ class Collector:
             if len(kept) >= need:
                 break
         wall = time.perf_counter() - start
-        ok = counts["episodes"] - counts["episodes_failed"]
-        if ok < r.min_success_fraction * counts["episodes"]:
-            errors = collections.Counter(t.error.split(":")[0] + ": " + t.error.split(":", 1)[-1][:160]
-                                         for g in groups for t in g if t.finish_reason == "error")
-            worst, n = errors.most_common(1)[0]
-            raise EnvironmentsDown(
-                f"step {step}: only {ok} of {counts['episodes']} episodes succeeded (rollout.min_success_fraction="
-                f"{r.min_success_fraction}); most common error ({n}x): {worst}")
         counts["refills"] = max(counts["requests"] - 1, 0)
         counts["groups_padded"] = need - len(kept)
         share = env / (gen + env) if gen + env > 0 else 0.0

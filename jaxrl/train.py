@@ -245,6 +245,11 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
 
             if step > 0 or init_dir != model_dir:
                 publish(step + 1)
+            if init_dir != model_dir and cfg.eval.episodes:
+                warm = evaluate(client, held_out, cfg, step + 1, stop_ids)
+                summary["eval_after_warm_start"] = warm.success
+                print(f"eval after the warm start: success {warm.success:.3f} +- {warm.stderr:.3f} "
+                      f"(mean reward {warm.reward:.3f})", file=out, flush=True)
             logger = MetricsLogger(run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                    resume_step=step + 1 if start_step is not None else None)
             progress = Progress(cfg.steps, initial=step) if cfg.log.progress else None

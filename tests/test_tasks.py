@@ -1,0 +1,63 @@
+"""Tasks by (step, slot): deterministic (resume draws the same), mixed by weight, held out apart."""
+
+import json
+
+import pytest
+
+from jaxrl.config import TrainConfig
+from jaxrl.tasks import EVAL_SEED_OFFSET, TaskError, TaskSource
+from jaxrl.typed_config import from_dict
+
+
+def config(**extra) -> TrainConfig:
+    base = {"run_dir": "r", "model": {"dir": "m"},
+            "envs": [{"name": "echo", "bundled": "echo"}, {"name": "rev", "url": "http://127.0.0.1:1"}]}
+    return from_dict(TrainConfig, {**base, **extra})
+
+
+def test_training_tasks_are_a_function_of_step_and_slot():
+    a, b = TaskSource(config()), TaskSource(config())
+    assert [a.train(7, s) for s in range(8)] == [b.train(7, s) for s in range(8)]
+    assert a.train(7, 0) != a.train(8, 0)
+    env, fields = next(t for t in (a.train(0, s) for s in range(20)) if t[0] == "echo")
+    assert fields["split"] == "train" and isinstance(fields["seed"], int)
+    env, fields = next(t for t in (a.train(0, s) for s in range(20)) if t[0] == "rev")
+    assert "split" not in fields  # only bundled environments know splits
+
+
+def test_mix_weights_and_task_fields():
+    source = TaskSource(config(data={"mix": {"echo": 3.0, "rev": 1.0}, "task_fields": {"echo": {"max_steps": 2}}}))
+    drawn = [source.train(s, 0) for s in range(2000)]
+    share = sum(env == "echo" for env, _ in drawn) / len(drawn)
+    assert 0.7 < share < 0.8
+    assert all(f["max_steps"] == 2 for env, f in drawn if env == "echo")
+    only = TaskSource(config(data={"mix": {"rev": 1.0}}))
+    assert {only.train(s, 0)[0] for s in range(50)} == {"rev"}
+
+
+def test_held_out_tasks_never_overlap_training_seeds():
+    source = TaskSource(config(eval={"episodes": 10}))
+    held = source.held_out()
+    assert len(held) == 10 and {e for e, _ in held} == {"echo", "rev"}
+    assert all(f["split"] == "test" for e, f in held if e == "echo")
+    assert all(f["seed"] >= EVAL_SEED_OFFSET for e, f in held if e == "rev")
+    assert [f for e, f in source.held_out("echo", 3)] == [{"seed": i, "split": "test"} for i in range(3)]
+
+
+def test_task_files(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"env": "rev", "word": w}) for w in ("a", "b", "c")) + "\n")
+    source = TaskSource(config(data={"train_file": str(train), "eval_file": str(train)},
+                               rollout={"groups_per_step": 2}))
+    epoch = [source.train(0, 0), source.train(0, 1), source.train(1, 0)]
+    assert sorted(f["word"] for _, f in epoch) == ["a", "b", "c"]  # each row once per epoch
+    assert source.held_out(n=2) == [("rev", {"word": "a"}), ("rev", {"word": "b"})]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"env": "rev"}\n{"env": "chess"}\n')
+    with pytest.raises(TaskError, match="bad.jsonl line 2.*chess"):
+        TaskSource(config(data={"train_file": str(bad)}))
+    bad.write_text("{not json\n")
+    with pytest.raises(TaskError, match="line 1: not JSON"):
+        TaskSource(config(data={"train_file": str(bad)}))
+    with pytest.raises(TaskError, match="no-such.jsonl"):
+        TaskSource(config(data={"train_file": str(tmp_path / "no-such.jsonl")}))
