@@ -346,10 +346,19 @@ def _learner_config(cfg: TrainConfig):
 
 def _ensure_model(cfg: TrainConfig) -> Path:
     model_dir = Path(cfg.model.dir)
+    t = cfg.model.tiny
+    if t is not None and (model_dir / "config.json").is_file():
+        built = json.loads((model_dir / "config.json").read_text())
+        want = {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_layers}
+        differ = {k: (built.get(k), v) for k, v in want.items() if built.get(k) != v}
+        if differ:
+            raise StartupError(f"model.dir {model_dir} holds a tiny model that differs from model.tiny "
+                               f"({', '.join(f'{k}: {a} != {b}' for k, (a, b) in differ.items())}); delete it "
+                               "to rebuild, or point model.dir elsewhere")
     if not (model_dir / "config.json").is_file():
         from jaxrl.tiny import build_tiny_model
 
-        t = cfg.model.tiny
         print(f"building tiny {t.family} model in {model_dir}", file=sys.stderr)
         build_tiny_model(model_dir, t.family, seed=t.seed, hidden_size=t.hidden_size,
                          intermediate_size=t.intermediate_size, num_layers=t.num_layers)
