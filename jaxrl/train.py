@@ -155,6 +155,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
 
     wall_start = time.perf_counter()
     check_startup(cfg)
+    model_dir = _ensure_model(cfg)
     run = RunDir.create(cfg.run_dir)
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = ckpt.latest_step() if resume else None
@@ -166,7 +167,6 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
                            "choose another run_dir")
     dump_yaml(cfg, run.config)
     (run.path / "logs").mkdir(exist_ok=True)
-    model_dir = _ensure_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer.save_pretrained(run.tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -200,6 +200,7 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     (["bridge.addresses=[127.0.0.1:9]"], "127.0.0.1:9 does not answer"),
     (["envs.0.bundled=null", "envs.0.url=http://127.0.0.1:9"], "environment 'echo'"),
     (["rollout.mode=async"], "learner.loss.is_level"),
+    (["model.tiny={hidden_size: 32}"], "differs from model.tiny (hidden_size: 64 != 32"),
 ])
 def test_bad_configs_fail_in_one_line_before_heavy_work(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")
@@ -209,7 +210,7 @@ def test_bad_configs_fail_in_one_line_before_heavy_work(model_dir, tmp_path, ove
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
-    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+    assert not (tmp_path / "run").exists()  # nothing started
     assert time.perf_counter() - start < 60
 
 
