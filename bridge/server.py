@@ -84,6 +84,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             "snapshot_refusals": 0,
             "episodes_retried": 0,
             "episodes_dropped": 0,
+            "episodes_timed_out": 0,
         }
 
     # -- helpers ------------------------------------------------------------------------------
@@ -159,11 +160,18 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
                         return traj
                 try:
-                    traj = await run_episode(
-                        self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,
-                        max_turns=max_turns, max_total_tokens=max_total_tokens, retry_on=RETRYABLE,
-                    )
+                    async with asyncio.timeout(spec.episode_timeout_s if spec is not None else None):
+                        traj = await run_episode(
+                            self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,
+                            max_turns=max_turns, max_total_tokens=max_total_tokens, retry_on=RETRYABLE,
+                        )
                     traj.metrics["retries"] = float(attempt)
+                    return traj
+                except TimeoutError:  # raised by the timeout above only: run_episode catches the rest
+                    self.counters["episodes_timed_out"] += 1
+                    traj = Trajectory(group.group_id, index, prompt, env=group.env)
+                    traj.finish_reason = "error"
+                    traj.error = f"episode took longer than episode_timeout_s={spec.episode_timeout_s:g} s"
                     return traj
                 except RETRYABLE as e:
                     lost = f"{type(e).__name__}: {e}"

@@ -284,3 +284,18 @@ def test_frozen_server_times_out_opens_the_breaker_and_recovers():
     assert waited < 60  # timeouts and the breaker end it; nothing hangs
     assert stats["episodes_dropped"] == 4
     assert all(t.rewards == {"env": 1.0} for t in after) and endpoint.breaker_state == "closed"
+
+
+def test_episode_timeout_ends_a_slow_episode_as_an_error():
+    tok = build_tokenizer()
+    runtime = runtime_from_dict({"envs": [{
+        "name": "guess", "env_class": "bridge.envs.bundled.guess_number:GuessNumberEnvironment",
+        "action_class": "bridge.envs.bundled.guess_number:GuessNumberAction", "episode_timeout_s": 1.0}]}, tok)
+    with bridge_thread(ScriptedEngine(tok, guess_number_policy, delay_s=0.4), runtime) as client:
+        start = time.perf_counter()
+        trajs = list(client.rollout(groups_for("guess", 2), 2, SamplingParams(max_tokens=64), max_turns=10,
+                                    max_total_tokens=2048))
+        stats = client.stats()
+    assert time.perf_counter() - start < 10
+    assert all(t.finish_reason == "error" and "episode_timeout_s=1" in t.error for t in trajs)
+    assert stats["episodes_timed_out"] == 4

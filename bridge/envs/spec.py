@@ -56,6 +56,9 @@ class EnvSpec:
         default=2, metadata={"help": "an episode whose session is lost is replayed from reset() this many "
                                      "times, then dropped and counted"})
     retry_backoff_s: float = dataclasses.field(default=0.5, metadata={"help": "first wait before a retry; doubles"})
+    episode_timeout_s: float | None = dataclasses.field(
+        default=900.0, metadata={"help": "an episode (all its turns, generation included) that takes longer "
+                                         "ends as an error; null: no limit"})
     session: SessionConfig = dataclasses.field(
         default_factory=SessionConfig, metadata={"help": "timeouts, pings, capacity backoff and circuit breaker"})
 
@@ -74,6 +77,8 @@ class EnvSpec:
             raise EnvConfigError(f"environment {self.name!r}: url {self.url!r} must start with http:// or https://")
         if self.env_class and ":" not in self.env_class:
             raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
+        if self.episode_timeout_s is not None and not self.episode_timeout_s > 0:
+            raise EnvConfigError(f"environment {self.name!r}: episode_timeout_s must be > 0 or null")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_concurrent_envs < 1:
             raise EnvConfigError(f"environment {self.name!r}: max_retries and retry_backoff_s must be >= 0 "
                                  "and max_concurrent_envs >= 1")
