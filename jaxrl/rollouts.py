@@ -184,6 +184,22 @@ class Collector:
         self.prefetch.shutdown(wait=False, cancel_futures=True)
 
 
+def empty_batch(B: int, P: int, C: int, num_rewards: int, pad_id: int,
+                with_sampler_logp: bool = False) -> dict[str, np.ndarray]:
+    """A learner batch of padding: every mask 0, rewards 0."""
+    batch = {
+        "prompt_BxP": np.full((B, P), pad_id, np.int32),
+        "prompt_mask_BxP": np.zeros((B, P), np.int32),
+        "completion_BxC": np.full((B, C), pad_id, np.int32),
+        "completion_mask_BxC": np.zeros((B, C), np.int32),
+        "loss_mask_BxC": np.zeros((B, C), np.int32),
+        "rewards_BxR": np.zeros((B, num_rewards), np.float32),
+    }
+    if with_sampler_logp:
+        batch["sampler_logp_BxC"] = np.zeros((B, C), np.float32)
+    return batch
+
+
 def build_batch(groups: list[Group], cfg: TrainConfig, pad_id: int, with_sampler_logp: bool) -> dict[str, np.ndarray]:
     """The learner batch: groups_per_step x group_size rows, prompts left-padded, completions
     right-padded to `rollout.max_total_tokens`, missing groups as padding rows."""
@@ -192,16 +208,7 @@ def build_batch(groups: list[Group], cfg: TrainConfig, pad_id: int, with_sampler
     trajs = [t for g in groups for t in g]
     P = bucket(max((len(t.prompt_ids) for t in trajs), default=1))
     keys = cfg.reward_keys
-    batch = {
-        "prompt_BxP": np.full((B, P), pad_id, np.int32),
-        "prompt_mask_BxP": np.zeros((B, P), np.int32),
-        "completion_BxC": np.full((B, C), pad_id, np.int32),
-        "completion_mask_BxC": np.zeros((B, C), np.int32),
-        "loss_mask_BxC": np.zeros((B, C), np.int32),
-        "rewards_BxR": np.zeros((B, len(keys)), np.float32),
-    }
-    if with_sampler_logp:
-        batch["sampler_logp_BxC"] = np.zeros((B, C), np.float32)
+    batch = empty_batch(B, P, C, len(keys), pad_id, with_sampler_logp)
     for i, t in enumerate(trajs[:B]):
         p, c = len(t.prompt_ids), min(len(t.completion_ids), C)
         batch["prompt_BxP"][i, P - p:] = t.prompt_ids

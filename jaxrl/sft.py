@@ -190,15 +190,9 @@ def sft_batch(trajectories: Sequence[Trajectory], pad_id: int, prompt_len: int |
     """The learner's batch: prompts left-padded, completions right-padded, rewards zeros (unused)."""
     P = prompt_len or max(len(t.prompt_ids) for t in trajectories)
     C = completion_len or max(len(t.completion_ids) for t in trajectories)
-    B = len(trajectories)
-    batch = {
-        "prompt_BxP": np.full((B, P), pad_id, np.int32),
-        "prompt_mask_BxP": np.zeros((B, P), np.int32),
-        "completion_BxC": np.full((B, C), pad_id, np.int32),
-        "completion_mask_BxC": np.zeros((B, C), np.int32),
-        "loss_mask_BxC": np.zeros((B, C), np.int32),
-        "rewards_BxR": np.zeros((B, 1), np.float32),
-    }
+    from jaxrl.rollouts import empty_batch
+
+    batch = empty_batch(len(trajectories), P, C, 1, pad_id)
     for b, t in enumerate(trajectories):
         p, c = len(t.prompt_ids), len(t.completion_ids)
         if not 0 < p <= P or c > C or len(t.loss_mask) != c:

@@ -61,3 +61,14 @@ def guess_number_policy(prompt: str) -> str:
         else:
             high = min(high, int(n) - 1)
     return tool_call("guess", {"n": (low + high) // 2})
+
+
+def segments(traj):
+    """(loss mask, token ids) runs of a trajectory's completion."""
+    out = []
+    for t, m in zip(traj.completion_ids, traj.loss_mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(t)
+        else:
+            out.append((m, [t]))
+    return out

@@ -15,7 +15,7 @@ from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec
 from bridge.rollout import ENV_VERSION, run_episode
 from bridge.tool_calls import get_parser
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine, guess_number_policy, tool_call
+from scripted_engine import ScriptedEngine, guess_number_policy, segments, tool_call
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=64, seed=0)
 
@@ -33,17 +33,6 @@ def run(engine, runtime, env, task, max_turns=8, budget=2048):
                                  max_total_tokens=budget)
 
     return asyncio.run(go())
-
-
-def segments(traj):
-    """(mask, token ids) runs of a trajectory's completion."""
-    out = []
-    for t, m in zip(traj.completion_ids, traj.loss_mask):
-        if out and out[-1][0] == m:
-            out[-1][1].append(t)
-        else:
-            out.append((m, [t]))
-    return out
 
 
 def check_masks(traj, tok):

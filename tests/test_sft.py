@@ -21,7 +21,7 @@ from jaxrl.sft import demonstrations, evaluate, in_process_spec, run_sft, sft_ba
 from jaxrl.sharding import MeshConfig
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, segments
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +32,6 @@ def tok():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer=tok)
-
-
-def segments(traj):
-    out = []
-    for t, m in zip(traj.completion_ids, traj.loss_mask):
-        if out and out[-1][0] == m:
-            out[-1][1].append(t)
-        else:
-            out.append((m, [t]))
-    return out
 
 
 class ReplayEngine:
