@@ -106,7 +106,8 @@ class EvalConfig:
 class SFTConfig:
     steps: int = _help("supervised warm-start steps on solver demonstrations (0: none)", default=0)
     batch_size: int = _help("demonstrations per step", default=32)
-    learning_rate: float = _help("warm-start learning rate (AdamW, cosine decay)", default=3e-3)
+    learning_rate: float = _help("warm-start peak learning rate (AdamW, warmup over a tenth of the steps, then "
+                                 "cosine decay to 10%)", default=3e-3)
     demonstrations: int = _help("solver episodes generated (training split)", default=1024)
     envs: list[str] = _help("environments to demonstrate (default: all bundled ones of the run)",
                             default_factory=list)

@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -167,6 +168,8 @@ def run_sweep(spec_path: str | Path, resolve: Resolve, dry_run: bool, train_comm
         print(f"sweep {spec.name}: run {number}/{len(runs)}: {run.name}", file=sys.stderr, flush=True)
         try:
             status = _run([*train_command, str(run.config_path)])
+            if status in (130, -signal.SIGINT):  # the run was Ctrl-C'd (its exit can beat our own handler)
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             print(f"sweep {spec.name}: interrupted during {run.name}; the later runs did not start", file=sys.stderr)
             code = 130
