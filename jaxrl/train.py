@@ -138,6 +138,7 @@ def _sample_rows(result, tokenizer, k: int) -> list[dict[str, Any]]:
 
 def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
     """Runs the training job `cfg`; returns the summary printed as the last line."""
+    from flax import nnx
     from transformers import AutoTokenizer
 
     from bridge.envs.launcher import EnvServerProcess
@@ -204,6 +205,14 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             client = RolloutClient(addresses, cfg)
             collector = Collector(cfg, client, tasks, stop_ids)
             held_out = tasks.held_out()
+            if cfg.bridge.addresses and start_step is None:
+                # Bridges of our own start on the model; others may serve anything: give them ours.
+                base = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
+                base_writer = SnapshotWriter(run.snapshots, base.cfg, keep=3)
+                base_writer.publish(nnx.split(base)[1], 0)
+                base_writer.close()
+                client.load_snapshot(str(run.snapshots), 0)
+                del base
 
             if start_step is None and cfg.eval.before and cfg.eval.episodes:
                 before = evaluate(client, held_out, cfg, 0, stop_ids)

@@ -163,6 +163,27 @@ def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_
     assert max(r["version"] for r in rows) == 4
 
 
+def test_training_through_a_bridge_started_on_its_own(model_dir, tmp_path):
+    from bridge.envs.launcher import EnvServerProcess
+    from bridge.process import BridgeProcess
+
+    with EnvServerProcess.start("echo", max_concurrent_envs=16) as server:
+        envs = tmp_path / "envs.json"
+        envs.write_text(json.dumps({"envs": [{"name": "echo", "url": server.url}]}))
+        bridge = BridgeProcess.start(model_dir, envs_file=envs)
+        try:
+            config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run", steps=2,
+                                  envs=[{"name": "echo", "url": server.url}],
+                                  bridge={"addresses": [bridge.address]})
+            summary = summary_of(jaxrl("train", config))
+            health = bridge.client.health()
+        finally:
+            bridge.stop()
+    assert summary["steps"] == 2 and "eval_before" in summary
+    assert health.policy_version == 3  # the run's own weights after two updates, published to it
+    assert not (tmp_path / "run" / "logs" / "bridge.log").exists()  # no bridge of its own
+
+
 def _answers(url: str) -> bool:
     import urllib.request
 
