@@ -123,6 +123,24 @@ _live: weakref.WeakSet[ChildServer] = weakref.WeakSet()
 
 
 @atexit.register
+
+class ChildHandle:
+    """What the launchers built on ChildServer share: the child's PID, liveness and log tail."""
+
+    child: ChildServer
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.child.alive
+
+    def stderr_tail(self, lines: int = 40) -> str:
+        return self.child.stderr_tail(lines)
+
+
 def _stop_live_children() -> None:
     for child in list(_live):
         try:

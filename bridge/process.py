@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bridge.child import ChildServer, ChildStartError
+from bridge.child import ChildHandle, ChildServer, ChildStartError
 from bridge.client import BridgeClient, BridgeError
 
 LISTENING_PREFIX = "BRIDGE_LISTENING "
@@ -26,7 +26,7 @@ class BridgeStartError(ChildStartError):
     """The bridge process exited or did not become healthy during start-up."""
 
 
-class BridgeProcess:
+class BridgeProcess(ChildHandle):
     def __init__(self, child: ChildServer):
         self.child = child
         self.proc = child.proc
@@ -94,17 +94,6 @@ class BridgeProcess:
     @property
     def address(self) -> str | None:
         return self.child.address
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.child.alive
-
-    def stderr_tail(self, lines: int = 40) -> str:
-        return self.child.stderr_tail(lines)
 
     def stop(self, grace_s: float = 10.0, term_s: float = 5.0) -> int:
         """Stops the bridge: Shutdown, then SIGTERM, then SIGKILL (by PID); returns its exit code."""

@@ -33,7 +33,6 @@ class EnvironmentsDown(RuntimeError):
 @dataclasses.dataclass
 class StepRollouts:
     groups: list[Group]
-    tasks: list[Task]
     counts: collections.Counter
     wall_s: float
     generate_s: float  # the wall time split by the episodes' own generate/env shares
@@ -124,7 +123,6 @@ class Collector:
         r = self.cfg.rollout
         need, slot = r.groups_per_step, 0
         kept: list[Group] = []
-        kept_tasks: list[Task] = []
         counts: collections.Counter = collections.Counter()
         start = time.perf_counter()
         gen = env = 0.0
@@ -146,17 +144,14 @@ class Collector:
                     f"(rollout.min_success_fraction={r.min_success_fraction}); most common error ({n}x): {worst}")
             gen += sum(t.generate_s for t in episodes)
             env += sum(t.env_s for t in episodes)
-            for task, group in zip(tasks, groups):
-                if self._keep(group, learner_version_at_use, counts):
-                    kept.append(group)
-                    kept_tasks.append(task)
+            kept += [g for g in groups if self._keep(g, learner_version_at_use, counts)]
             if len(kept) >= need:
                 break
         wall = time.perf_counter() - start
         counts["refills"] = max(counts["requests"] - 1, 0)
         counts["groups_padded"] = need - len(kept)
         share = env / (gen + env) if gen + env > 0 else 0.0
-        return StepRollouts(kept, kept_tasks, counts, wall, wall * (1 - share), wall * share)
+        return StepRollouts(kept, counts, wall, wall * (1 - share), wall * share)
 
     def collect(self, step: int, learner_version: int) -> StepRollouts:
         """The groups of `step`; async mode returns the prefetched ones and starts the next."""

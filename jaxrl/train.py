@@ -143,7 +143,6 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
 
     from bridge.envs.launcher import EnvServerProcess
     from bridge.process import BridgeProcess
-    from jaxrl import report
     from jaxrl.checkpoints import TrainCheckpointer, abstract_like
     from jaxrl.learner import Learner
     from jaxrl.models import load_pretrained

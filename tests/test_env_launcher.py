@@ -11,17 +11,9 @@ import urllib.request
 
 import pytest
 
+from processes import gone
 from bridge.envs.launcher import EnvServerProcess, EnvServerStartError
 from jaxrl.cli import main as cli_main
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie nobody has reaped yet counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _group_gone(pgid: int) -> bool:
@@ -29,7 +21,7 @@ def _group_gone(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return True
-    return all(_gone(int(p)) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid)
+    return all(gone(int(p)) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid)
 
 
 def _pgid(pid: int) -> int | None:
@@ -52,7 +44,7 @@ def test_start_on_a_free_port_serves_and_stop_leaves_nothing_running():
         pid = server.pid
         assert os.getpgid(pid) == pid  # it leads its own process group
     assert not server.alive and server.proc.returncode is not None
-    assert _gone(pid) and _group_gone(pid)
+    assert gone(pid) and _group_gone(pid)
     assert server.stop() == server.proc.returncode  # stopping again is harmless
     with pytest.raises(OSError):
         server.health(timeout_s=2)
@@ -96,8 +88,8 @@ def test_the_server_exits_when_its_parent_dies_without_stopping_it(tmp_path):
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 15
-    while not _gone(pid) and time.monotonic() < deadline:
+    while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if not _gone(pid):
+    if not gone(pid):
         os.kill(pid, 9)  # our own orphan: do not leave it behind
         pytest.fail("the orphaned server kept running")

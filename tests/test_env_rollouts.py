@@ -21,12 +21,10 @@ import pytest
 
 from bridge.client import BridgeClient
 from bridge.engines.base import SamplingParams
-from bridge.envs.episode import EnvRuntime, runtime_from_dict
+from bridge.envs.episode import runtime_from_dict
 from bridge.envs.launcher import EnvServerProcess
-from bridge.envs.spec import EnvSpec
 from bridge.process import BridgeProcess
 from bridge.server import serve
-from bridge.tool_calls import get_parser
 from bridge.wire import PromptGroup
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from processes import gone
 from bridge.client import BridgeClient, BridgeUnavailable
 from bridge.engines.base import SamplingParams
 from bridge.process import BridgeProcess, BridgeStartError
@@ -26,15 +27,6 @@ def model_dir(tmp_path_factory):
 
 def _start(model_dir, **kw):
     return BridgeProcess.start(model_dir, env=CHILD_ENV, timeout=120, client_timeout_s=5, **kw)
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie nobody has reaped yet counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def test_unknown_engine_is_a_one_line_error(model_dir):
@@ -73,7 +65,7 @@ def test_stop_asks_for_shutdown_and_the_bridge_exits_cleanly(model_dir, tmp_path
         assert bridge.client.health().engine == "jax"
         pid = bridge.pid
     assert bridge.proc.returncode == 0
-    assert _gone(pid)
+    assert gone(pid)
     text = log.read_text()
     assert "BRIDGE_LISTENING" in text and "shutdown requested" in text
 
@@ -138,11 +130,11 @@ def test_the_bridge_exits_when_its_parent_dies(model_dir, tmp_path):
     )
     try:
         bridge_pid = int(parent.stdout.readline())
-        assert not _gone(bridge_pid)
+        assert not gone(bridge_pid)
         parent.kill()  # no chance to stop its bridge
         parent.wait()
         deadline = time.monotonic() + 15
-        while not _gone(bridge_pid):
+        while not gone(bridge_pid):
             assert time.monotonic() < deadline, "orphaned bridge still running"
             time.sleep(0.1)
     finally:

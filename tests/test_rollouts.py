@@ -34,7 +34,6 @@ def config(**extra) -> TrainConfig:
 
 
 def traj(group, i, prompt, completion, mask, rewards, finish="stop", version=0, env="coin"):
-    n = len(completion)
     return TrajectoryData(group, i, np.array(prompt, np.int32), np.array(completion, np.int32),
                           np.where(np.array(mask, bool), -0.5, 0.0).astype(np.float32), np.array(mask, np.uint8),
                           np.where(np.array(mask, bool), version, -1).astype(np.int64), rewards, finish, env,
@@ -62,7 +61,7 @@ def test_batch_pads_prompts_left_completions_right_and_fills_missing_groups():
 def test_metrics_per_environment_and_counts():
     cfg = config()
     result = StepRollouts([[traj("a", 0, [1], [1, 2], [1, 1], {"env": 1.0}), traj("a", 1, [1], [3], [1], {"env": 0.0})]],
-                          [], collections.Counter(episodes=2, groups_zero_variance=1), 1.0, 0.7, 0.3)
+                          collections.Counter(episodes=2, groups_zero_variance=1), 1.0, 0.7, 0.3)
     m = rollout_metrics(result, cfg)
     assert m["reward/mean"] == 0.5 and m["env/coin/success"] == 0.5 and m["env/coin/tool_calls"] == 1.0
     assert m["rollout/groups_zero_variance"] == 1 and m["completion/model_tokens"] == 1.5

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from processes import gone
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tracking import read_metrics
 
@@ -101,14 +102,6 @@ def _children_of(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir, tmp_path):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, checkpoint_every=1000)
@@ -132,7 +125,7 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir,
     assert summary["stopped"] == "signal" and 1 <= summary["steps"] < 10_000
     assert "eval_after" not in summary  # a stopped run is not evaluated as finished
     assert (run_dir / "checkpoints" / str(summary["steps"])).is_dir()
-    assert not [c for c in children if _alive(c)]
+    assert not [c for c in children if not gone(c)]
 
 
 def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_path):
@@ -195,7 +188,7 @@ def _answers(url: str) -> bool:
 
 
 def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_path):
-    base = write_config(tmp_path / "base.yaml", model_dir, tmp_path / "unused", steps=1, eval={"episodes": 0})
+    write_config(tmp_path / "base.yaml", model_dir, tmp_path / "unused", steps=1, eval={"episodes": 0})
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({
         "base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "sweeps"),
@@ -261,4 +254,4 @@ def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_di
     assert "jaxrl train: error: step" in err and "episodes succeeded" in err and "EndpointUnavailable" in err
     last = max(r["step"] for r in read_metrics(run_dir))
     assert (run_dir / "checkpoints" / str(last)).is_dir()  # the steps taken are kept
-    assert not [c for c in children if _alive(c)]
+    assert not [c for c in children if not gone(c)]

@@ -407,6 +407,7 @@ class EnvEpisodeHook:
         self.spec = connector.spec
         self.task = task
         self.episode: SessionEpisode | ToolClassEpisode | None = None
+        self.closed = False
         self.metrics = {"tool_calls": 0.0, "tool_errors": 0.0, "env_steps": 0.0}
 
     async def start(self) -> list[int]:
@@ -460,8 +461,8 @@ class EnvEpisodeHook:
         return await self.runtime.score(self.spec.name, self.episode, trajectory, self.task)
 
     async def close(self) -> None:
-        if self.episode is not None and not getattr(self, "_closed", False):
-            self._closed = True
+        if self.episode is not None and not self.closed:
+            self.closed = True
             await self.episode.close()
 
 

@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bridge.child import ChildServer, ChildStartError
+from bridge.child import ChildHandle, ChildServer, ChildStartError
 from bridge.envs.serve import DEFAULT_MAX_CONCURRENT_ENVS, LISTENING_PREFIX, url_for
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local server
@@ -33,7 +33,7 @@ class EnvServerStartError(ChildStartError):
     """The environment server exited or did not become ready during start-up."""
 
 
-class EnvServerProcess:
+class EnvServerProcess(ChildHandle):
     def __init__(self, child: ChildServer, name: str):
         self.child = child
         self.proc = child.proc
@@ -108,17 +108,6 @@ class EnvServerProcess:
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.child.alive
-
-    def stderr_tail(self, lines: int = 40) -> str:
-        return self.child.stderr_tail(lines)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         """Whether GET /health answers healthy (OSError when it does not answer at all)."""
