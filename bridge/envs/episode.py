@@ -507,11 +507,12 @@ class EnvRuntime:
 
     async def score(self, env: str, episode: Any, trajectory, task: dict[str, Any]) -> dict[str, float]:
         rewards = {ENV_REWARD: episode.record.total_reward}  # no reward given: 0, not "does not apply"
+        fns = {key: fn for key, fn in self.reward_fns.items() if fn is not None}
+        if not fns:
+            return rewards
         completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
-        for key, fn in self.reward_fns.items():
-            if fn is None:
-                continue
-            fields = {k: [v] for k, v in task.items() if k not in ("completions", "environments")}
+        fields = {k: [v] for k, v in task.items() if k not in ("completions", "environments")}
+        for key, fn in fns.items():
             value = fn(completions=[completion], environments=[episode.handle], env=[env], **fields)
             if inspect.isawaitable(value):
                 value = await value
