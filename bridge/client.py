@@ -114,14 +114,16 @@ class BridgeClient:
         max_turns: int = 0,
         max_total_tokens: int = 0,
         timeout_s: float | None = None,
+        policy: str = "",
     ) -> Iterator[TrajectoryData]:
         """Yields the len(groups) x group_size trajectories in the order their episodes finish.
 
         `sampling.n` is ignored: `group_size` is the number of samples per prompt. Plain token id
         sequences are groups "0", "1", ... Closing the iterator early cancels the rest on the bridge.
+        `policy="solver"` has each environment's own solver play instead of the model.
         """
         request = wire.rollout_request(groups, group_size, sampling, min_policy_version, max_turns,
-                                       max_total_tokens)
+                                       max_total_tokens, policy)
         expected = len(request.groups) * group_size
         return self._stream(request, expected, timeout_s)
 

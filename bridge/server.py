@@ -25,6 +25,7 @@ import grpc
 from bridge import wire
 from bridge.engines.base import Engine, SnapshotRefused
 from bridge.envs.session import EndpointUnavailable, SessionLost
+from bridge.envs.solver import solver_episode
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
 from bridge.rollout import EpisodeHook, Trajectory, run_episode
@@ -135,6 +136,16 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                 raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                                f"group {g.group_id!r} names environment {g.env!r}, but this bridge "
                                "serves no environments")
+        if request.policy not in wire.POLICIES:
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"policy={request.policy!r} is not one of {wire.POLICIES}")
+        if request.policy == "solver":
+            for g in groups:
+                spec = self.envs.specs.get(g.env) if self.envs is not None else None
+                if spec is None or spec.solver is None:
+                    raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"group {g.group_id!r}: environment {g.env!r} has no solver to play it; "
+                                   "set the environment's solver (bundled environments have one)")
         if request.min_policy_version > self.engine.policy_version:
             raise _Invalid(grpc.StatusCode.FAILED_PRECONDITION,
                            f"min_policy_version={request.min_policy_version} but the engine serves "
@@ -142,7 +153,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         return params, groups
 
     async def _episode(self, group: wire.PromptGroup, index: int, params, max_turns: int,
-                       max_total_tokens: int | None) -> Trajectory:
+                       max_total_tokens: int | None, policy: str = "") -> Trajectory:
         self.counters["episodes_in_flight"] += 1
         prompt = [int(t) for t in group.prompt_ids]
         spec = self.envs.specs.get(group.env) if self.envs is not None else None
@@ -150,7 +161,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         try:
             for attempt in range(retries + 1):
                 hook = None
-                if self.episode_hook_factory is not None:
+                if self.episode_hook_factory is not None and policy != "solver":
                     try:
                         hook = self.episode_hook_factory(group)
                         if inspect.isawaitable(hook):
@@ -161,10 +172,14 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                         return traj
                 try:
                     async with asyncio.timeout(spec.episode_timeout_s if spec is not None else None):
-                        traj = await run_episode(
-                            self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,
-                            max_turns=max_turns, max_total_tokens=max_total_tokens, retry_on=RETRYABLE,
-                        )
+                        if policy == "solver":
+                            traj = await solver_episode(self.envs, group.group_id, index, group.env,
+                                                        group.task or {}, retry_on=RETRYABLE)
+                        else:
+                            traj = await run_episode(
+                                self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,
+                                max_turns=max_turns, max_total_tokens=max_total_tokens, retry_on=RETRYABLE,
+                            )
                     traj.metrics["retries"] = float(attempt)
                     return traj
                 except TimeoutError:  # raised by the timeout above only: run_episode catches the rest
@@ -209,7 +224,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                     i = g * request.group_size + j
                     episode_params = dataclasses.replace(params, seed=params.seed + i)
                 tasks.append(asyncio.create_task(
-                    self._episode(group, j, episode_params, max_turns, max_total)))
+                    self._episode(group, j, episode_params, max_turns, max_total, request.policy)))
         finished = False
         try:
             for next_done in asyncio.as_completed(tasks):
@@ -273,10 +288,6 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         if self.on_shutdown is not None:
             self.on_shutdown()
         return pb.ShutdownReply(protocol_version=wire.PROTOCOL_VERSION)
-
-
-def listening_line(address: str) -> str:
-    return f"BRIDGE_LISTENING {address}"
 
 
 async def serve(
@@ -420,7 +431,7 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
                         format="%(asctime)s bridge %(levelname)s %(name)s: %(message)s")
 
     def announce(address: str) -> None:
-        print(listening_line(address), flush=True)
+        print(f"{wire.BRIDGE_LISTENING}{address}", flush=True)
 
     async def main() -> None:
         envs = None

@@ -27,6 +27,11 @@ from bridge.rollout import Trajectory
 
 PROTOCOL_VERSION = 1
 
+# The process contract: a bridge (`python -m bridge serve`) prints BRIDGE_LISTENING host:port and an
+# environment server (`python -m bridge env serve`) ENV_LISTENING http://host:port once they serve.
+BRIDGE_LISTENING = "BRIDGE_LISTENING "
+ENV_LISTENING = "ENV_LISTENING "
+
 # Both peers raise gRPC's 4 MiB message limit: many groups of long prompts make one big request.
 MAX_MESSAGE_BYTES = 512 << 20
 
@@ -110,6 +115,8 @@ def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
 # ---------------------------------------------------------------------------------------------
 # Prompt groups and requests
 
+POLICIES = ("", "solver")  # who plays a rollout's episodes: the engine's model, or the environment's solver
+
 
 @dataclasses.dataclass
 class PromptGroup:
@@ -164,6 +171,7 @@ def rollout_request(
     min_policy_version: int = 0,
     max_turns: int = 0,
     max_total_tokens: int = 0,
+    policy: str = "",
 ) -> pb.RolloutRequest:
     return pb.RolloutRequest(
         protocol_version=PROTOCOL_VERSION,
@@ -173,6 +181,7 @@ def rollout_request(
         min_policy_version=min_policy_version,
         max_turns=max_turns,
         max_total_tokens=max_total_tokens,
+        policy=policy,
     )
 
 

@@ -1,7 +1,7 @@
 """What the supervised warm start reaches on held-out tasks: tiny model size x SFT settings.
 
 For each setting: build a random tiny model, evaluate it on held-out ("test") tasks, warm-start
-it on train-split solver demonstrations (`jaxrl.sft.run_sft`), evaluate again. One JSON line per
+it on train-split solver demonstrations (`jaxrl.run.warm_start.run_sft`), evaluate again. One JSON line per
 setting (before / after success with standard errors, wall times); a table at the end.
 
     python -m experiments.sft_sweep --env echo --grid "hidden=64,128 steps=200,400 lr=3e-3"
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from bridge.envs.spec import EnvSpec
-from jaxrl.config import SFTConfig
-from jaxrl.sft import evaluate, run_sft
+from jaxrl.run.config import SFTConfig
+from jaxrl.run.warm_start import evaluate, run_sft
 from jaxrl.tiny import build_tiny_model
 
 # grid keys and their types; heads / kv_heads / head_dim default to tiny_config's

@@ -1,4 +1,4 @@
-"""Group-relative advantages and DAPO reward shaping, as pure jittable functions.
+"""Group-relative advantages, as pure jittable functions.
 
 Layout: a batch holds ``B = N * G`` sequences, ``G`` per prompt, with the sequences of a
 group contiguous (batch index ``b`` belongs to group ``b // G``).
@@ -49,11 +49,17 @@ class AdvantageConfig:
     eps: added to the std so that near-constant groups stay finite (TRL's 1e-4).
     """
 
-    mode: str = "grpo"
-    scale_rewards: str = "group"
-    combine: str = "sum_then_normalize"
-    reward_weights: tuple[float, ...] | None = None
-    eps: float = 1e-4
+    mode: str = dataclasses.field(
+        default="grpo", metadata={"help": "grpo ((r - mean) / std), dr_grpo (r - mean) or rloo (leave-one-out "
+                "baseline)"})
+    scale_rewards: str = dataclasses.field(default="group", metadata={"help": "grpo's std: group, batch or none"})
+    combine: str = dataclasses.field(
+        default="sum_then_normalize", metadata={"help": "several reward functions: sum_then_normalize or "
+                "normalize_then_sum"})
+    reward_weights: tuple[float, ...] | None = dataclasses.field(
+        default=None, metadata={"help": "one weight per reward function; a run sets them from rewards[].weight"})
+    eps: float = dataclasses.field(
+        default=1e-4, metadata={"help": "added to the std so near-constant groups stay finite"})
 
     def __post_init__(self):
         _check_choice("AdvantageConfig", "mode", self.mode, MODES)
@@ -171,42 +177,3 @@ def compute_advantages(rewards_BxR, group_size: int, cfg: AdvantageConfig):
         "frac_zero_std_groups": 1.0 - _group_has_variance(combined_B, group_size).mean(),
     }
     return adv_B, stats
-
-
-def group_keep_mask(rewards_B, group_size: int):
-    """DAPO dynamic sampling: True per group whose (non-NaN) rewards vary, else False.
-
-    Groups with all-equal rewards, or with fewer than two non-NaN rewards, carry no
-    learning signal under group-relative advantages and are dropped (then refilled).
-    """
-    shape = tuple(jnp.shape(rewards_B))
-    if len(shape) != 1:
-        raise ValueError(f"rewards_B has shape {shape}; expected (batch,)")
-    _check_groups(shape[0], group_size)
-    return _group_has_variance(jnp.asarray(rewards_B, jnp.float32), group_size)
-
-
-def dynamic_sampling_stats(keep_N) -> dict:
-    """Scalars for logging the dynamic-sampling filter: groups kept and their fraction."""
-    keep_N = jnp.asarray(keep_N)
-    return {"groups_kept": keep_N.sum(), "frac_groups_kept": keep_N.mean()}
-
-
-def overlong_penalty(lengths_B, max_len: int, cache_len: int):
-    """DAPO soft overlong penalty, lengths in completion TOKENS.
-
-    0 up to ``max_len - cache_len`` tokens, linear down to -1 at ``max_len``, -1 beyond.
-    Add it to the rewards as one more reward function (column of ``rewards_BxR``).
-    """
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"overlong max_len={max_len!r} must be an int >= 1 (tokens)")
-    if not isinstance(cache_len, int) or not 1 <= cache_len <= max_len:
-        raise ValueError(
-            f"overlong cache_len={cache_len!r} must be an int in [1, max_len={max_len}] (tokens)"
-        )
-    shape = tuple(jnp.shape(lengths_B))
-    if len(shape) != 1:
-        raise ValueError(f"lengths_B has shape {shape}; expected (batch,)")
-    lengths_B = jnp.asarray(lengths_B, jnp.float32)
-    ramp_B = ((max_len - cache_len) - lengths_B) / cache_len
-    return jnp.clip(ramp_B, -1.0, 0.0)

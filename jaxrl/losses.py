@@ -65,16 +65,29 @@ class LossConfig:
     max_completion_length: the dr_grpo constant (tokens); None: the padded width T.
     """
 
-    loss_type: str = "grpo"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    beta: float = 0.0
-    is_level: str = "none"
-    is_mode: str = "truncate"
-    is_min: float = 0.0
-    is_max: float = 2.0
-    max_completion_length: int | None = None
+    loss_type: str = dataclasses.field(
+        default="grpo", metadata={"help": "aggregation: grpo (mean of sequence token-means), bnpo, dapo (token mean "
+                "over the batch), dr_grpo (sum / (B * max_completion_length)), sft (demonstrations' negative "
+                "log-likelihood)"})
+    eps_low: float = dataclasses.field(default=0.2, metadata={"help": "clip range low side: ratio >= 1 - eps_low"})
+    eps_high: float = dataclasses.field(
+        default=0.2, metadata={"help": "clip range high side: ratio <= 1 + eps_high (DAPO clip-higher: eps_high > "
+                "eps_low)"})
+    dual_clip: float | None = dataclasses.field(
+        default=None, metadata={"help": "c > 1 bounds the loss of negative-advantage tokens by -c * A; null: off"})
+    beta: float = dataclasses.field(
+        default=0.0, metadata={"help": "k3 KL weight to the reference model; 0 keeps no reference"})
+    is_level: str = dataclasses.field(
+        default="none", metadata={"help": "sampler/learner importance weights: token, sequence (exp of the mean "
+                "log-ratio) or none"})
+    is_mode: str = dataclasses.field(
+        default="truncate", metadata={"help": "truncate (min(w, is_max)) or mask (w = 0 outside [is_min, is_max])"})
+    is_min: float = dataclasses.field(
+        default=0.0, metadata={"help": "mask mode: lower bound of kept importance weights"})
+    is_max: float = dataclasses.field(
+        default=2.0, metadata={"help": "truncate / mask mode: upper bound of importance weights"})
+    max_completion_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "dr_grpo's constant in tokens; null: the padded completion width"})
 
     def __post_init__(self):
         for key, allowed in (("loss_type", LOSS_TYPES), ("is_level", IS_LEVELS), ("is_mode", IS_MODES)):

@@ -21,9 +21,11 @@ BATCH_AXES = ("data", "fsdp")
 class MeshConfig:
     """Mesh shape; one axis may be -1 to take the devices left over."""
 
-    data: int = 1
-    fsdp: int = -1
-    tp: int = 1
+    data: int = dataclasses.field(
+        default=1, metadata={"help": "data-parallel axis size (replicated parameters); -1: the devices left over"})
+    fsdp: int = dataclasses.field(
+        default=-1, metadata={"help": "fully sharded data-parallel axis size; -1: the devices left over"})
+    tp: int = dataclasses.field(default=1, metadata={"help": "tensor-parallel axis size"})
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
         sizes = [self.data, self.fsdp, self.tp]
@@ -80,13 +82,3 @@ def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
         k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))
         for k, v in batch.items()
     }
-
-
-def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
-    """Joins a multi-host run through JAX's own runtime; a single process needs nothing."""
-    if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"distributed: process_id={process_id} must be in [0, num_processes={num_processes})"
-        )
-    if num_processes > 1:
-        jax.distributed.initialize(coordinator_address, num_processes, process_id)

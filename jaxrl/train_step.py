@@ -38,14 +38,22 @@ OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating}
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-    group_size: int = 8
-    grad_accum: int = 1
-    num_iterations: int = 1
-    temperature: float = 1.0
-    logp_chunk: int = 128
-    loss: LossConfig = LossConfig()
-    advantages: AdvantageConfig = AdvantageConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
+    group_size: int = dataclasses.field(
+        default=8, metadata={"help": "samples per task (G); advantages compare the samples of one task"})
+    grad_accum: int = dataclasses.field(
+        default=1, metadata={"help": "micro-batches per update (gradients accumulated; equals one large batch)"})
+    num_iterations: int = dataclasses.field(
+        default=1, metadata={"help": "optimiser updates per batch of rollouts (GRPO's mu)"})
+    temperature: float = dataclasses.field(
+        default=1.0, metadata={"help": "sampling temperature the logprobs are taken at (a run sets it from "
+                "rollout.temperature)"})
+    logp_chunk: int = dataclasses.field(
+        default=128, metadata={"help": "sequence positions per chunk of the vocabulary projection (memory vs speed)"})
+    loss: LossConfig = dataclasses.field(default=LossConfig(), metadata={"help": "policy loss"})
+    advantages: AdvantageConfig = dataclasses.field(
+        default=AdvantageConfig(), metadata={"help": "how rewards become advantages"})
+    optimizer: OptimizerConfig = dataclasses.field(
+        default=OptimizerConfig(), metadata={"help": "AdamW and its learning-rate schedule"})
 
     def __post_init__(self):
         for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk"):

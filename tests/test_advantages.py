@@ -1,4 +1,4 @@
-"""Advantages and DAPO shaping against a plain float64 NumPy reference written here."""
+"""Advantages against a plain float64 NumPy reference written here."""
 
 import itertools
 
@@ -6,13 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.advantages import (
-    AdvantageConfig,
-    compute_advantages,
-    dynamic_sampling_stats,
-    group_keep_mask,
-    overlong_penalty,
-)
+from jaxrl.advantages import AdvantageConfig, compute_advantages
 
 G = 4
 
@@ -173,30 +167,3 @@ def test_bad_rewards_raise_before_tracing(shape, group_size, cfg, match):
     # Under jit the same check fires while tracing, before anything is compiled.
     with pytest.raises(ValueError, match=match):
         jax.jit(compute_advantages, static_argnums=(1, 2))(rewards, group_size, cfg)
-
-
-def test_group_keep_mask_and_stats():
-    nan = np.nan
-    rewards = np.array(
-        [1, 1, 1, 1, 0, 1, 0, 0, 0.5, 0.5, 0.5, 0.5, nan, 1, nan, nan, nan, 1, 2, nan], np.float32
-    )
-    keep_N = group_keep_mask(rewards, 4)
-    assert np.asarray(keep_N).tolist() == [False, True, False, False, True]
-    stats = dynamic_sampling_stats(keep_N)
-    assert int(stats["groups_kept"]) == 2
-    np.testing.assert_allclose(float(stats["frac_groups_kept"]), 0.4)
-    with pytest.raises(ValueError, match="does not divide the batch size 20"):
-        group_keep_mask(rewards, 3)
-
-
-def test_overlong_penalty_boundaries():
-    lengths = np.array([0, 15, 16, 17, 18, 19, 20, 21, 1000])
-    got = np.asarray(overlong_penalty(lengths, 20, 4))
-    np.testing.assert_allclose(got, [0, 0, 0, -0.25, -0.5, -0.75, -1, -1, -1], atol=1e-7)
-    np.testing.assert_allclose(np.asarray(overlong_penalty(np.array([0, 5, 10]), 10, 10)), [0, -0.5, -1])
-
-
-@pytest.mark.parametrize("max_len,cache_len", [(0, 1), (10, 0), (10, 11), (10, 2.5)])
-def test_overlong_penalty_bad_lengths(max_len, cache_len):
-    with pytest.raises(ValueError, match="max_len|cache_len"):
-        overlong_penalty(np.array([1, 2]), max_len, cache_len)

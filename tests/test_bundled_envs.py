@@ -12,7 +12,7 @@ from websockets.exceptions import ConnectionClosed
 
 from bridge.envs.bundled import BUNDLED, NAMES, UnknownEnvironmentError, echo, guess_number, wordle
 from bridge.envs.bundled._base import EpisodeOver, split_of
-from bridge.envs.launcher import EnvServerProcess
+from jaxrl.run.processes import EnvServerProcess
 
 # -- registry ---------------------------------------------------------------------------------
 

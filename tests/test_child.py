@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bridge.child import ChildServer, ChildStartError
+from jaxrl.run.processes import ChildServer, ChildStartError
 
 SERVER = textwrap.dedent("""
     import subprocess, sys, time

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def jaxrl(*args):
-    return subprocess.run([sys.executable, "-m", "jaxrl.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxrl.run.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 
 

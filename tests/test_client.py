@@ -17,7 +17,7 @@ from flax import nnx
 
 from bridge.client import BridgeClient, BridgeRequestError
 from bridge.engines.base import SamplingParams
-from bridge.process import BridgeProcess
+from jaxrl.run.processes import BridgeProcess
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import Decoder, load_pretrained
 from jaxrl.snapshots import SnapshotWriter

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.config import ConfigError, TrainConfig, load_config
-from jaxrl.typed_config import from_dict
+from jaxrl.run.config import ConfigError, TrainConfig, load_config
+from jaxrl.run.typed_config import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}

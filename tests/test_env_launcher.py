@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from processes import gone
-from bridge.envs.launcher import EnvServerProcess, EnvServerStartError
-from jaxrl.cli import main as cli_main
+from jaxrl.run.processes import EnvServerProcess, EnvServerStartError
+from jaxrl.run.cli import main as cli_main
 
 
 def _group_gone(pgid: int) -> bool:
@@ -79,7 +79,7 @@ def test_a_taken_port_is_a_start_up_error_with_the_stderr_tail():
 def test_the_server_exits_when_its_parent_dies_without_stopping_it(tmp_path):
     script = textwrap.dedent("""
         import os
-        from bridge.envs.launcher import EnvServerProcess
+        from jaxrl.run.processes import EnvServerProcess
         server = EnvServerProcess.start("echo", timeout=60)
         print(server.pid, flush=True)
         os._exit(0)  # no atexit, no stop()

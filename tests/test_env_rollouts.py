@@ -22,8 +22,8 @@ import pytest
 from bridge.client import BridgeClient
 from bridge.engines.base import SamplingParams
 from bridge.envs.episode import runtime_from_dict
-from bridge.envs.launcher import EnvServerProcess
-from bridge.process import BridgeProcess
+from jaxrl.run.processes import EnvServerProcess
+from jaxrl.run.processes import BridgeProcess
 from bridge.server import serve
 from bridge.wire import PromptGroup
 from jaxrl.tiny import build_tiny_model
@@ -99,7 +99,7 @@ def test_bad_environment_config_fails_at_bridge_start_up(tmp_path):
         ([{"name": "x", "env_class": "no_such_package.envs:Game"}], "cannot import module 'no_such_package.envs'"),
     ]:
         (tmp_path / "envs.json").write_text(json.dumps({"envs": envs}))
-        proc = subprocess.run([sys.executable, "-m", "jaxrl.cli", "bridge", "--model", str(model_dir),
+        proc = subprocess.run([sys.executable, "-m", "jaxrl.run.cli", "bridge", "--model", str(model_dir),
                                "--envs", str(tmp_path / "envs.json")], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "environment 'x'" in proc.stderr and message in proc.stderr

@@ -13,10 +13,10 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxrl.checkpoints import TrainCheckpointer
-from jaxrl.export import ExportError, ExportWarning, export
+from jaxrl.run.export import ExportError, ExportWarning, export
 from jaxrl.learner import Learner
 from jaxrl.models import Decoder
-from jaxrl.run_dir import RunDir
+from jaxrl.run.run_dir import RunDir
 from jaxrl.sharding import MeshConfig, make_mesh
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import tiny_config
@@ -151,7 +151,7 @@ def test_cli_exports_and_reports_errors_in_one_line(run, tmp_path):
     run, cfg = run
     out = tmp_path / "cli_out"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl.cli", "export", str(run.path), "--checkpoint-step",
+        [sys.executable, "-m", "jaxrl.run.cli", "export", str(run.path), "--checkpoint-step",
          str(CHECKPOINT_STEP), "--out", str(out)],
         capture_output=True, text=True, timeout=120,
     )
@@ -162,7 +162,7 @@ def test_cli_exports_and_reports_errors_in_one_line(run, tmp_path):
     transformers.AutoTokenizer.from_pretrained(out)
 
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl.cli", "export", str(run.path), "--version", "4", "--out",
+        [sys.executable, "-m", "jaxrl.run.cli", "export", str(run.path), "--version", "4", "--out",
          str(tmp_path / "bad")],
         capture_output=True, text=True, timeout=120,
     )

@@ -12,7 +12,7 @@ from bridge.engines.base import SamplingParams, SnapshotRefused
 from bridge.engines.jax_engine import JaxEngine
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import load_pretrained
-from jaxrl.sampling import _generate
+from bridge.engines.sampler import _generate
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import build_tiny_model, tiny_config
 

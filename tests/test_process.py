@@ -14,7 +14,7 @@ import pytest
 from processes import gone
 from bridge.client import BridgeClient, BridgeUnavailable
 from bridge.engines.base import SamplingParams
-from bridge.process import BridgeProcess, BridgeStartError
+from jaxrl.run.processes import BridgeProcess, BridgeStartError
 from jaxrl.tiny import build_tiny_model
 
 CHILD_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
@@ -31,7 +31,7 @@ def _start(model_dir, **kw):
 
 def test_unknown_engine_is_a_one_line_error(model_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl.cli", "bridge", "--engine", "tensorrt", "--model", str(model_dir)],
+        [sys.executable, "-m", "jaxrl.run.cli", "bridge", "--engine", "tensorrt", "--model", str(model_dir)],
         capture_output=True, text=True, timeout=60, env={**os.environ, **CHILD_ENV},
     )
     assert proc.returncode == 2
@@ -121,7 +121,7 @@ def test_the_bridge_exits_when_its_parent_dies(model_dir, tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from bridge.process import BridgeProcess
+            from jaxrl.run.processes import BridgeProcess
             bridge = BridgeProcess.start({str(model_dir)!r}, env={CHILD_ENV!r}, timeout=120)
             print(bridge.pid, flush=True)
             time.sleep(600)

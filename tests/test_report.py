@@ -2,8 +2,8 @@
 
 import json
 
-from jaxrl.report import compare_runs, plot_run, summary_table
-from jaxrl.tracking import read_metrics
+from jaxrl.run.report import compare_runs, plot_run, summary_table
+from jaxrl.run.tracking import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -15,11 +15,11 @@ from bridge.client import BridgeClient
 from bridge.envs.episode import runtime_from_dict
 from bridge.server import serve
 from bridge.wire import TrajectoryData
-from jaxrl.config import TrainConfig
-from jaxrl.rollouts import Collector, EnvironmentsDown, RolloutClient, StepRollouts, build_batch, bucket, rollout_metrics
-from jaxrl.tasks import TaskSource
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, build_batch, bucket, rollout_metrics
+from jaxrl.run.tasks import TaskSource
 from jaxrl.tiny_tokenizer import build_tokenizer
-from jaxrl.typed_config import from_dict
+from jaxrl.run.typed_config import from_dict
 from scripted_engine import ScriptedEngine, tool_call
 
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from jaxrl.run_dir import RunDir
+from jaxrl.run.run_dir import RunDir
 
 
 def test_layout_names_every_part(tmp_path):

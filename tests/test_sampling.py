@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Decoder, positions_from_mask
-from jaxrl.sampling import generate
+from bridge.engines.sampler import generate
 from jaxrl.tiny import tiny_config
 
 
@@ -62,7 +62,7 @@ def test_empty_prompt_is_rejected(model):
 
 
 def test_top_k_and_top_p_filters_match_their_definitions():
-    from jaxrl.sampling import _filter_logits
+    from bridge.engines.sampler import _filter_logits
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 50)).astype(np.float32)
@@ -92,7 +92,7 @@ def test_truncated_sampling_reports_full_vocabulary_logprobs(model):
 
 
 def test_rows_in_one_batch_keep_their_own_settings(model):
-    from jaxrl.sampling import RowParams, generate_rows
+    from bridge.engines.sampler import RowParams, generate_rows
 
     graphdef, params = nnx.split(model)
     rows = RowParams(

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bridge.envs.bundled import get
-from bridge.envs.launcher import EnvServerProcess
+from jaxrl.run.processes import EnvServerProcess
 from bridge.envs.session import (
     Endpoint, EndpointUnavailable, EnvServerError, SessionConfig, SessionLost,
 )

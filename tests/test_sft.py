@@ -15,9 +15,9 @@ from bridge.envs.episode import EnvRuntime
 from bridge.envs.spec import EnvSpec
 from bridge.rollout import Trajectory, run_episode
 from bridge.tool_calls import get_parser
-from jaxrl.config import SFTConfig
+from jaxrl.run.config import SFTConfig
 from jaxrl.models import load_pretrained
-from jaxrl.sft import demonstrations, evaluate, in_process_spec, run_sft, sft_batch
+from jaxrl.run.warm_start import demonstrations, evaluate, in_process_spec, run_sft, sft_batch
 from jaxrl.sharding import MeshConfig
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer

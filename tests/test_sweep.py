@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxrl.sweep import expand, run_names, run_sweep, write_configs
-from jaxrl.typed_config import ConfigError, load, to_dict
+from jaxrl.run.sweep import expand, run_names, run_sweep, write_configs
+from jaxrl.run.typed_config import ConfigError, load, to_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +211,8 @@ time.sleep(60)
 
 SWEEP_DRIVER = """
 import sys
-from jaxrl.sweep import run_sweep
-from jaxrl.typed_config import apply_overrides, read_yaml
+from jaxrl.run.sweep import run_sweep
+from jaxrl.run.typed_config import apply_overrides, read_yaml
 sys.exit(run_sweep(sys.argv[1], lambda base, o: apply_overrides(read_yaml(base), o), False,
                    [sys.executable, sys.argv[2]]))
 """

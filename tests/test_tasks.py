@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from jaxrl.config import TrainConfig
-from jaxrl.tasks import EVAL_SEED_OFFSET, TaskError, TaskSource
-from jaxrl.typed_config import from_dict
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.tasks import EVAL_SEED_OFFSET, TaskError, TaskSource
+from jaxrl.run.typed_config import from_dict
 
 
 def config(**extra) -> TrainConfig:

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxrl.tracking import MetricsLogger, Progress, read_metrics
+from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
 
 
 def _lines(path):

@@ -16,7 +16,7 @@ import yaml
 
 from processes import gone
 from jaxrl.tiny import build_tiny_model
-from jaxrl.tracking import read_metrics
+from jaxrl.run.tracking import read_metrics
 
 ROOT = Path(__file__).parents[1]
 WORKER = Path(__file__).parent / "workers" / "custom_env_server.py"
@@ -45,7 +45,7 @@ def write_config(path: Path, model_dir: Path, run_dir: Path, **sections) -> Path
 
 
 def jaxrl(*args, timeout=600, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxrl.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxrl.run.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, **kwargs)
 
 
@@ -105,7 +105,7 @@ def _children_of(pid: int) -> list[int]:
 def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir, tmp_path):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, checkpoint_every=1000)
-    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "train", str(config)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -157,8 +157,8 @@ def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_
 
 
 def test_training_through_a_bridge_started_on_its_own(model_dir, tmp_path):
-    from bridge.envs.launcher import EnvServerProcess
-    from bridge.process import BridgeProcess
+    from jaxrl.run.processes import EnvServerProcess
+    from jaxrl.run.processes import BridgeProcess
 
     with EnvServerProcess.start("echo", max_concurrent_envs=16) as server:
         envs = tmp_path / "envs.json"
@@ -239,7 +239,7 @@ def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_di
             time.sleep(0.2)
         config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
                               envs=[{"name": "reverse", "url": url, "max_retries": 1, "retry_backoff_s": 0.1}])
-        proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "train", str(config)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
             assert proc.poll() is None, proc.stderr.read()[-3000:]

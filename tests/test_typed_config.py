@@ -9,7 +9,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from jaxrl.typed_config import (
+from jaxrl.run.typed_config import (
     ConfigError,
     apply_overrides,
     describe,

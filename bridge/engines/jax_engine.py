@@ -17,7 +17,7 @@ from flax import nnx
 
 from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
 from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
-from jaxrl.sampling import RowParams, generate_rows
+from bridge.engines.sampler import RowParams, generate_rows
 from jaxrl.snapshots import SnapshotError, SnapshotReader
 
 # Config fields that fix parameter shapes: a snapshot must agree on all of them.

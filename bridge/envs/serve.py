@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable
 
 from bridge.envs.bundled import BUNDLED
+from bridge.wire import ENV_LISTENING
 
-LISTENING_PREFIX = "ENV_LISTENING "
 DEFAULT_MAX_CONCURRENT_ENVS = 64
 
 log = logging.getLogger("bridge.envs.serve")
@@ -145,7 +145,7 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 0,
         return 1
 
     def announce(url: str) -> None:
-        print(f"{LISTENING_PREFIX}{url}", flush=True)
+        print(f"{ENV_LISTENING}{url}", flush=True)
 
     with sock:
         return asyncio.run(serve_app(app, sock, log_level=log_level, on_listening=announce,

@@ -1,7 +1,8 @@
 """What a run says about its environments and reward functions (the `envs:` / `rewards:` config).
 
-The trainer resolves `bundled` entries to the `url` of the server it started and hands the bridge
-the rest as plain dicts (`EnvSpec.from_dict`), so the bridge needs no config machinery.
+Part of the bridge's public contract (with `bridge.client` and `bridge.wire`): the trainer
+resolves `bundled` entries to the `url` of the server it started (`served_at`) and hands the
+bridge the rest as plain dicts (`EnvSpec.from_dict`), so the bridge needs no config machinery.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import importlib
 from typing import Any, Literal
 
+from bridge.envs.bundled import NAMES as BUNDLED_NAMES
 from bridge.envs.session import SessionConfig
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
@@ -61,6 +63,9 @@ class EnvSpec:
                                          "ends as an error; null: no limit"})
     session: SessionConfig = dataclasses.field(
         default_factory=SessionConfig, metadata={"help": "timeouts, pings, capacity backoff and circuit breaker"})
+    solver: str | None = dataclasses.field(
+        default=None, metadata={"help": "the bundled environment whose solver plays warm-start demonstrations "
+                                        "(default: a bundled environment's own)"})
 
     def __post_init__(self):
         where = [k for k in ("bundled", "url", "env_class") if getattr(self, k)]
@@ -79,6 +84,11 @@ class EnvSpec:
             raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
         if self.episode_timeout_s is not None and not self.episode_timeout_s > 0:
             raise EnvConfigError(f"environment {self.name!r}: episode_timeout_s must be > 0 or null")
+        if self.solver is None and self.bundled:
+            object.__setattr__(self, "solver", self.bundled)
+        if self.solver is not None and self.solver not in BUNDLED_NAMES:
+            raise EnvConfigError(f"environment {self.name!r}: solver {self.solver!r} is not a bundled environment "
+                                 f"({', '.join(BUNDLED_NAMES)})")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_concurrent_envs < 1:
             raise EnvConfigError(f"environment {self.name!r}: max_retries and retry_backoff_s must be >= 0 "
                                  "and max_concurrent_envs >= 1")
@@ -101,6 +111,10 @@ class EnvSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def served_at(self, url: str) -> EnvSpec:
+        """This (bundled) environment as the server at `url` that the trainer started for it."""
+        return dataclasses.replace(self, bundled=None, url=url)
 
 
 @dataclasses.dataclass(frozen=True)

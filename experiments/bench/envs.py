@@ -25,7 +25,7 @@ import time
 from openenv.core.generic_client import GenericEnvClient
 
 from bridge.envs.bundled import NAMES, get
-from bridge.envs.launcher import EnvServerProcess
+from jaxrl.run.processes import EnvServerProcess
 from bridge.envs.session import Endpoint, SessionConfig
 
 

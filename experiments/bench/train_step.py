@@ -17,9 +17,9 @@ import json
 import statistics
 import tempfile
 
-from jaxrl.config import load_config
-from jaxrl.tracking import read_metrics
-from jaxrl.train import train
+from jaxrl.run.config import load_config
+from jaxrl.run.tracking import read_metrics
+from jaxrl.run.train import train
 
 PARTS = ("generate_s", "env_s", "learn_s", "sync_s")
 

@@ -8,10 +8,9 @@ import sys
 
 import jax
 
-from jaxrl.sharding import initialize_distributed
 
 address, num_processes, process_id, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-initialize_distributed(address, num_processes, process_id)
+jax.distributed.initialize(address, num_processes, process_id)
 
 from flax import nnx  # noqa: E402
 

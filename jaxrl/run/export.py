@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from jaxrl.models import ModelConfig, from_hf_tensors, hf_names, save_pretrained
 from jaxrl.models.config import DTYPES, ModelConfigError
 from jaxrl.models.hf import CheckpointError
-from jaxrl.run_dir import RunDir
+from jaxrl.run.run_dir import RunDir
 from jaxrl.snapshots import SnapshotError, SnapshotReader
 
 # Files of a model directory that a tokenizer directory must not overwrite.

@@ -1,8 +1,9 @@
 """The training config: every key of `jaxrl train`, with its default and what it means.
 
-`jaxrl config --defaults` prints this file's defaults as commented YAML. A YAML config sets
-only what differs; `--set dotted.key=value` overrides on the command line. The resolved config
-is saved as `config.yaml` in the run directory.
+`jaxrl config` prints this file's defaults as commented YAML. A YAML config sets only what
+differs; `--set dotted.key=value` overrides on the command line. The resolved config is saved as
+`config.yaml` in the run directory. Keys the run derives from others (`DERIVED`) are not user
+keys: setting one is an error naming the key to set instead.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from bridge.envs.bundled import NAMES as BUNDLED_NAMES
-from bridge.envs.spec import ENV_REWARD, EnvSpec, RewardSpec
+from bridge.envs.spec import BUNDLED_NAMES, ENV_REWARD, EnvSpec, RewardSpec
 from jaxrl.sharding import MeshConfig
 from jaxrl.train_step import LearnerConfig
-from jaxrl.typed_config import ConfigError, load
+from jaxrl.run.typed_config import ConfigError, load
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 
@@ -78,7 +78,7 @@ class RolloutConfig:
         "sync: generate, then learn; async: the bridge generates the next batch while the learner trains "
         "(importance-sampling corrected, stale trajectories dropped)", default="sync")
     groups_per_step: int = _help("tasks per training step (each sampled learner.group_size times)", default=8)
-    temperature: float = _help("sampling temperature (the learner uses the same)", default=1.0)
+    temperature: float = _help("sampling temperature (the learner takes logprobs at the same)", default=1.0)
     top_p: float = _help("nucleus sampling (vLLM refuses < 1: logprobs would not match)", default=1.0)
     max_tokens: int = _help("tokens per model turn", default=64)
     max_turns: int = _help("model turns per episode", default=1)
@@ -106,10 +106,10 @@ class EvalConfig:
 class SFTConfig:
     steps: int = _help("supervised warm-start steps on solver demonstrations (0: none)", default=0)
     batch_size: int = _help("demonstrations per step", default=32)
-    learning_rate: float = _help("warm-start peak learning rate (AdamW, warmup over a tenth of the steps, then "
-                                 "cosine decay to 10%)", default=3e-3)
-    demonstrations: int = _help("solver episodes generated (training split)", default=1024)
-    envs: list[str] = _help("environments to demonstrate (default: all bundled ones of the run)",
+    learning_rate: float = _help("warm-start peak learning rate (learner.optimizer's AdamW settings, warmup over "
+                                 "a tenth of the steps, then cosine decay to 10%)", default=3e-3)
+    demonstrations: int = _help("solver episodes the bridge plays (training tasks)", default=1024)
+    envs: list[str] = _help("environments to demonstrate (default: every environment of the run with a solver)",
                             default_factory=list)
 
 
@@ -143,6 +143,13 @@ class TrainConfig:
     sync_every: int = _help("publish weights to the bridge every N steps", default=1)
     checkpoint_every: int = _help("train checkpoint every N steps (and at the end)", default=25)
     keep_checkpoints: int = _help("train checkpoints kept", default=2)
+
+    # dotted key -> what the run derives it from (see `learner_config`)
+    DERIVED: ClassVar[dict[str, str]] = {
+        "learner.temperature": "rollout.temperature",
+        "learner.advantages.reward_weights": "rewards[].weight",
+        "learner.optimizer.total_steps": "steps x learner.num_iterations",
+    }
 
     def __post_init__(self):
         positive = ("steps", "sync_every", "checkpoint_every", "keep_checkpoints")
@@ -190,6 +197,14 @@ class TrainConfig:
             raise ValueError("eval: episodes and every must be >= 0, pass_k >= 1, temperature >= 0")
         if self.sft.steps < 0 or self.sft.batch_size < 1 or self.sft.demonstrations < 1:
             raise ValueError("sft: steps must be >= 0, batch_size and demonstrations >= 1")
+        no_solver = [e.name for e in self.envs if e.name in self.sft.envs and e.solver is None]
+        if self.sft.steps and no_solver:
+            raise ValueError(f"sft.envs names environment(s) {no_solver} without a solver; set their solver: "
+                             f"(one of {', '.join(BUNDLED_NAMES)}) or leave them out")
+        if self.sft.steps and not self.sft.envs and not any(e.solver for e in self.envs):
+            raise ValueError("sft.steps > 0 but no environment has a solver to play demonstrations; bundled "
+                             "environments have one (or set an environment's solver:)")
+        self.learner_config()  # the derived values must make a valid learner config
 
     @property
     def groups_per_step_rows(self) -> int:
@@ -198,6 +213,14 @@ class TrainConfig:
     @property
     def reward_keys(self) -> list[str]:
         return [r.key for r in self.rewards]
+
+    def learner_config(self) -> LearnerConfig:
+        """The learner settings with the values the run derives (`DERIVED`) filled in."""
+        lc = self.learner
+        return dataclasses.replace(
+            lc, temperature=self.rollout.temperature,
+            advantages=dataclasses.replace(lc.advantages, reward_weights=tuple(r.weight for r in self.rewards)),
+            optimizer=dataclasses.replace(lc.optimizer, total_steps=self.steps * lc.num_iterations))
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:

@@ -1,5 +1,5 @@
-"""From environment tasks to a learner batch: requests spread over bridges, group filters,
-DAPO dynamic sampling with refills, async prefetch with a staleness bound, and the padded batch.
+"""From environment tasks to a step's groups: requests spread over bridges, group filters,
+DAPO dynamic sampling with refills, async prefetch with a staleness bound, and rollout metrics.
 
 Groups are the unit: GRPO advantages compare the samples of one task, so a group with a failed
 or stale episode is dropped whole (and refilled), never trained half. A truncated episode keeps
@@ -12,16 +12,15 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import math
 import time
 
 import numpy as np
 
 from bridge.client import BridgeClient
-from bridge.engines.base import SamplingParams
-from bridge.wire import PromptGroup, TrajectoryData
-from jaxrl.config import TrainConfig
-from jaxrl.tasks import Task, TaskSource
+from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.rewards import RewardWeights
+from jaxrl.run.tasks import Task, TaskSource
 
 Group = list[TrajectoryData]
 
@@ -39,16 +38,6 @@ class StepRollouts:
     env_s: float
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Next power of two >= n: few distinct shapes, few recompilations."""
-    return max(minimum, 1 << max(n - 1, 1).bit_length())
-
-
-def weighted_reward(traj: TrajectoryData, keys: list[str], weights: list[float]) -> float | None:
-    values = [(traj.rewards[k], w) for k, w in zip(keys, weights) if k in traj.rewards]
-    return sum(v * w for v, w in values) if values else None
-
-
 class RolloutClient:
     """Rollout requests for tasks, spread over one or more bridges, concurrently."""
 
@@ -60,8 +49,9 @@ class RolloutClient:
         self.pool = concurrent.futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout")
 
     def request(self, tasks: list[Task], group_ids: list[str], group_size: int, params: SamplingParams,
-                min_version: int) -> list[Group]:
-        """Trajectories of each task's group, in task order."""
+                min_version: int, policy: str = "") -> list[Group]:
+        """Trajectories of each task's group, in task order (`policy="solver"`: the environments'
+        solvers play)."""
         r = self.cfg.rollout
         shards = [list(range(i, len(tasks), len(self.clients))) for i in range(len(self.clients))]
 
@@ -69,7 +59,7 @@ class RolloutClient:
             groups = [PromptGroup(np.zeros(0, np.int32), group_ids[i], tasks[i][0], tasks[i][1]) for i in idx]
             return list(client.rollout(groups, group_size, params, min_policy_version=min_version,
                                        max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                       timeout_s=self.cfg.bridge.request_timeout_s))
+                                       timeout_s=self.cfg.bridge.request_timeout_s, policy=policy))
 
         futures = [self.pool.submit(run, c, idx) for c, idx in zip(self.clients, shards) if idx]
         by_group: dict[str, Group] = {g: [] for g in group_ids}
@@ -95,8 +85,7 @@ class Collector:
         self.cfg = cfg
         self.client = client
         self.tasks = tasks
-        self.keys = cfg.reward_keys
-        self.weights = [r.weight for r in cfg.rewards]
+        self.rewards = RewardWeights(cfg.rewards)
         r = cfg.rollout
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                      stop_token_ids=stop_ids, seed=None)
@@ -113,7 +102,8 @@ class Collector:
                 counts["groups_stale"] += 1
                 return False
         if self.cfg.rollout.dynamic_sampling:
-            rewards = [weighted_reward(t, self.keys, self.weights) for t in group]
+            # No learning signal: fewer than two rewards, or all equal.
+            rewards = [self.rewards.total(t.rewards) for t in group]
             if len({r for r in rewards if r is not None}) <= 1:
                 counts["groups_zero_variance"] += 1
                 return False
@@ -179,61 +169,19 @@ class Collector:
         self.prefetch.shutdown(wait=False, cancel_futures=True)
 
 
-def empty_batch(B: int, P: int, C: int, num_rewards: int, pad_id: int,
-                with_sampler_logp: bool = False) -> dict[str, np.ndarray]:
-    """A learner batch of padding: every mask 0, rewards 0."""
-    batch = {
-        "prompt_BxP": np.full((B, P), pad_id, np.int32),
-        "prompt_mask_BxP": np.zeros((B, P), np.int32),
-        "completion_BxC": np.full((B, C), pad_id, np.int32),
-        "completion_mask_BxC": np.zeros((B, C), np.int32),
-        "loss_mask_BxC": np.zeros((B, C), np.int32),
-        "rewards_BxR": np.zeros((B, num_rewards), np.float32),
-    }
-    if with_sampler_logp:
-        batch["sampler_logp_BxC"] = np.zeros((B, C), np.float32)
-    return batch
-
-
-def build_batch(groups: list[Group], cfg: TrainConfig, pad_id: int, with_sampler_logp: bool) -> dict[str, np.ndarray]:
-    """The learner batch: groups_per_step x group_size rows, prompts left-padded, completions
-    right-padded to `rollout.max_total_tokens`, missing groups as padding rows."""
-    G, B = cfg.learner.group_size, cfg.groups_per_step_rows
-    C = cfg.rollout.max_total_tokens
-    trajs = [t for g in groups for t in g]
-    P = bucket(max((len(t.prompt_ids) for t in trajs), default=1))
-    keys = cfg.reward_keys
-    batch = empty_batch(B, P, C, len(keys), pad_id, with_sampler_logp)
-    for i, t in enumerate(trajs[:B]):
-        p, c = len(t.prompt_ids), min(len(t.completion_ids), C)
-        batch["prompt_BxP"][i, P - p:] = t.prompt_ids
-        batch["prompt_mask_BxP"][i, P - p:] = 1
-        batch["completion_BxC"][i, :c] = t.completion_ids[:c]
-        batch["completion_mask_BxC"][i, :c] = 1
-        if not (cfg.rollout.drop_truncated and t.finish_reason == "length"):
-            batch["loss_mask_BxC"][i, :c] = t.loss_mask[:c]
-        batch["rewards_BxR"][i] = [t.rewards.get(k, math.nan) for k in keys]
-        if with_sampler_logp:
-            batch["sampler_logp_BxC"][i, :c] = t.sampler_logprobs[:c]
-    for i in range(len(trajs), B):  # padding rows still need one prompt token to attend to
-        batch["prompt_mask_BxP"][i, -1] = 1
-    assert len(trajs) % G == 0
-    return batch
-
-
 def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
     """Rewards (summed and per function), per-environment reward/success/tool use, lengths, counts."""
-    keys, weights = cfg.reward_keys, [r.weight for r in cfg.rewards]
+    weights = RewardWeights(cfg.rewards)
     trajs = [t for g in result.groups for t in g]
     out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in result.counts.items()}
     if not trajs:
         return out
-    summed = [weighted_reward(t, keys, weights) for t in trajs]
+    summed = [weights.total(t.rewards) for t in trajs]
     summed = [s for s in summed if s is not None]
     if summed:
         out["reward/mean"] = float(np.mean(summed))
         out["reward/std"] = float(np.std(summed))
-    for k in keys:
+    for k in weights.keys:
         vals = [t.rewards[k] for t in trajs if k in t.rewards]
         if vals:
             out[f"reward/{k}"] = float(np.mean(vals))
@@ -242,7 +190,7 @@ def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
         by_env[t.env].append(t)
     threshold = cfg.eval.success_threshold
     for env, ts in by_env.items():
-        rs = [weighted_reward(t, keys, weights) for t in ts]
+        rs = [weights.total(t.rewards) for t in ts]
         rs = [r for r in rs if r is not None]
         if rs:
             out[f"env/{env}/reward"] = float(np.mean(rs))

@@ -5,15 +5,15 @@ name: lr_group                   # default: the sweep file's name
 base: tiny_cpu.yaml              # the run config, relative to this file
 out_dir: runs/sweeps/lr_group    # default runs/sweeps/<name>, relative to the working directory
 grid:                            # the cartesian product, in key order ...
-  learner.lr: [1e-5, 3e-5]
-  rollout.group_size: [4, 8]
+  learner.optimizer.learning_rate: [1e-5, 3e-5]
+  learner.group_size: [4, 8]
 # runs:                          # ... or an explicit list of runs
-#   - {learner.lr: 1e-5, rollout.group_size: 4}
-set: {train.steps: 50}           # set in every run
+#   - {learner.optimizer.learning_rate: 1e-5, learner.group_size: 4}
+set: {steps: 50}                 # set in every run
 metric: reward/mean              # the metric the runs are compared on
 ```
 
-Each run is named after the values that vary (`lr=1e-05_group_size=8`) and gets
+Each run is named after the values that vary (`learning_rate=1e-05_group_size=8`) and gets
 OUT/<run>/config.yaml, the base config with the run's overrides and its run directory set.
 Every config is resolved (validated) before the first run starts.
 """
@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrl.report import compare_runs
-from jaxrl.run_dir import RunDir
-from jaxrl.typed_config import ConfigError, dump_yaml, load
+from jaxrl.run.report import compare_runs
+from jaxrl.run.run_dir import RunDir
+from jaxrl.run.typed_config import ConfigError, dump_yaml, load
 
 # resolve(base config path, [(dotted.key, value), ...]) -> the run's validated config as a dict.
 Resolve = Callable[[Path, list[tuple[str, Any]]], dict]

@@ -311,15 +311,43 @@ def load(cls: type[T], path: str | Path, overrides: Iterable[str | tuple[str, An
     pairs = [parse_overrides([o])[0] if isinstance(o, str) else o for o in overrides]
     data = apply_overrides(read_yaml(path), pairs)
     try:
+        _refuse_derived(cls, data)
         return from_dict(cls, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
 
+def _derived(cls) -> dict[str, str]:
+    """`cls.DERIVED`: dotted keys the program sets from others (not user keys) -> their source."""
+    return getattr(cls, "DERIVED", {})
+
+
+def _lookup(data: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _refuse_derived(cls, data: Mapping[str, Any]) -> None:
+    for key, source in _derived(cls).items():
+        if _lookup(data, key)[0]:
+            raise ConfigError(f"'{key}' is not a config key: the run derives it from {source}; set that instead")
+
+
 def to_dict(obj) -> dict:
-    """A dataclass config (or a mapping) as plain YAML-serialisable data; from_dict reads it back."""
+    """A dataclass config (or a mapping) as plain YAML-serialisable data, derived keys left out;
+    `load` reads it back."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {name: _plain(getattr(obj, name)) for name in _init_fields(type(obj))}
+        data = {name: _plain(getattr(obj, name)) for name in _init_fields(type(obj))}
+        for key in _derived(type(obj)):
+            *parents, last = key.split(".")
+            found, parent = _lookup(data, ".".join(parents)) if parents else (True, data)
+            if found and isinstance(parent, dict):
+                parent.pop(last, None)
+        return data
     return {k: _plain(v) for k, v in obj.items()}
 
 
@@ -348,13 +376,16 @@ def dump_yaml(obj, path: str | Path) -> Path:
 
 def describe(cls) -> str:
     """Every key of `cls` with its default, as YAML, with its help above and its type beside it."""
-    return "\n".join(_describe_lines(cls, _defaults(cls), "")) + "\n"
+    return "\n".join(_describe_lines(cls, _defaults(cls), "", set(_derived(cls)))) + "\n"
 
 
-def _describe_lines(cls, values: Mapping[str, Any], pad: str) -> list[str]:
+def _describe_lines(cls, values: Mapping[str, Any], pad: str, hidden: set[str] = frozenset(),
+                    prefix: str = "") -> list[str]:
     lines = []
     hints = typing.get_type_hints(cls)
     for name, field in _init_fields(cls).items():
+        if prefix + name in hidden:
+            continue
         tp = hints[name]
         lines += [f"{pad}# {line}" for line in field.metadata.get("help", "").splitlines()]
         section = _section_type(tp)
@@ -369,7 +400,7 @@ def _describe_lines(cls, values: Mapping[str, Any], pad: str) -> list[str]:
         value = values[name]
         if section is not None and isinstance(value, dict):
             lines.append(f"{pad}{name}:")
-            lines += _describe_lines(section, value, pad + "  ")
+            lines += _describe_lines(section, value, pad + "  ", hidden, f"{prefix}{name}.")
             continue
         # Flow style for short collections (`betas: [0.9, 0.999]`); a lone scalar would flow too.
         flow = None if isinstance(value, (list, dict)) else False

@@ -1,4 +1,4 @@
-"""Tables and plots of runs' metrics (RUN/metrics.jsonl, written by jaxrl.tracking).
+"""Tables and plots of runs' metrics (RUN/metrics.jsonl, written by jaxrl.run.tracking).
 
 Figures are drawn on `matplotlib.figure.Figure` objects and saved as PNG (Agg): no pyplot, so
 no global backend switch and no figure left open in a long-lived process.
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from jaxrl.run_dir import RunDir
-from jaxrl.tracking import read_metrics
+from jaxrl.run.run_dir import RunDir
+from jaxrl.run.tracking import read_metrics
 
 # The reward curve: the first of these keys a run logged.
 REWARD_KEYS = ("reward/mean", "reward")

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from jaxrl.config import TrainConfig
+from jaxrl.run.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
 
@@ -83,12 +83,20 @@ class TaskSource:
         env = rng.choices(self.names, self.weights)[0]
         return env, self._fields(env, rng.randrange(2**31), "train")
 
-    def held_out(self, env: str | None = None, n: int | None = None) -> list[Task]:
-        """The evaluation tasks: `n` (default eval.episodes) spread over the environments."""
+    def held_out(self, env: str | None = None, n: int | None = None, split: str = "test") -> list[Task]:
+        """The evaluation tasks: `n` (default eval.episodes) spread over the environments (or `env`'s),
+        from the held-out `split` (`train`: seed-drawn tasks of the training split instead)."""
         n = self.cfg.eval.episodes if n is None else n
-        if self.eval_rows is not None:
+        if self.eval_rows is not None and split == "test":
             rows = [t for t in self.eval_rows if env is None or t[0] == env]
             return [(e, dict(r)) for e, r in rows[:n]]
         names = [env] if env is not None else self.names
-        return [(names[i % len(names)], self._fields(names[i % len(names)], i // len(names), "test"))
+        return [(names[i % len(names)], self._fields(names[i % len(names)], i // len(names), split))
                 for i in range(n)]
+
+    def demonstrations(self, n: int, envs: list[str]) -> list[Task]:
+        """`n` training tasks for solver demonstrations, split evenly over `envs`, seeds from the run's."""
+        tasks = []
+        for k, env in enumerate(envs):
+            tasks += [(env, self._fields(env, self.cfg.seed + i, "train")) for i in range(len(range(k, n, len(envs))))]
+        return tasks

@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jaxrl.run_dir import RunDir
+from jaxrl.run.run_dir import RunDir
 
 
 class MetricsLogger:

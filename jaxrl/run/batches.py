@@ -1,0 +1,64 @@
+"""Trajectories to a learner batch: the one path for RL rollouts and warm-start demonstrations.
+
+Prompts are left-padded, completions right-padded; rows beyond the trajectories are padding (every
+mask 0, one prompt token to attend to). Widths come from a small bucketed set so that the jitted
+step compiles few shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from bridge.wire import TrajectoryData
+from jaxrl.run.rewards import RewardWeights
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two >= n: few distinct shapes, few recompilations."""
+    return max(minimum, 1 << max(n - 1, 1).bit_length())
+
+
+def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, completion_len: int, pad_id: int,
+                  rewards: RewardWeights | None = None, sampler_logp: bool = False,
+                  mask_truncated: bool = False) -> dict[str, np.ndarray]:
+    """The learner's batch of `rows` rows from `trajs` (at most `rows`).
+
+    `rewards`: one column per reward function (NaN where one does not apply); None: one column of
+    zeros (supervised batches need none). `mask_truncated`: episodes cut by the token budget
+    keep their row but train no token (DAPO overlong filtering). Environment tokens past
+    `completion_len` (the last tool result of an episode that ran out of budget) are cut; a
+    trajectory whose model tokens do not fit is a ValueError, never trained on cut.
+    """
+    if len(trajs) > rows:
+        raise ValueError(f"{len(trajs)} trajectories do not fit a batch of {rows} rows")
+    R = len(rewards.keys) if rewards is not None else 1
+    batch = {
+        "prompt_BxP": np.full((rows, prompt_len), pad_id, np.int32),
+        "prompt_mask_BxP": np.zeros((rows, prompt_len), np.int32),
+        "completion_BxC": np.full((rows, completion_len), pad_id, np.int32),
+        "completion_mask_BxC": np.zeros((rows, completion_len), np.int32),
+        "loss_mask_BxC": np.zeros((rows, completion_len), np.int32),
+        "rewards_BxR": np.zeros((rows, R), np.float32),
+    }
+    if sampler_logp:
+        batch["sampler_logp_BxC"] = np.zeros((rows, completion_len), np.float32)
+    for i, t in enumerate(trajs):
+        p, c = len(t.prompt_ids), min(len(t.completion_ids), completion_len)
+        if not 0 < p <= prompt_len or t.loss_mask[completion_len:].any():
+            raise ValueError(f"trajectory {t.group_id}/{t.index_in_group} ({t.env}) has {p} prompt and "
+                             f"{len(t.completion_ids)} completion tokens; the batch holds {prompt_len} and "
+                             f"{completion_len} (model tokens), and every trajectory needs a prompt")
+        batch["prompt_BxP"][i, prompt_len - p:] = t.prompt_ids
+        batch["prompt_mask_BxP"][i, prompt_len - p:] = 1
+        batch["completion_BxC"][i, :c] = t.completion_ids[:c]
+        batch["completion_mask_BxC"][i, :c] = 1
+        if not (mask_truncated and t.finish_reason == "length"):
+            batch["loss_mask_BxC"][i, :c] = t.loss_mask[:c]
+        if rewards is not None:
+            batch["rewards_BxR"][i] = rewards.columns(t.rewards)
+        if sampler_logp:
+            batch["sampler_logp_BxC"][i, :c] = t.sampler_logprobs[:c]
+    batch["prompt_mask_BxP"][len(trajs):, -1] = 1  # padding rows still need one token to attend to
+    return batch

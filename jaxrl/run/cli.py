@@ -1,0 +1,261 @@
+"""The `jaxrl` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def _load_train_config(args, prog: str):
+    from jaxrl.run.config import load_config
+    from jaxrl.run.typed_config import ConfigError
+
+    try:
+        return load_config(args.config, args.set or [])
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _train(args) -> int:
+    """Trains against environments; the last stdout line is a JSON summary of the run."""
+    cfg = _load_train_config(args, "jaxrl train")
+    if cfg is None:
+        return 2
+    from jaxrl.run.collection import EnvironmentsDown
+    from jaxrl.run.evaluation import EvaluationFailed
+    from jaxrl.run.processes import ChildStartError
+    from jaxrl.run.services import StartupError
+    from jaxrl.run.tasks import TaskError
+    from jaxrl.run.train import train
+    from jaxrl.run.warm_start import WarmStartError
+
+    try:
+        summary = train(cfg, resume=args.resume)
+    except (StartupError, ChildStartError, EnvironmentsDown, EvaluationFailed, TaskError, WarmStartError) as e:
+        print(f"jaxrl train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("jaxrl train: stopped", file=sys.stderr)
+        return 130
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+# `jaxrl eval` flag -> the config key it overrides
+EVAL_FLAGS = {"episodes": "eval.episodes", "temperature": "eval.temperature", "pass_k": "eval.pass_k",
+              "seed": "seed", "max_tokens": "rollout.max_tokens", "max_turns": "rollout.max_turns",
+              "max_total_tokens": "rollout.max_total_tokens"}
+
+
+def _eval_config(args, prog: str, scratch: Path):
+    """The config `jaxrl eval` runs: the run's own (a run directory) or one around a model directory,
+    with every flag given overriding its key; (config, snapshot or None), or None after an error."""
+    from bridge.envs.spec import BUNDLED_NAMES
+    from jaxrl.run.config import TrainConfig, load_config
+    from jaxrl.run.typed_config import ConfigError, apply_overrides, from_dict
+    from jaxrl.snapshots import SnapshotReader
+
+    target = Path(args.target)
+    pairs = [(key, getattr(args, flag)) for flag, key in EVAL_FLAGS.items() if getattr(args, flag) is not None]
+    snapshot = None
+    try:
+        if (target / "config.yaml").is_file():  # a run directory: its settings, its newest weights
+            cfg = load_config(target / "config.yaml", pairs)
+            if args.env is not None and args.env not in {s.name for s in cfg.envs}:
+                raise ConfigError(f"the run has no environment {args.env!r}; its envs: "
+                                  f"{', '.join(s.name for s in cfg.envs)}")
+            versions = SnapshotReader(target / "snapshots").versions() if (target / "snapshots").is_dir() else []
+            if args.version is not None and args.version not in versions:
+                raise ConfigError(f"--version {args.version}: the run has snapshots {versions}")
+            if versions:
+                snapshot = (target / "snapshots", args.version if args.version is not None else versions[-1])
+            return cfg, snapshot
+        if not (target / "config.json").is_file():
+            raise ConfigError(f"{target}: neither a run directory (config.yaml) nor a model directory (config.json)")
+        if args.env is None:
+            raise ConfigError("a model directory needs --env: a bundled environment "
+                              f"({', '.join(BUNDLED_NAMES)}) or an OpenEnv server url")
+        if args.env in BUNDLED_NAMES:
+            env = {"name": args.env, "bundled": args.env}
+        elif args.env is not None and args.env.startswith(("http://", "https://")):
+            env = {"name": "env", "url": args.env}
+            args.env = "env"
+        else:
+            raise ConfigError(f"--env {args.env!r}: name a bundled environment ({', '.join(BUNDLED_NAMES)}) or an "
+                              "OpenEnv server url")
+        if args.version is not None:
+            raise ConfigError("--version picks a run's snapshot; a model directory has none")
+        base = {"run_dir": str(scratch), "model": {"dir": str(target)}, "envs": [env],
+                "rollout": {"max_turns": 16, "max_total_tokens": 1024}}
+        return from_dict(TrainConfig, apply_overrides(base, pairs)), None
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _eval(args) -> int:
+    """Held-out episodes of a run's newest snapshot (or a model directory): the evaluation `jaxrl train`
+    runs, with the same tasks, sampling, reward weights and success rule."""
+    import logging
+    import tempfile
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
+    prog = "jaxrl eval"
+    with tempfile.TemporaryDirectory(prefix="jaxrl-eval-") as scratch:
+        found = _eval_config(args, prog, Path(scratch))
+        if found is None:
+            return 2
+        cfg, snapshot = found
+        from jaxrl.run.evaluation import EvaluationFailed, evaluate_weights
+        from jaxrl.run.processes import ChildStartError
+        from jaxrl.run.services import StartupError
+
+        logs = Path(args.target) / "logs" / "eval" if snapshot is not None else Path(scratch) / "logs"
+        try:
+            result = evaluate_weights(cfg, logs, snapshot, args.env, args.split)
+        except (StartupError, ChildStartError, EvaluationFailed) as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+    weights = f"snapshot {snapshot[1]}" if snapshot else cfg.model.dir
+    rows = [("environment", args.env or ", ".join(s.name for s in cfg.envs)), ("weights", weights),
+            ("split", args.split), ("tasks", result.tasks),
+            (f"success (pass@{cfg.eval.pass_k})", f"{result.success:.3f} +- {result.stderr:.3f}"),
+            ("mean reward", f"{result.reward:.3f}"), ("mean turns", f"{result.turns:.2f}"),
+            ("episode errors", result.errors)]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps({"weights": weights, "split": args.split, **dataclasses.asdict(result)}))
+    return 0
+
+
+def _sweep(args) -> int:
+    """Runs a sweep's configs one after another (or, with --dry-run, writes them and prints commands)."""
+    from jaxrl.run.config import TrainConfig
+    from jaxrl.run.sweep import run_sweep
+    from jaxrl.run.typed_config import ConfigError, load, to_dict
+
+    try:
+        return run_sweep(args.sweep, lambda base, overrides: to_dict(load(TrainConfig, base, overrides)),
+                         dry_run=args.dry_run, train_command=[sys.executable, "-m", "jaxrl.run.cli", "train"])
+    except ConfigError as e:
+        print(f"jaxrl sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _config(args) -> int:
+    """Prints every training config key with its default and help, or checks a config file."""
+    from jaxrl.run.config import TrainConfig
+    from jaxrl.run.typed_config import describe, to_dict
+
+    if args.config is None:
+        print(describe(TrainConfig), end="")
+        return 0
+    cfg = _load_train_config(args, "jaxrl config")
+    if cfg is None:
+        return 2
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False, width=100), end="")
+    return 0
+
+
+def _assets(args) -> int:
+    from jaxrl.tiny import build_tiny_model
+
+    print(build_tiny_model(args.out_dir, args.family, seed=args.seed))
+    return 0
+
+
+def _export(args) -> int:
+    """Writes a run's snapshot or train checkpoint as a Hugging Face model directory."""
+    import logging
+    import warnings
+
+    # Export is host work: never take an accelerator a trainer may be using.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
+    from jaxrl.run.export import ExportError, ExportWarning, export
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        try:
+            out = export(args.run_dir, args.out, version=args.version,
+                         checkpoint_step=args.checkpoint_step, dtype=args.dtype)
+        except ExportError as e:
+            print(f"jaxrl export: error: {e}", file=sys.stderr)
+            return 1
+    for w in caught:
+        if issubclass(w.category, ExportWarning):
+            print(f"jaxrl export: note: {w.message}", file=sys.stderr)
+    print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("bridge", "env"):  # the bridge process is its own program
+        forwarded = ["serve", *argv[1:]] if argv[0] == "bridge" else argv
+        os.execv(sys.executable, [sys.executable, "-m", "bridge", *forwarded])
+    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="train a model against environments (the main job)")
+    tr.add_argument("config", help="YAML training config (see `jaxrl config`)")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
+    tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
+    tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="held-out episodes of a run or a model against its environments")
+    ev.add_argument("target", help="a run directory (its newest snapshot) or a Hugging Face model directory")
+    ev.add_argument("--env", help="one environment of the run (default: all of them, as training evaluates), "
+                                  "or for a model directory a bundled name or an OpenEnv server url")
+    ev.add_argument("--version", type=int, help="the run's snapshot to evaluate (default: the newest)")
+    ev.add_argument("--split", default="test", choices=["test", "train"], help="test: held-out tasks")
+    for flag, key in EVAL_FLAGS.items():
+        ev.add_argument(f"--{flag.replace('_', '-')}", type=float if flag == "temperature" else int,
+                        help=f"overrides {key}")
+    ev.set_defaults(func=_eval)
+
+    sw = sub.add_parser("sweep", help="run a grid or list of config overrides, then compare the runs")
+    sw.add_argument("sweep", help="sweep YAML: base config + grid or runs")
+    sw.add_argument("--dry-run", action="store_true", help="write one resolved config per run and print the commands")
+    sw.set_defaults(func=_sweep)
+
+    co = sub.add_parser("config", help="print the training config defaults, or a config file resolved")
+    co.add_argument("config", nargs="?", help="a config file to check and print resolved")
+    co.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted)")
+    co.set_defaults(func=_config)
+
+    assets = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer as an HF directory")
+    assets.add_argument("out_dir")
+    assets.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="qwen3")
+    assets.add_argument("--seed", type=int, default=0)
+    assets.set_defaults(func=_assets)
+
+    exp = sub.add_parser("export", help="write a run's snapshot or checkpoint as a Hugging Face model directory")
+    exp.add_argument("run_dir", help="run directory, or its snapshots/ or checkpoints/ directory")
+    which = exp.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, help="snapshot version (default: the newest)")
+    which.add_argument("--checkpoint-step", type=int, help="export this train checkpoint instead of a snapshot")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
+    exp.add_argument("--out", required=True, help="output directory (new or empty)")
+    exp.set_defaults(func=_export)
+
+    # Served by the bridge's own entry point (`python -m bridge`); listed here for --help.
+    sub.add_parser("bridge", help="serve a generation engine to trainers over gRPC (python -m bridge serve)",
+                   add_help=False)
+    sub.add_parser("env", help="bundled OpenEnv environments: serve NAME, list (python -m bridge env)",
+                   add_help=False)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

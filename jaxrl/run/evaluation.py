@@ -1,0 +1,101 @@
+"""The one evaluation: held-out episodes on a bridge's current weights, used by `jaxrl train`
+(before and after training, after the warm start, every `eval.every` steps) and by `jaxrl eval`.
+
+Same tasks for the same config (`TaskSource.held_out`), same sampling (`eval.*`, seeded by the run
+seed), rewards weighed by `rewards[]`, and one success rule: a task succeeds when any of its
+`eval.pass_k` samples reaches `eval.success_threshold`. Episodes that errored are counted and
+reported, never scored as failures; an evaluation in which every episode errored is an error.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bridge.wire import SamplingParams
+from jaxrl.run.collection import RolloutClient
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.rewards import RewardWeights
+from jaxrl.run.services import check_services, start_services
+from jaxrl.run.tasks import Task, TaskSource
+
+
+class EvaluationFailed(RuntimeError):
+    """Every episode of an evaluation errored: there is nothing to report but the error."""
+
+
+@dataclasses.dataclass
+class EvalResult:
+    success: float  # over tasks with at least one episode that did not error
+    reward: float  # mean weighted reward of those episodes (0 where no function applies)
+    stderr: float  # sqrt(p(1-p)/n) over the scored tasks
+    tasks: int  # tasks scored
+    errors: int  # episodes that errored
+    first_error: str = ""
+    turns: float = math.nan
+    finish_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        return {f"{prefix}/success": self.success, f"{prefix}/reward/mean": self.reward,
+                f"{prefix}/stderr": self.stderr, f"{prefix}/episodes": float(self.tasks),
+                f"{prefix}/errors": float(self.errors)}
+
+    def line(self) -> str:
+        errors = f", {self.errors} episodes errored" if self.errors else ""
+        return (f"success {self.success:.3f} +- {self.stderr:.3f} (mean reward {self.reward:.3f}, "
+                f"{self.tasks} held-out tasks{errors})")
+
+
+def evaluate(client: RolloutClient, tasks: list[Task], cfg: TrainConfig, version: int,
+             stop_ids: tuple[int, ...]) -> EvalResult:
+    """Held-out episodes of `tasks` on the bridges' weights (at least `version`)."""
+    e, r = cfg.eval, cfg.rollout
+    params = SamplingParams(temperature=e.temperature, max_tokens=r.max_tokens, stop_token_ids=stop_ids,
+                            seed=cfg.seed)
+    groups = client.request(tasks, [f"eval-{version}-{i}" for i in range(len(tasks))], e.pass_k, params, version)
+    weights = RewardWeights(cfg.rewards)
+    successes, rewards = [], []
+    episodes = [t for g in groups for t in g]
+    failed = [t for t in episodes if t.finish_reason == "error"]
+    for group in groups:
+        scored = [weights.total(t.rewards) for t in group if t.finish_reason != "error"]
+        if not scored:
+            continue
+        scored = [x if x is not None else 0.0 for x in scored]
+        successes.append(float(max(scored) >= e.success_threshold))
+        rewards += scored
+    if episodes and not successes:
+        worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
+        raise EvaluationFailed(f"evaluation: all {len(episodes)} episodes errored; most common error ({n}x): {worst}")
+    n = len(successes)
+    p = float(np.mean(successes)) if n else math.nan
+    return EvalResult(
+        success=p, reward=float(np.mean(rewards)) if rewards else math.nan, stderr=math.sqrt(p * (1 - p) / max(n, 1)),
+        tasks=n, errors=len(failed), first_error=failed[0].error if failed else "",
+        turns=float(np.mean([t.num_turns for t in episodes])) if episodes else math.nan,
+        finish_reasons=dict(collections.Counter(t.finish_reason for t in episodes)))
+
+
+def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | None = None,
+                     env: str | None = None, split: str = "test") -> EvalResult:
+    """`jaxrl eval`: the run's services started on `model.dir` (logs in `logs`), the bridges given
+    snapshot `(directory, version)` if any, then the held-out tasks of `env` (default: every
+    environment, as `jaxrl train` evaluates) from `split`."""
+    from transformers import AutoTokenizer
+
+    check_services(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, local_files_only=True)
+    with contextlib.ExitStack() as stack:
+        client = RolloutClient(start_services(cfg, Path(cfg.model.dir), logs, stack), cfg)
+        stack.callback(client.close)
+        version = 0
+        if snapshot is not None:
+            client.load_snapshot(str(snapshot[0]), snapshot[1])
+            version = snapshot[1]
+        tasks = TaskSource(cfg).held_out(env, split=split)
+        return evaluate(client, tasks, cfg, version, (tokenizer.eos_token_id,))

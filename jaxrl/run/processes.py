@@ -1,0 +1,358 @@
+"""Child processes of a run: the bridge (`python -m bridge serve`) and bundled environment
+servers (`python -m bridge env serve NAME`), each started in its own process group, ready once
+it prints its listening line and answers its health check, stopped by PID (never by name).
+
+A child that exits (or never gets ready) during start-up raises a `ChildStartError` subclass
+with the tail of its stderr. Every child watches its parent and exits if the parent dies
+without stopping it; children still running when this interpreter exits are stopped on the way
+out (normal return, exception or `sys.exit`).
+
+    with EnvServerProcess.start("wordle", max_concurrent_envs=16) as server:
+        ...  # sessions over server.ws_url
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from bridge.client import BridgeClient, BridgeError
+from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local servers
+
+
+class ChildStartError(RuntimeError):
+    """The child exited or did not become ready during start-up."""
+
+
+class BridgeStartError(ChildStartError):
+    """The bridge process exited or did not become healthy during start-up."""
+
+
+class EnvServerStartError(ChildStartError):
+    """The environment server exited or did not become ready during start-up."""
+
+
+class ChildServer:
+    def __init__(self, args: Sequence[str], label: str, listening_prefix: str,
+                 error_cls: type[ChildStartError] = ChildStartError,
+                 env: Mapping[str, str] | None = None, log_path: str | Path | None = None,
+                 tail_lines: int = 200):
+        self.label, self.error_cls, self.listening_prefix = label, error_cls, listening_prefix
+        self.address: str | None = None
+        self._listening = threading.Event()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._log = open(log_path, "a", buffering=1) if log_path else None
+        self.proc = subprocess.Popen(
+            list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})}, text=True, errors="replace", bufsize=1,
+            # Its own process group: a terminal's Ctrl-C reaches the trainer, which stops it.
+            start_new_session=True,
+        )
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True, name=f"{label}-{self.pid}-stdout"),
+            threading.Thread(target=self._read_stderr, daemon=True, name=f"{label}-{self.pid}-stderr"),
+        ]
+        for t in self._threads:
+            t.start()
+        _live.add(self)
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            if self._log:
+                self._log.write(line)
+            if not self._listening.is_set() and line.startswith(self.listening_prefix):
+                self.address = line[len(self.listening_prefix):].strip()
+                self._listening.set()
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr.append(line.rstrip("\n"))
+            if self._log:
+                self._log.write(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stderr_tail(self, lines: int = 40) -> str:
+        return "\n".join(list(self._stderr)[-lines:])
+
+    def start_error(self, what: str) -> ChildStartError:
+        for t in self._threads:
+            t.join(timeout=2.0)  # the rest of its stderr
+        return self.error_cls(f"{self.label} (pid {self.pid}) {what}; its stderr ends with:\n{self.stderr_tail()}")
+
+    def check_running(self, deadline: float, waiting_for: str) -> None:
+        """Raises the start error if the child has exited or the deadline has passed."""
+        if self.proc.poll() is not None:
+            raise self.start_error(f"exited with code {self.proc.returncode} during start-up")
+        if time.monotonic() > deadline:
+            raise self.start_error(waiting_for)
+
+    def wait_listening(self, deadline: float, timeout: float) -> str:
+        while not self._listening.wait(timeout=0.05):
+            self.check_running(deadline, f"did not listen within {timeout:.0f} s")
+        return self.address
+
+    def wait(self, seconds: float) -> None:
+        try:
+            self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self, term_s: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL to the child's process group; returns its exit code.
+
+        The group is killed even when the child itself ended: workers it started must not outlive it.
+        """
+        _live.discard(self)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.wait(term_s)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the group this child leads (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        if self._log:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+
+# Children still running when the interpreter exits are stopped (quickly) on the way out.
+_live: weakref.WeakSet[ChildServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_children() -> None:
+    for child in list(_live):
+        try:
+            child.terminate(term_s=2.0)
+        except Exception:
+            pass
+
+
+class ChildHandle:
+    """What the launchers share: the child's PID, liveness and log tail; a context manager."""
+
+    child: ChildServer
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.child.alive
+
+    def stderr_tail(self, lines: int = 40) -> str:
+        return self.child.stderr_tail(lines)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _bridge_module_args(python: str | None, *args: str) -> list[str]:
+    return [python or sys.executable, "-m", "bridge", *args, "--parent-pid", str(os.getpid())]
+
+
+class BridgeProcess(ChildHandle):
+    def __init__(self, child: ChildServer):
+        self.child = child
+        self.proc = child.proc
+        self.client: BridgeClient | None = None
+
+    @classmethod
+    def start(
+        cls,
+        model: str | Path,
+        engine: str = "jax",
+        dtype: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_batch: int | None = None,
+        seed: int | None = None,
+        engine_kwargs: Mapping | None = None,
+        envs_file: str | Path | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        timeout: float = 300.0,
+        client_timeout_s: float = 60.0,
+        log_path: str | Path | None = None,
+        python: str | None = None,
+    ) -> BridgeProcess:
+        """Starts a bridge and returns once it answers Health (raises BridgeStartError otherwise).
+
+        `engine_kwargs` go to the engine (for vllm: `vllm.LLM` arguments such as
+        gpu_memory_utilization; for jax: JaxEngine arguments such as batch_window_s).
+        `envs_file`: the environments to serve (JSON, see `python -m bridge serve --help`).
+        `env` entries are added to this process's environment for the child. The child's stderr
+        (its log) is kept (`stderr_tail`) and, with `log_path`, appended to that file.
+        """
+        args = _bridge_module_args(python, "serve", "--engine", engine, "--model", str(model),
+                                   "--host", host, "--port", str(port))
+        if dtype:
+            args += ["--dtype", dtype]
+        if max_batch:
+            args += ["--max-batch", str(max_batch)]
+        if seed is not None:
+            args += ["--seed", str(seed)]
+        if engine_kwargs:
+            args += ["--engine-kwargs", json.dumps(dict(engine_kwargs))]
+        if envs_file:
+            args += ["--envs", str(envs_file)]
+        args += list(extra_args)
+        bridge = cls(ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, env, log_path))
+        try:
+            bridge._wait_ready(timeout, client_timeout_s)
+        except BaseException:
+            bridge.stop(grace_s=0.0)
+            raise
+        return bridge
+
+    def _wait_ready(self, timeout: float, client_timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.client = BridgeClient(self.child.wait_listening(deadline, timeout), timeout_s=client_timeout_s)
+        while True:
+            try:
+                self.client.health(timeout_s=max(min(deadline - time.monotonic(), 5.0), 0.1))
+                return
+            except BridgeError as e:
+                self.child.check_running(deadline, f"listens on {self.address} but is not healthy ({e})")
+                time.sleep(0.1)
+
+    @property
+    def address(self) -> str | None:
+        return self.child.address
+
+    def stop(self, grace_s: float = 10.0, term_s: float = 5.0) -> int:
+        """Stops the bridge: Shutdown, then SIGTERM, then SIGKILL (by PID); returns its exit code."""
+        if self.alive and self.client is not None and grace_s > 0:
+            try:
+                self.client.shutdown(timeout_s=min(grace_s, 5.0))
+            except BridgeError:
+                pass
+            self.child.wait(grace_s)
+        code = self.child.terminate(term_s)
+        if self.client is not None:
+            self.client.close()
+        return code
+
+
+class EnvServerProcess(ChildHandle):
+    def __init__(self, child: ChildServer, name: str):
+        self.child = child
+        self.proc = child.proc
+        self.name = name
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        max_concurrent_envs: int = 64,
+        seed: int = 0,
+        timeout: float = 120.0,
+        env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        python: str | None = None,
+    ) -> EnvServerProcess:
+        """Starts `python -m bridge env serve name` and returns once it answers /health.
+
+        Raises EnvServerStartError (with the child's stderr tail) if the child exits or is not
+        ready within `timeout` seconds. `env` entries are added to this process's environment
+        for the child; with `log_path` the child's output is appended to that file.
+        """
+        args = _bridge_module_args(python, "env", "serve", name, "--host", host, "--port", str(port),
+                                   "--max-concurrent-envs", str(max_concurrent_envs), "--seed", str(seed),
+                                   *extra_args)
+        child = ChildServer(args, f"environment server {name!r}", ENV_LISTENING, EnvServerStartError, env, log_path)
+        server = cls(child, name)
+        try:
+            server._wait_ready(timeout)
+        except BaseException:
+            server.stop(term_s=2.0)
+            raise
+        return server
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.child.wait_listening(deadline, timeout)
+        while True:
+            try:
+                if self.health(timeout_s=max(min(deadline - time.monotonic(), 5.0), 0.1)):
+                    return
+                problem = "answers /health as not healthy"
+            except OSError as e:
+                problem = f"does not answer /health ({e})"
+            self.child.check_running(deadline, f"listens on {self.listening_url} but {problem}")
+            time.sleep(0.05)
+
+    @property
+    def listening_url(self) -> str | None:
+        return self.child.address
+
+    @property
+    def url(self) -> str:
+        """Base URL to connect to (http://host:port; a wildcard bind is reached by loopback)."""
+        if self.listening_url is None:
+            raise RuntimeError("the server has not announced its address")
+        parts = urllib.parse.urlsplit(self.listening_url)
+        host = parts.hostname or "127.0.0.1"
+        if ipaddress.ip_address(host).is_unspecified:
+            host = "::1" if ":" in host else "127.0.0.1"
+        return f"http://[{host}]:{parts.port}" if ":" in host else f"http://{host}:{parts.port}"
+
+    @property
+    def ws_url(self) -> str:
+        """The WebSocket session endpoint: ws://host:port/ws."""
+        return "ws" + self.url[len("http"):] + "/ws"
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        """Whether GET /health answers healthy (OSError when it does not answer at all)."""
+        try:
+            with _NO_PROXY.open(f"{self.url}/health", timeout=timeout_s) as response:
+                return response.status == 200 and b"healthy" in response.read()
+        except urllib.error.HTTPError:
+            return False
+
+    def stop(self, term_s: float = 5.0) -> int:
+        """Stops the server: SIGTERM, then SIGKILL to its process group; returns its exit code."""
+        return self.child.terminate(term_s)
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive else f"exited {self.proc.returncode}"
+        return f"EnvServerProcess({self.name!r}, url={self.listening_url!r}, pid={self.pid}, {state})"

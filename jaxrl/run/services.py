@@ -1,0 +1,86 @@
+"""The processes a run talks to: its bundled environment servers and a bridge serving them (or
+the running bridges at `bridge.addresses`), checked before anything heavy and stopped with the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bridge.client import BridgeClient, BridgeError
+from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.processes import BridgeProcess, EnvServerProcess
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class StartupError(Exception):
+    """The run cannot start (bad model directory, unreachable bridge or environment)."""
+
+
+def check_services(cfg: TrainConfig) -> None:
+    """Fails fast, with one line, on what would otherwise fail after minutes of loading: environment
+    servers that do not answer, classes and reward functions that do not import, silent bridges."""
+    for spec in cfg.envs:
+        try:
+            if spec.env_class:
+                import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+            elif spec.url:
+                _check_health(spec.url, spec.session.connect_timeout_s)
+        except (EnvConfigError, OSError) as e:
+            raise StartupError(f"environment {spec.name!r}: {e}") from None
+    for reward in cfg.rewards:
+        if reward.fn != ENV_REWARD:
+            try:
+                import_object(reward.fn, f"reward function {reward.key!r}")
+            except EnvConfigError as e:
+                raise StartupError(str(e)) from None
+    for address in cfg.bridge.addresses:
+        try:
+            with BridgeClient(address, timeout_s=10.0) as client:
+                client.health()
+        except BridgeError as e:
+            raise StartupError(f"bridge.addresses: {address} does not answer ({e}); start it with "
+                               "`jaxrl bridge --model DIR --envs FILE`, or leave bridge.addresses empty") from None
+
+
+def _check_health(url: str, timeout_s: float) -> None:
+    try:
+        with _NO_PROXY.open(f"{url}/health", timeout=timeout_s) as response:
+            body = json.loads(response.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise OSError(f"GET {url}/health failed ({e}); check that an OpenEnv server runs at this url") from None
+    if not isinstance(body, dict) or body.get("status") != "healthy":
+        raise OSError(f"{url}/health answers {body!r}, not healthy")
+
+
+def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack) -> list[str]:
+    """Starts the run's bundled environment servers and a bridge serving every environment, unless
+    `bridge.addresses` names running bridges (which serve their own `--envs`). Each child is stopped
+    when `stack` closes. Returns the addresses of the bridges to use."""
+    if cfg.bridge.addresses:
+        return list(cfg.bridge.addresses)
+    logs.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for spec in cfg.envs:
+        if spec.bundled:
+            server = stack.enter_context(EnvServerProcess.start(
+                spec.bundled, max_concurrent_envs=spec.max_concurrent_envs, seed=spec.seed,
+                log_path=logs / f"env-{spec.name}.log"))
+            spec = spec.served_at(server.url)
+        specs.append(spec.to_dict())
+    envs_file = logs / "bridge_envs.json"
+    envs_file.write_text(json.dumps({
+        "envs": specs, "rewards": [dataclasses.asdict(r) for r in cfg.rewards],
+        "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
+    }, indent=1))
+    bridge = stack.enter_context(BridgeProcess.start(
+        model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch, seed=cfg.seed,
+        engine_kwargs=cfg.bridge.engine_kwargs, envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
+        log_path=logs / "bridge.log"))
+    return [bridge.address]

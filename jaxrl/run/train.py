@@ -1,0 +1,320 @@
+"""`jaxrl train`: environments + bridge + learner, one step at a time, nothing lost on the way out.
+
+    check config and endpoints -> start environment servers and the bridge -> evaluate the base
+    model -> supervised warm start (if configured) -> loop: rollouts, update, publish weights,
+    evaluate, checkpoint -> final evaluation, plots, summary.
+
+Weight versions: the bridge starts serving version 0 (the model directory); the learner's
+weights after k updates are published as version k + 1 (the warm start's as version 1). Ctrl-C /
+SIGTERM finish the current step, write a checkpoint and stop every child process; a second Ctrl-C
+stops at once (children are still stopped). `--resume` continues from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from jaxrl.checkpoints import TrainCheckpointer, abstract_like
+from jaxrl.learner import Learner
+from jaxrl.models import load_pretrained
+from jaxrl.run import report
+from jaxrl.run.batches import bucket, learner_batch
+from jaxrl.run.collection import Collector, RolloutClient, StepRollouts, rollout_metrics
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.evaluation import evaluate
+from jaxrl.run.rewards import RewardWeights
+from jaxrl.run.run_dir import RunDir
+from jaxrl.run.services import StartupError, check_services, start_services
+from jaxrl.run.tasks import TaskSource
+from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
+from jaxrl.run.typed_config import dump_yaml
+from jaxrl.run.warm_start import demonstrations, warm_start
+from jaxrl.sharding import make_mesh
+from jaxrl.snapshots import SnapshotWriter
+
+log = logging.getLogger("jaxrl.train")
+
+
+class _Stop:
+    """SIGINT/SIGTERM: the first asks the loop to stop after this step, the second stops now."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\njaxrl train: {signal.Signals(signum).name}: stopping after this step "
+              "(checkpoint written); again to stop now", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the phases of one run share."""
+
+    cfg: TrainConfig
+    run: RunDir
+    ckpt: TrainCheckpointer
+    client: RolloutClient
+    tasks: TaskSource
+    tokenizer: Any
+    out: Any
+    summary: dict[str, Any]
+    step: int = 0
+    version: int = 0  # the weights the bridges serve
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
+    writer: SnapshotWriter | None = None
+    logger: MetricsLogger | None = None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.eos_token_id,)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+    def evaluate(self, what: str):
+        result = evaluate(self.client, self.tasks.held_out(), self.cfg, self.version, self.stop_ids)
+        print(f"eval {what}: {result.line()}", file=self.out, flush=True)
+        return result
+
+
+def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
+    """Runs the training job `cfg`; returns the summary printed as the last line."""
+    from transformers import AutoTokenizer
+
+    wall_start = time.perf_counter()
+    check_services(cfg)
+    model_dir = ensure_model(cfg)
+    run = RunDir.create(cfg.run_dir)
+    ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
+    start_step = _start_step(run, ckpt, resume)
+    dump_yaml(cfg, run.config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer.save_pretrained(run.tokenizer)
+    summary: dict[str, Any] = {"run_dir": str(run.path)}
+    with _Stop() as stop, contextlib.ExitStack() as stack:
+        stack.callback(ckpt.close)
+        client = RolloutClient(start_services(cfg, model_dir, run.path / "logs", stack), cfg)
+        stack.callback(client.close)
+        r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary)
+        if start_step is None:
+            _evaluate_base(r, model_dir)
+        learner = _make_learner(r, model_dir, start_step, stack)
+        stack.callback(_keep_steps, r, learner)
+        _loop(r, learner, stop, stack)
+        if ckpt.latest_step() != r.step:
+            ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
+        ckpt.wait()
+        summary["steps"] = r.step
+        if r.step >= cfg.steps and cfg.eval.episodes:
+            _final_evaluation(r)
+        if stop.requested and r.step < cfg.steps:
+            summary["stopped"] = "signal"
+    summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
+    summary["final"] = _finish_report(run.path, out)
+    return summary
+
+
+def _start_step(run: RunDir, ckpt: TrainCheckpointer, resume: bool) -> int | None:
+    """The checkpoint step to resume from; None for a fresh run."""
+    latest = ckpt.latest_step()
+    if not resume and latest is not None:
+        raise StartupError(f"{run.path} already holds checkpoints: pass --resume to continue that run, or "
+                           "choose another run_dir")
+    if resume and latest is None:
+        print(f"jaxrl train: --resume: {run.checkpoints} has no checkpoint yet; starting from step 0",
+              file=sys.stderr)
+    return latest if resume else None
+
+
+def _evaluate_base(r: _Run, model_dir: Path) -> None:
+    """Bridges of our own start on the model; running ones may serve anything: give them ours. Then
+    the base model's held-out success."""
+    if r.cfg.bridge.addresses:
+        base = load_pretrained(model_dir, param_dtype=r.cfg.model.dtype)
+        with contextlib.closing(SnapshotWriter(r.run.snapshots, base.cfg, keep=3)) as writer:
+            writer.publish(nnx.split(base)[1], 0)
+        r.client.load_snapshot(str(r.run.snapshots), 0)
+    if r.cfg.eval.before and r.cfg.eval.episodes:
+        before = r.evaluate("before training")
+        r.summary["eval_before"], r.summary["eval_before_stderr"] = before.success, before.stderr
+
+
+def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: contextlib.ExitStack) -> Learner:
+    """The learner on the base model, warm-started on demonstrations or restored from a checkpoint;
+    its weights published to the bridges when they differ from the base model's."""
+    cfg = r.cfg
+    mesh = make_mesh(cfg.mesh)
+    model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
+    warm = bool(cfg.sft.steps) and start_step is None
+    if warm:
+        demos = demonstrations(r.client, r.tasks, cfg)
+        model, metrics = warm_start(model, demos, cfg, mesh, r.pad_id)
+        r.summary["sft"] = metrics
+        print(f"warm start: {json.dumps(metrics)}", file=r.out, flush=True)
+    learner = Learner(model, cfg.learner_config(), mesh)
+    model_cfg = model.cfg
+    del model
+    if start_step is not None:
+        learner.state, meta = r.ckpt.restore(abstract_like(learner.state, learner.shardings))
+        r.step = int(meta["step"])
+        r.summary.update({k: meta[k] for k in ("eval_before", "eval_before_stderr") if k in meta})
+        print(f"resumed from step {r.step}", file=r.out, flush=True)
+    r.meta = {"model_config": model_cfg.to_hf(),
+              **{k: r.summary[k] for k in ("eval_before", "eval_before_stderr") if k in r.summary}}
+    r.writer = SnapshotWriter(r.run.snapshots, model_cfg, keep=3)
+    stack.callback(r.writer.close)
+    for stale in [v for v in r.writer.manager.all_steps() if v > r.step]:
+        r.writer.manager.delete(stale)  # published after the checkpoint we resume from
+    if r.step > 0 or warm:
+        _publish(r, learner, r.step + 1)
+    if warm and cfg.eval.episodes:
+        r.summary["eval_after_warm_start"] = r.evaluate("after the warm start").success
+    return learner
+
+
+def _publish(r: _Run, learner: Learner, version: int) -> float:
+    """Writes the learner's weights as snapshot `version` and has every bridge serve them."""
+    t0 = time.perf_counter()
+    r.writer.publish(learner.state.params, version)
+    r.client.load_snapshot(str(r.run.snapshots), version)
+    r.version = version
+    return time.perf_counter() - t0
+
+
+def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -> None:
+    """Rollouts, update, publish, evaluate, checkpoint, log: one step at a time until done or stopped."""
+    cfg = r.cfg
+    collector = stack.enter_context(contextlib.closing(Collector(cfg, r.client, r.tasks, r.stop_ids)))
+    logger = stack.enter_context(MetricsLogger(r.run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
+                                               resume_step=r.step + 1 if r.step > 0 else None))
+    r.logger = logger
+    progress = stack.enter_context(Progress(cfg.steps, initial=r.step)) if cfg.log.progress else None
+    while r.step < cfg.steps and not stop.requested:
+        t0 = time.perf_counter()
+        result = collector.collect(r.step, r.version)
+        if r.step + 1 < cfg.steps:
+            collector.prefetch_next(r.step + 1, r.version)
+        batch = _step_batch(result, cfg, r.pad_id)
+        t1 = time.perf_counter()
+        metrics = learner.update(batch)
+        learn_s = time.perf_counter() - t1
+        r.step += 1
+        sync_s = 0.0
+        if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stop.requested:
+            sync_s = _publish(r, learner, r.step + 1)
+        metrics.update(rollout_metrics(result, cfg))
+        metrics.update({"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
+                        "time/env_s": result.env_s, "time/learn_s": learn_s, "time/sync_s": sync_s,
+                        "time/step_s": time.perf_counter() - t0, "version": float(r.version)})
+        if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps:
+            metrics.update(evaluate(r.client, r.tasks.held_out(), cfg, r.version, r.stop_ids).metrics())
+        r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
+        logger.log(r.step, metrics)
+        if cfg.log.samples_per_step:
+            logger.samples(r.step, _sample_rows(result, r.tokenizer, cfg.log.samples_per_step))
+        if progress is not None:
+            progress.update(r.step, metrics)
+
+
+
+def _step_batch(result: StepRollouts, cfg: TrainConfig, pad_id: int) -> dict:
+    """The step's groups as the learner batch: groups_per_step x group_size rows (missing groups are
+    padding), prompts bucketed, completions `rollout.max_total_tokens` wide."""
+    trajs = [t for g in result.groups for t in g]
+    prompt_len = bucket(max((len(t.prompt_ids) for t in trajs), default=1))
+    return learner_batch(trajs, cfg.groups_per_step_rows, prompt_len, cfg.rollout.max_total_tokens, pad_id,
+                         RewardWeights(cfg.rewards), sampler_logp=cfg.learner.loss.is_level != "none",
+                         mask_truncated=cfg.rollout.drop_truncated)
+
+
+def _final_evaluation(r: _Run) -> None:
+    after = r.evaluate("after training")
+    r.logger.log(r.step, after.metrics())
+    r.summary["eval_after"], r.summary["eval_stderr"] = after.success, after.stderr
+    if "eval_before_stderr" in r.summary:
+        r.summary["eval_stderr"] = math.sqrt(after.stderr ** 2 + r.summary["eval_before_stderr"] ** 2)
+
+
+def _keep_steps(r: _Run, learner: Learner) -> None:
+    """However the run ends, the steps it took are kept."""
+    if r.step > 0 and r.ckpt.latest_step() != r.step:
+        try:
+            r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
+            r.ckpt.wait()
+        except Exception as e:
+            log.warning("final checkpoint at step %d failed: %s", r.step, e)
+
+
+def _sample_rows(result: StepRollouts, tokenizer, k: int) -> list[dict[str, Any]]:
+    rows = []
+    for group in result.groups[:k]:
+        t = group[0]
+        rows.append({"env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
+                     "prompt": tokenizer.decode(t.prompt_ids), "completion": tokenizer.decode(t.completion_ids)})
+    return rows
+
+
+def _finish_report(run_dir: Path, out) -> dict[str, float]:
+    rows = read_metrics(run_dir)
+    if not rows:
+        return {}
+    report.plot_run(run_dir)
+    keys = [k for k in ("reward/mean", "eval/success", "eval/reward/mean", "loss", "kl", "entropy", "grad_norm",
+                        "completion/model_tokens", "time/step_s") if any(k in r for r in rows)]
+    print(report.summary_table(rows, keys), file=out, flush=True)
+    last = {}
+    for r in rows:
+        last.update({k: r[k] for k in keys if r.get(k) is not None})
+    return {k: round(float(v), 4) for k, v in last.items()}
+
+
+def ensure_model(cfg: TrainConfig) -> Path:
+    """The model directory, built from `model.tiny` when it does not exist yet."""
+    model_dir = Path(cfg.model.dir)
+    t = cfg.model.tiny
+    if t is None:
+        if not (model_dir / "config.json").is_file():
+            raise StartupError(f"model.dir {model_dir}: not a model directory (no config.json); point it at a "
+                               "Hugging Face model directory, or set model.tiny to build a tiny one")
+        return model_dir
+    if (model_dir / "config.json").is_file():
+        built = json.loads((model_dir / "config.json").read_text())
+        want = {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_layers}
+        differ = {k: (built.get(k), v) for k, v in want.items() if built.get(k) != v}
+        if differ:
+            raise StartupError(f"model.dir {model_dir} holds a tiny model that differs from model.tiny "
+                               f"({', '.join(f'{k}: {a} != {b}' for k, (a, b) in differ.items())}); delete it "
+                               "to rebuild, or point model.dir elsewhere")
+        return model_dir
+    from jaxrl.tiny import build_tiny_model
+
+    print(f"building tiny {t.family} model in {model_dir}", file=sys.stderr)
+    build_tiny_model(model_dir, t.family, seed=t.seed, hidden_size=t.hidden_size,
+                     intermediate_size=t.intermediate_size, num_layers=t.num_layers)
+    return model_dir
