@@ -7,6 +7,7 @@ the rollout loop and the environments around it are the real ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import Callable
 
@@ -72,3 +73,32 @@ def segments(traj):
         else:
             out.append((m, [t]))
     return out
+
+
+@contextlib.contextmanager
+def in_process_bridge(engine, envs: dict, tokenizer):
+    """A real gRPC bridge over `engine` serving `envs` (an environments-file dict), in a thread."""
+    import threading
+
+    from bridge.client import BridgeClient
+    from bridge.envs.episode import runtime_from_dict
+    from bridge.server import serve
+
+    runtime = runtime_from_dict(envs, tokenizer)
+    ready, box = threading.Event(), {}
+
+    def on_listening(address):
+        box["address"] = address
+        ready.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(
+        serve(engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime)),
+        daemon=True)
+    thread.start()
+    assert ready.wait(60), "the in-process bridge did not start"
+    try:
+        yield box["address"]
+    finally:
+        with BridgeClient(box["address"]) as c:
+            c.shutdown()
+        thread.join(10)

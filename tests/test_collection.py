@@ -1,31 +1,26 @@
-"""Trajectories to learner batches: padding and masks, group filters, dynamic-sampling refills,
-staleness, and requests spread over two bridges."""
+"""A step's groups: requests spread over two bridges, group filters, dynamic-sampling refills,
+staleness, failing environments, and rollout metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import math
-import threading
+import contextlib
 
 import numpy as np
 import pytest
 
-from bridge.client import BridgeClient
-from bridge.envs.episode import runtime_from_dict
-from bridge.server import serve
-from bridge.wire import TrajectoryData
+from bridge.wire import SamplingParams, TrajectoryData
+from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, build_batch, bucket, rollout_metrics
 from jaxrl.run.tasks import TaskSource
-from jaxrl.tiny_tokenizer import build_tokenizer
 from jaxrl.run.typed_config import from_dict
-from scripted_engine import ScriptedEngine, tool_call
+from jaxrl.tiny_tokenizer import build_tokenizer
+from scripted_engine import ScriptedEngine, in_process_bridge, tool_call
 
 
 def config(**extra) -> TrainConfig:
     base = {"run_dir": "r", "model": {"dir": "m"},
-            "envs": [{"name": "coin", "env_class": "test_rollouts:Coin"}],
+            "envs": [{"name": "coin", "env_class": "test_collection:Coin"}],
             "rollout": {"groups_per_step": 2, "max_tokens": 8, "max_total_tokens": 16},
             "learner": {"group_size": 2}}
     for k, v in extra.items():
@@ -38,24 +33,6 @@ def traj(group, i, prompt, completion, mask, rewards, finish="stop", version=0, 
                           np.where(np.array(mask, bool), -0.5, 0.0).astype(np.float32), np.array(mask, np.uint8),
                           np.where(np.array(mask, bool), version, -1).astype(np.int64), rewards, finish, env,
                           metrics={"tool_calls": 1.0})
-
-
-def test_batch_pads_prompts_left_completions_right_and_fills_missing_groups():
-    cfg = config(rollout={"drop_truncated": True}, rewards=[{"fn": "env"}, {"fn": "test_rollouts:Coin", "name": "x"}])
-    groups = [[traj("a", 0, [5, 6, 7], [1, 2, 3], [1, 0, 1], {"env": 1.0}),
-               traj("a", 1, [5], [4] * 20, [1] * 20, {"env": 0.0, "x": 2.0}, finish="length")]]
-    batch = build_batch(groups, cfg, pad_id=0, with_sampler_logp=True)
-    B, P, C = 4, bucket(3), 16
-    assert batch["prompt_BxP"].shape == (B, P) and batch["completion_BxC"].shape == (B, C)
-    assert list(batch["prompt_BxP"][0, -3:]) == [5, 6, 7] and batch["prompt_mask_BxP"][0].sum() == 3
-    assert list(batch["completion_BxC"][0, :4]) == [1, 2, 3, 0] and list(batch["loss_mask_BxC"][0, :3]) == [1, 0, 1]
-    assert batch["completion_mask_BxC"][1].sum() == C  # cut to the budget
-    assert batch["loss_mask_BxC"][1].sum() == 0  # truncated: no loss (overlong filtering)
-    assert batch["rewards_BxR"][0, 0] == 1.0 and math.isnan(batch["rewards_BxR"][0, 1])
-    assert batch["sampler_logp_BxC"][0, 0] == -0.5 and batch["sampler_logp_BxC"][0, 1] == 0.0
-    # the missing group: padding rows with one prompt token, no loss, constant reward
-    assert batch["loss_mask_BxC"][2:].sum() == 0 and (batch["prompt_mask_BxP"][2:].sum(1) == 1).all()
-    assert (batch["rewards_BxR"][2:] == 0).all()
 
 
 def test_metrics_per_environment_and_counts():
@@ -86,41 +63,26 @@ class Coin:
 def bridges():
     """Two in-process bridges with scripted engines over the Coin environment."""
     tok = build_tokenizer()
-    out = []
-    for _ in range(2):
-        engine = ScriptedEngine(tok, lambda prompt: tool_call("flip", {}) if "<tool_response>" not in prompt else "ok")
-        runtime = runtime_from_dict({"envs": [{"name": "coin", "env_class": "test_rollouts:Coin"}]}, tok)
-        ready, box = threading.Event(), {}
-
-        def on_listening(address, box=box):
-            box["address"] = address
-            ready.set()
-
-        thread = threading.Thread(target=lambda e=engine, r=runtime, o=on_listening: asyncio.run(
-            serve(e, port=0, on_listening=o, handle_signals=False, grace_s=1.0, envs=r)), daemon=True)
-        thread.start()
-        assert ready.wait(60)
-        out.append((box["address"], engine, thread))
-    yield out
-    for address, _, thread in out:
-        with BridgeClient(address) as c:
-            c.shutdown()
-        thread.join(10)
+    envs = {"envs": [{"name": "coin", "env_class": "test_collection:Coin"}]}
+    with contextlib.ExitStack() as stack:
+        out = []
+        for _ in range(2):
+            engine = ScriptedEngine(tok, lambda p: tool_call("flip", {}) if "<tool_response>" not in p else "ok")
+            out.append((stack.enter_context(in_process_bridge(engine, envs, tok)), engine))
+        yield out
 
 
 def test_requests_are_spread_over_bridges_and_returned_in_task_order(bridges):
     cfg = config(rollout={"groups_per_step": 6})
-    client = RolloutClient([a for a, _, _ in bridges], cfg)
+    client = RolloutClient([a for a, _ in bridges], cfg)
     try:
-        calls = [e.calls for _, e, _ in bridges]
+        calls = [e.calls for _, e in bridges]
         tasks = [("coin", {"seed": s}) for s in range(6)]
-        from bridge.engines.base import SamplingParams
-
         groups = client.request(tasks, [f"g{i}" for i in range(6)], 2, SamplingParams(max_tokens=8), 0)
         assert [g[0].group_id for g in groups] == [f"g{i}" for i in range(6)]
         assert all(len(g) == 2 and [t.index_in_group for t in g] == [0, 1] for g in groups)
         assert [g[0].rewards["env"] for g in groups] == [1.0, 0.0] * 3
-        assert all(e.calls > c for (_, e, _), c in zip(bridges, calls))  # both bridges worked
+        assert all(e.calls > c for (_, e), c in zip(bridges, calls))  # both bridges worked
     finally:
         client.close()
 
@@ -152,10 +114,10 @@ def test_failed_and_stale_groups_are_dropped():
 
 
 def test_too_many_failed_episodes_stop_the_run():
-    cfg = config(envs=[{"name": "coin", "env_class": "test_rollouts:Coin"}], rollout={"min_success_fraction": 0.5})
+    cfg = config(envs=[{"name": "coin", "env_class": "test_collection:Coin"}], rollout={"min_success_fraction": 0.5})
 
     class FailingClient:
-        def request(self, tasks, ids, group_size, params, min_version):
+        def request(self, tasks, ids, group_size, params, min_version, policy=""):
             groups = [[traj(i, k, [1], [], [], {}, finish="error") for k in range(group_size)] for i in ids]
             for g in groups:
                 for t in g:
@@ -165,3 +127,21 @@ def test_too_many_failed_episodes_stop_the_run():
     collector = Collector(cfg, FailingClient(), TaskSource(cfg), (0,))
     with pytest.raises(EnvironmentsDown, match="only 0 of 4 episodes succeeded.*4x.*server gone"):
         collector.collect(0, 0)
+
+
+def test_dynamic_sampling_keeps_only_groups_with_two_distinct_rewards():
+    # NaN-free host rule of DAPO's filter: None (no function applies) is left out, then at least two
+    # distinct rewards must remain.
+    cfg = config(rollout={"dynamic_sampling": True}, rewards=[{"fn": "env"}, {"fn": "test_collection:Coin", "name": "x"}])
+    collector = Collector(cfg, client=None, tasks=None, stop_ids=(0,))
+    counts = collections.Counter()
+
+    def group(*rewards):
+        return [traj("a", i, [1], [1], [1], r) for i, r in enumerate(rewards)]
+
+    assert collector._keep(group({"env": 0.0}, {"env": 1.0}), 0, counts)
+    assert collector._keep(group({"env": 1.0}, {"env": 0.0, "x": 2.0}), 0, counts)  # 1.0 vs 2.0
+    assert not collector._keep(group({"env": 1.0}, {"env": 1.0}), 0, counts)
+    assert not collector._keep(group({}, {"env": 1.0}), 0, counts)  # one reward only
+    assert not collector._keep(group({}, {}), 0, counts)
+    assert counts == {"groups_zero_variance": 3}
