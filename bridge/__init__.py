@@ -1,1 +1,6 @@
-"""The bridge: the actor process hosting generation engines and environment sessions over gRPC."""
+"""The bridge: the actor process hosting generation engines and environment sessions over gRPC.
+
+Its own program (`python -m bridge serve|env`, see `bridge/cli.py`); its public contract for
+trainers is `bridge.client`, `bridge.wire` and `bridge.envs.spec`. Of the learner core it uses
+only the model and the snapshot reader, and it never imports the run layer (`jaxrl.run`).
+"""

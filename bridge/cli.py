@@ -70,7 +70,8 @@ def add_serve_arguments(br: argparse.ArgumentParser) -> None:
     br.add_argument("--port", type=int, default=0, help="0: a free port (printed as BRIDGE_LISTENING host:port)")
     br.add_argument("--max-batch", type=int, help="most sequences generated together")
     br.add_argument("--seed", type=int, default=0, help="sampling seed for requests without one")
-    br.add_argument("--engine-kwargs", help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
+    br.add_argument("--engine-kwargs",
+                    help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
     br.add_argument("--envs", help="JSON file of the environments and reward functions to serve: "
                                    '{"envs": [EnvSpec...], "rewards": [RewardSpec...], "tool_parser": "qwen", '
                                    '"chat_template_kwargs": {}}')

@@ -25,6 +25,12 @@ def test_config_prints_documented_defaults_and_resolves_files():
     defaults = jaxrl("config")
     assert defaults.returncode == 0, defaults.stderr
     assert "# training steps (one batch each)\nsteps: 100" in defaults.stdout
+    lines = defaults.stdout.splitlines()
+    undocumented = [line for before, line in zip(lines, lines[1:])  # "- " lines continue a list value
+                    if not line.lstrip().startswith(("#", "- ")) and not before.lstrip().startswith("#")]
+    assert undocumented == []  # every key has its help above it
+    for derived in ("total_steps", "reward_weights"):  # set by the run, not user keys
+        assert derived not in defaults.stdout
     resolved = jaxrl("config", "configs/tiny_cpu.yaml", "--set", "steps=7")
     assert resolved.returncode == 0, resolved.stderr
     cfg = yaml.safe_load(resolved.stdout)
@@ -38,8 +44,10 @@ def test_eval_a_model_directory_against_a_bundled_environment(tmp_path):
     proc = jaxrl("eval", tmp_path / "model", "--env", "guess_number", "--episodes", 4, "--max-turns", 2)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["episodes"] == 4 and result["errors"] == 0 and "success (pass@1)" in proc.stdout
+    assert result["tasks"] == 4 and result["errors"] == 0 and "success (pass@1)" in proc.stdout
     bad = jaxrl("eval", tmp_path / "model", "--env", "chess")
     assert bad.returncode == 2 and "bundled environment" in bad.stderr and bad.stderr.count("\n") == 1
     missing = jaxrl("eval", tmp_path / "nothing", "--env", "echo")
     assert missing.returncode == 2 and "neither a run directory" in missing.stderr
+    no_env = jaxrl("eval", tmp_path / "model")
+    assert no_env.returncode == 2 and "a model directory needs --env" in no_env.stderr

@@ -132,7 +132,8 @@ def test_too_many_failed_episodes_stop_the_run():
 def test_dynamic_sampling_keeps_only_groups_with_two_distinct_rewards():
     # NaN-free host rule of DAPO's filter: None (no function applies) is left out, then at least two
     # distinct rewards must remain.
-    cfg = config(rollout={"dynamic_sampling": True}, rewards=[{"fn": "env"}, {"fn": "test_collection:Coin", "name": "x"}])
+    cfg = config(rollout={"dynamic_sampling": True},
+                 rewards=[{"fn": "env"}, {"fn": "test_collection:Coin", "name": "x"}])
     collector = Collector(cfg, client=None, tasks=None, stop_ids=(0,))
     counts = collections.Counter()
 

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 BRIDGE_MAY_USE_OF_CORE = ("jaxrl.models", "jaxrl.snapshots")
 RUN_MAY_USE_OF_BRIDGE = ("bridge.client", "bridge.wire", "bridge.envs.spec")
+PACKAGES = ("jaxrl", "jaxrl.run", "bridge", "bridge.envs", "bridge.engines")
 
 
 def _layer(module: str) -> str | None:
@@ -39,10 +40,10 @@ def _imports(path: Path, module: str) -> list[str]:
             if node.level:  # relative: resolve against this module's package
                 base = module.split(".")[: -node.level]
                 names.append(".".join(base + ([node.module] if node.module else [])))
+            elif node.module in PACKAGES:  # `from jaxrl.run import report` imports jaxrl.run.report
+                names += [f"{node.module}.{a.name}" for a in node.names]
             else:
-                # `from jaxrl.run import report` imports jaxrl.run.report
-                names += [f"{node.module}.{a.name}" for a in node.names] if node.module in ("jaxrl", "jaxrl.run",
-                                                                                              "bridge") else [node.module]
+                names.append(node.module)
     return names
 
 

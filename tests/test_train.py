@@ -56,7 +56,8 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "c.yaml", model_dir, run_dir)
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, eval={"episodes": 16},
+                          rewards=[{"fn": "env"}, {"fn": "tests.workers.rewards:short", "weight": 0.5}])
     summary = summary_of(jaxrl("train", config))
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
     for key in ("wall_s", "eval_before", "eval_after", "eval_stderr"):
@@ -78,8 +79,14 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     refused = jaxrl("train", config, "--set", "steps=5")  # a finished run is not overwritten
     assert refused.returncode == 1 and "--resume" in refused.stderr
 
-    evaluated = summary_of(jaxrl("eval", run_dir, "--env", "echo", "--episodes", 4))  # the newest snapshot
-    assert evaluated["episodes"] == 4 and 0 <= evaluated["success_rate"] <= 1
+    # `jaxrl eval` of the finished run is the run's own final evaluation, to the last digit.
+    final = [r for r in rows if "eval/success" in r][-1]
+    evaluated = summary_of(jaxrl("eval", run_dir))
+    assert evaluated["weights"] == "snapshot 4" and evaluated["tasks"] == 16
+    assert (evaluated["success"], evaluated["reward"]) == (summary["eval_after"], final["eval/reward/mean"])
+    assert summary_of(jaxrl("eval", run_dir, "--env", "echo", "--episodes", 4))["tasks"] == 4
+    refused = jaxrl("eval", run_dir, "--max-tokens", 0)
+    assert refused.returncode == 2 and "rollout" in refused.stderr and refused.stderr.count("\n") == 1
 
     summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--resume"))
     assert summary["steps"] == 5 and summary["eval_before"] is not None
@@ -215,6 +222,8 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     (["envs.0.bundled=null", "envs.0.url=http://127.0.0.1:9"], "environment 'echo'"),
     (["rollout.mode=async"], "learner.loss.is_level"),
     (["model.tiny={hidden_size: 32}"], "differs from model.tiny (hidden_size: 64 != 32"),
+    (["learner.temperature=0.5"], "the run derives it from rollout.temperature"),
+    (["rewards=[{fn: 'no_such_module:f'}]"], "cannot import module 'no_such_module'"),
 ])
 def test_bad_configs_fail_in_one_line_before_heavy_work(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Serves a bundled environment as an OpenEnv server: `jaxrl env serve NAME`.
+"""Serves a bundled environment as an OpenEnv server: `python -m bridge env serve NAME` (`jaxrl env serve`).
 
 The app is OpenEnv's own (`create_app`): HTTP `/health`, `/schema`, `/metadata`, stateless
 `/reset` / `/step` / `/state`, and the WebSocket `/ws` where each connection is one session
