@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
-from jaxrl.run.typed_config import from_dict
+from jaxrl.run.typed_config import dump_yaml, from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
@@ -33,3 +33,29 @@ def test_shipped_configs_load(path):
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(TrainConfig, {**BASE, **extra})
+
+
+def test_the_learner_config_takes_the_values_the_run_derives(tmp_path):
+    cfg = from_dict(TrainConfig, {**BASE, "steps": 30, "rollout": {"temperature": 0.7},
+                                  "rewards": [{"fn": "env"}, {"fn": "m:f", "weight": 0.5}],
+                                  "learner": {"num_iterations": 2, "optimizer": {"schedule": "cosine"}}})
+    lc = cfg.learner_config()
+    assert lc.temperature == 0.7 and lc.advantages.reward_weights == (1.0, 0.5) and lc.optimizer.total_steps == 60
+    assert lc.optimizer.schedule == "cosine"
+    # derived keys are not user keys: refused in a file, left out of the saved config, which loads back
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_dir: r\nmodel: {dir: m}\nenvs: [{name: echo, bundled: echo}]\n"
+                   "learner: {optimizer: {total_steps: 5}}\n")
+    with pytest.raises(ConfigError, match=r"'learner.optimizer.total_steps' is not a config key: the run derives it "
+                                          r"from steps x learner.num_iterations; set that instead"):
+        load_config(bad)
+    saved = dump_yaml(cfg, tmp_path / "saved.yaml")
+    assert "total_steps" not in saved.read_text() and load_config(saved) == cfg
+
+
+def test_warm_start_needs_environments_with_solvers():
+    with pytest.raises(ConfigError, match="sft.envs names environment"):
+        from_dict(TrainConfig, {**BASE, "envs": [{"name": "u", "url": "http://127.0.0.1:1"}],
+                                "sft": {"steps": 5, "envs": ["u"]}})
+    served = from_dict(TrainConfig, {**BASE, "sft": {"steps": 5}})
+    assert served.envs[0].solver == "echo"  # a bundled environment's own
