@@ -84,6 +84,9 @@ class EnvSpec:
             raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
         if self.episode_timeout_s is not None and not self.episode_timeout_s > 0:
             raise EnvConfigError(f"environment {self.name!r}: episode_timeout_s must be > 0 or null")
+        if self.bundled and self.bundled not in BUNDLED_NAMES:
+            raise EnvConfigError(f"environment {self.name!r} names bundled environment {self.bundled!r}; "
+                                 f"known: {', '.join(BUNDLED_NAMES)}")
         if self.solver is None and self.bundled:
             object.__setattr__(self, "solver", self.bundled)
         if self.solver is not None and self.solver not in BUNDLED_NAMES:

@@ -161,10 +161,6 @@ class TrainConfig:
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
-        for e in self.envs:
-            if e.bundled and e.bundled not in BUNDLED_NAMES:
-                raise ValueError(f"envs: {e.name!r} names bundled environment {e.bundled!r}; "
-                                 f"known: {', '.join(BUNDLED_NAMES)}")
         for key, where in (("mix", self.data.mix), ("task_fields", self.data.task_fields)):
             unknown = sorted(set(where) - set(names))
             if unknown:
