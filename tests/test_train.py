@@ -90,8 +90,10 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
 
     summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--resume"))
     assert summary["steps"] == 5 and summary["eval_before"] is not None
-    steps = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r]
-    assert steps == [1, 2, 3, 4, 5]
+    rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # A second process on the same shapes loads the learner's executables from the persistent cache.
+    assert [r["compiles/learner"] for r in rows[3:]] == [0.0, 0.0] and "compiles_after_step_1" in summary
     assert (run_dir / "checkpoints" / "5").is_dir()
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
+from jaxrl.compilation import compiles
 from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
 from bridge.engines.sampler import RowParams, generate_rows
 from jaxrl.snapshots import SnapshotError, SnapshotReader
@@ -51,7 +52,7 @@ class JaxEngine:
         self._queue: asyncio.Queue[_Request] | None = None
         self._swap_lock = asyncio.Lock()
         self._worker: asyncio.Task | None = None
-        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0}
+        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0, "compiles": compiles()}
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -128,6 +129,7 @@ class JaxEngine:
         self.stats["batches"] += 1
         self.stats["rows"] += len(prompts)
         self.stats["tokens"] += sum(len(t) for t in out.tokens)
+        self.stats["compiles"] = compiles()
         results, i = [], 0
         for req in batch:
             per_prompt = []

@@ -68,6 +68,10 @@ class RolloutClient:
                 by_group[traj.group_id].append(traj)
         return [sorted(by_group[g], key=lambda t: t.index_in_group) for g in group_ids]
 
+    def stats(self) -> list[dict[str, float]]:
+        """Every bridge's counters (`python -m bridge`'s Stats)."""
+        return list(self.pool.map(lambda c: c.stats(), self.clients))
+
     def load_snapshot(self, path: str, version: int) -> None:
         list(self.pool.map(lambda c: c.load_snapshot(path, version, timeout_s=self.cfg.bridge.start_timeout_s),
                            self.clients))

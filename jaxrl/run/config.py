@@ -143,6 +143,9 @@ class TrainConfig:
     sync_every: int = _help("publish weights to the bridge every N steps", default=1)
     checkpoint_every: int = _help("train checkpoint every N steps (and at the end)", default=25)
     keep_checkpoints: int = _help("train checkpoints kept", default=2)
+    compilation_cache: str | None = _help(
+        "JAX's persistent compilation cache for the learner and the bridges the run starts (a second run of "
+        "the same config compiles nothing); null: off", default="~/.cache/jaxrl/xla")
 
     # dotted key -> what the run derives it from (see `learner_config`)
     DERIVED: ClassVar[dict[str, str]] = {

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from bridge.wire import SamplingParams
+from jaxrl.compilation import use_persistent_cache
 from jaxrl.run.collection import RolloutClient
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -90,8 +91,9 @@ def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | 
 
     check_services(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, local_files_only=True)
+    bridge_env = use_persistent_cache(cfg.compilation_cache)
     with contextlib.ExitStack() as stack:
-        client = RolloutClient(start_services(cfg, Path(cfg.model.dir), logs, stack), cfg)
+        client = RolloutClient(start_services(cfg, Path(cfg.model.dir), logs, stack, bridge_env), cfg)
         stack.callback(client.close)
         version = 0
         if snapshot is not None:

@@ -59,10 +59,11 @@ def _check_health(url: str, timeout_s: float) -> None:
         raise OSError(f"{url}/health answers {body!r}, not healthy")
 
 
-def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack) -> list[str]:
-    """Starts the run's bundled environment servers and a bridge serving every environment, unless
-    `bridge.addresses` names running bridges (which serve their own `--envs`). Each child is stopped
-    when `stack` closes. Returns the addresses of the bridges to use."""
+def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack,
+                   bridge_env: dict[str, str] | None = None) -> list[str]:
+    """Starts the run's bundled environment servers and a bridge serving every environment (with
+    `bridge_env` added to its environment), unless `bridge.addresses` names running bridges (which
+    serve their own `--envs`). Each child is stopped when `stack` closes. Returns the bridge addresses."""
     if cfg.bridge.addresses:
         return list(cfg.bridge.addresses)
     logs.mkdir(parents=True, exist_ok=True)
@@ -82,5 +83,5 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
     bridge = stack.enter_context(BridgeProcess.start(
         model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch, seed=cfg.seed,
         engine_kwargs=cfg.bridge.engine_kwargs, envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
-        log_path=logs / "bridge.log"))
+        env=bridge_env, log_path=logs / "bridge.log"))
     return [bridge.address]

@@ -26,6 +26,7 @@ from typing import Any
 from flax import nnx
 
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
+from jaxrl.compilation import compiles, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
@@ -116,9 +117,10 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer.save_pretrained(run.tokenizer)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
+    bridge_env = use_persistent_cache(cfg.compilation_cache)
     with _Stop() as stop, contextlib.ExitStack() as stack:
         stack.callback(ckpt.close)
-        client = RolloutClient(start_services(cfg, model_dir, run.path / "logs", stack), cfg)
+        client = RolloutClient(start_services(cfg, model_dir, run.path / "logs", stack, bridge_env), cfg)
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary)
         if start_step is None:
@@ -214,6 +216,7 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
                                                resume_step=r.step + 1 if r.step > 0 else None))
     r.logger = logger
     progress = stack.enter_context(Progress(cfg.steps, initial=r.step)) if cfg.log.progress else None
+    seen = (compiles(), _bridge_compiles(r.client))
     while r.step < cfg.steps and not stop.requested:
         t0 = time.perf_counter()
         result = collector.collect(r.step, r.version)
@@ -231,6 +234,11 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
         metrics.update({"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
                         "time/env_s": result.env_s, "time/learn_s": learn_s, "time/sync_s": sync_s,
                         "time/step_s": time.perf_counter() - t0, "version": float(r.version)})
+        now = (compiles(), _bridge_compiles(r.client))  # after step 1, a compile is a shape the config missed
+        metrics.update({"compiles/learner": float(now[0] - seen[0]), "compiles/bridge": float(now[1] - seen[1])})
+        if r.step > 1:
+            r.summary["compiles_after_step_1"] = r.summary.get("compiles_after_step_1", 0) + sum(now) - sum(seen)
+        seen = now
         if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps:
             metrics.update(evaluate(r.client, r.tasks.held_out(), cfg, r.version, r.stop_ids).metrics())
         r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
@@ -240,6 +248,10 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
         if progress is not None:
             progress.update(r.step, metrics)
 
+
+
+def _bridge_compiles(client: RolloutClient) -> int:
+    return int(sum(stats.get("engine.compiles", 0) for stats in client.stats()))
 
 
 def _step_batch(result: StepRollouts, cfg: TrainConfig, pad_id: int) -> dict:
