@@ -218,13 +218,18 @@ def summarize(rows: list[dict], launch: float, first_step_begin: float, end: flo
     timed = rows[skip:] or rows
     out = {"steps": len(rows), "steps_timed": len(timed), "s_per_step": _median(timed, "step_s")}
     out.update({p: _median(timed, p) for p in PHASES})
-    out["other_s"] = round(out["s_per_step"] - sum(out[p] for p in ("rollout_s", "learn_s", "sync_s")), 4)
+    # Per step, then the median (medians of parts do not add up). Negative in async mode, where the rollout
+    # of the next step overlaps the update.
+    for r in timed:
+        r["other_s"] = r["step_s"] - sum(r[p] or 0.0 for p in ("rollout_s", "learn_s", "sync_s"))
+    out["other_s"] = _median(timed, "other_s")
     gaps = [b["time"] - a["time"] for a, b in zip(rows[skip - 1:] if skip else rows, rows[skip:] if skip else rows[1:])]
     out["wall_per_step_s"] = round(statistics.median(gaps), 4) if gaps else None
     out["startup_s"] = round(first_step_begin - launch, 2)
     out["wall_s"] = round(end - launch, 2)
     out["first_step_s"] = round(rows[0]["step_s"], 3)
-    out["per_episode"] = {k: _mean(rows, k) for k in ("tool_calls", "model_tokens", "total_tokens", "prompt_tokens")}
+    out["per_episode"] = {k: _mean(rows, k) for k in ("tool_calls", "tool_errors", "model_tokens", "total_tokens",
+                                                  "prompt_tokens")}
     out["reward_mean"] = _mean(rows, "reward_mean")
     return out
 
@@ -282,7 +287,8 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str) -> dict:
         if "time/step_s" not in m:
             continue
         rows.append({"step": m["step"], "time": m["time"], **{p: m.get(f"time/{p}") for p in ("step_s", *PHASES)},
-                     "tool_calls": m.get("env/guess/tool_calls", 0.0), "model_tokens": m.get("completion/model_tokens"),
+                     "tool_calls": m.get("env/guess/tool_calls", 0.0),
+                     "tool_errors": m.get("env/guess/tool_errors", 0.0), "model_tokens": m.get("completion/model_tokens"),
                      "total_tokens": m.get("completion/total_tokens"), "reward_mean": m.get("reward/mean")})
     if not rows:
         raise SystemExit(f"vs_trl: jaxrl wrote no step metrics to {run_dir / 'metrics.jsonl'}")
@@ -332,7 +338,7 @@ def _print_table(sides: dict[str, dict]) -> None:
     print(f"{'':>22}" + "".join(f"{n:>14}" for n in names))
     for k in keys:
         print(f"{k:>22}" + "".join(f"{_fmt(sides[n].get(k)):>14}" for n in names))
-    for k in ("tool_calls", "model_tokens", "total_tokens", "prompt_tokens"):
+    for k in ("tool_calls", "tool_errors", "model_tokens", "total_tokens", "prompt_tokens"):
         print(f"{'episode ' + k:>22}" + "".join(f"{_fmt(sides[n]['per_episode'].get(k)):>14}" for n in names))
     print(f"{'reward_mean':>22}" + "".join(f"{_fmt(sides[n].get('reward_mean')):>14}" for n in names))
 
@@ -402,18 +408,18 @@ def main(argv=None) -> dict:
                                                    "intermediate": args.intermediate, "vocab": args.vocab, **primed}},
         **{name: {k: v for k, v in s.items() if k != "log"} for name, s in sides.items()},
     }
-    if "trl" in sides:
-        result["ratios"] = ratios(sides["jaxrl"], sides["trl"])
-        if "jaxrl_async" in sides:
-            result["ratios"]["jaxrl_async_over_trl_step"] = ratios(sides["jaxrl_async"], sides["trl"])[
-                "jaxrl_over_trl_step"]
     idle = {name: s["per_episode"]["tool_calls"] for name, s in sides.items()
             if (s["per_episode"]["tool_calls"] or 0.0) < MIN_TOOL_CALLS}
     if idle:
         result["error"] = (f"tool calls per episode below {MIN_TOOL_CALLS} on {', '.join(idle)} ({idle}): that side "
                            "hardly reaches the tool, so the sides did not do the same work")
+    if "trl" in sides:  # last, as promised
+        result["ratios"] = ratios(sides["jaxrl"], sides["trl"])
+        if "jaxrl_async" in sides:
+            result["ratios"]["jaxrl_async_over_trl_step"] = ratios(sides["jaxrl_async"], sides["trl"])[
+                "jaxrl_over_trl_step"]
     print(json.dumps(result))
-    if idle:
+    if idle and not args.tiny:  # the smoke size's briefly primed model may not reach the tool: reported only
         raise SystemExit(1)
     return result
 

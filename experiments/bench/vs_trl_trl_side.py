@@ -122,10 +122,14 @@ def main() -> None:
     trainer._generate_single_turn = timed("generate", gen_single, ("generate",))
     trainer._calculate_rewards = timed("rewards", rewards_fn, ("rollout",))
     tool_calls: list[int] = []
+    tool_failures: list[int] = []
+    open_tag = tokenizer.convert_tokens_to_ids("<tool_call>")
 
     def counting_tool_loop(*a, **kw):
         out = tool_loop(*a, **kw)
-        tool_calls.append(out[4])  # (tool_mask, completions, completion_ids, logprobs, tool_call_count, ...)
+        # (tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images)
+        tool_calls.append(out[4])
+        tool_failures.append(out[5])
         return out
 
     def recording_generate(prompts):
@@ -134,8 +138,10 @@ def main() -> None:
         t["rollout"] += time.perf_counter() - t0
         prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
         for i, ids in enumerate(completion_ids):
-            episodes.append({"prompt": len(prompt_ids[i]), "total": len(ids),
-                             "model": sum(tool_mask[i]) if tool_mask is not None else len(ids)})
+            mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
+            episodes.append({"prompt": len(prompt_ids[i]), "total": len(ids), "model": sum(mask),
+                             # <tool_call> tags the model wrote: calls made + calls TRL could not parse
+                             "tags": sum(1 for tid, m in zip(ids, mask) if m and tid == open_tag)})
         return out
 
     trainer._tool_call_loop = counting_tool_loop
@@ -153,6 +159,7 @@ def main() -> None:
             t["generate"] = t["rollout"] = 0.0
             episodes.clear()
             tool_calls.clear()
+            tool_failures.clear()
 
         def on_step_end(self, a, state, control, **kw):
             step_s = time.perf_counter() - marks["begin"]
@@ -162,6 +169,9 @@ def main() -> None:
                 "generate_s": t["generate"], "env_s": t["rollout"] - t["generate"],
                 "learn_s": step_s - t["rollout"], "sync_s": 0.0,
                 "episodes": len(episodes), "tool_calls": sum(tool_calls) / n,
+                # calls that raised, plus <tool_call> tags that never became a call (TRL then ends the episode,
+                # taking the turn as the final answer; jaxrl answers it with an error and goes on)
+                "tool_errors": (sum(tool_failures) + max(0, sum(e["tags"] for e in episodes) - sum(tool_calls))) / n,
                 "model_tokens": sum(e["model"] for e in episodes) / n,
                 "total_tokens": sum(e["total"] for e in episodes) / n,
                 "prompt_tokens": sum(e["prompt"] for e in episodes) / n,
