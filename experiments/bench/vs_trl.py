@@ -1,7 +1,7 @@
 """jaxrl vs. TRL's GRPOTrainer on the same tool-calling workload, in one invocation.
 
     bash scripts/setup_trl.sh                      # once: .venv-trl (TRL 1.16 + the CPU torch wheel)
-    python -m experiments.bench.vs_trl [--steps 10] [--prompts 1] [--generations 8]
+    .venv/bin/python -m experiments.bench.vs_trl [--steps 10] [--prompts 1] [--generations 8]
         [--max-completion-length 128] [--max-tool-calls 4] [--lr 1e-6] [--async]
         [--hidden 128] [--layers 4] [--intermediate 256] [--vocab 1000] [--jaxrl-only] [--tiny]
 
@@ -242,6 +242,12 @@ def run_trl(args, model_dir: Path, tasks: Path, tmp: Path) -> dict:
     launch, last = _run(cmd, tmp / "trl.log", args.timeout)
     res = json.loads(last)
     out = summarize(res["steps"], launch, res["first_step_begin"], res["end"], args.skip)
+    # Cross-checks against TRL's own logged metrics: its `step_time` (training_step only: without the optimizer
+    # step) and `tools/call_frequency` should match our step_s and tool calls per episode.
+    timed = res["steps"][args.skip:] or res["steps"]
+    out["trl_own"] = {"step_time": _median(timed, "trl_step_time"),
+                      "tools_call_frequency": _mean(res["steps"], "trl_tools_call_frequency"),
+                      "completions_mean_length": _mean(res["steps"], "trl_completions_mean_length")}
     out.update(framework=f"trl {res['trl']} (torch {res['torch']}, {res['threads']} threads)", log=str(tmp / "trl.log"))
     return out
 
@@ -278,6 +284,9 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str) -> dict:
     cfg_path = tmp / f"jaxrl_{mode}.yaml"
     cfg_path.write_text(yaml.safe_dump(jaxrl_config(args, model_dir, tasks, run_dir, mode), sort_keys=False))
     jaxrl = Path(sys.executable).parent / "jaxrl"
+    if not jaxrl.is_file():
+        raise SystemExit(f"vs_trl: no `jaxrl` console script next to {sys.executable}: run the bench with the "
+                         "python of the venv jaxrl is installed in")
     launch, last = _run([str(jaxrl), "train", str(cfg_path)], tmp / f"jaxrl_{mode}.log", args.timeout)
     end = time.time()
     summary = json.loads(last)
