@@ -3,7 +3,7 @@
     bash scripts/setup_trl.sh                      # once: .venv-trl (TRL 1.16 + the CPU torch wheel)
     .venv/bin/python -m experiments.bench.vs_trl [--steps 10] [--prompts 1] [--generations 8]
         [--max-completion-length 128] [--max-tool-calls 4] [--lr 1e-6] [--async]
-        [--hidden 128] [--layers 4] [--intermediate 256] [--vocab 1000] [--jaxrl-only] [--tiny]
+        [--hidden 128] [--layers 4] [--intermediate 256] [--vocab 1000] [--repeats 1] [--jaxrl-only] [--tiny]
 
 The workload, the same on both sides:
 
@@ -21,7 +21,9 @@ The workload, the same on both sides:
 - TRL runs as a subprocess in `.venv-trl` (`experiments/bench/vs_trl_trl_side.py`); jaxrl as
   `jaxrl train CONFIG` (the console script next to this interpreter), sync mode, and with
   `--async` once more in async mode (`rollout.mode: async`, `learner.loss.is_level: token`).
-  They run one after the other, never together.
+  They run one after the other, never together; `--repeats R` runs each R times, alternating, and
+  reports each side's median run (with every run's s/step and the load average before it: other
+  work on a shared machine slows both sides, TRL's torch threads far more than jaxrl).
 
 Printed per side: median s/step over steps 3..N and per-phase medians (rollout = generate +
 tools/environment, learn, weight sync), wall time including start-up, time to the first step,
@@ -375,6 +377,7 @@ def main(argv=None) -> dict:
     p.add_argument("--jaxrl-only", action="store_true", help="skip TRL (no .venv-trl needed)")
     p.add_argument("--tiny", action="store_true", help="smoke size: hidden 64, 2 layers, 3 steps of 1 x 4, short priming")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories and logs here")
+    p.add_argument("--repeats", type=int, default=1, help="runs per side, alternating; the median run is reported")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
     args = p.parse_args(argv)
     if args.tiny:
@@ -389,8 +392,6 @@ def main(argv=None) -> dict:
     model_dir, primed = primed_model(args)
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="vs_trl-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    for stale in ("jaxrl_sync", "jaxrl_async", "trl_out"):
-        shutil.rmtree(tmp / stale, ignore_errors=True)
     try:
         tasks = tmp / "tasks.jsonl"
         n_rows = args.steps * args.prompts
@@ -398,12 +399,22 @@ def main(argv=None) -> dict:
                                  for i in range(n_rows)))
         trl_tasks = tmp / "trl_tasks.jsonl"  # the same rows without jaxrl's `env` routing field
         trl_tasks.write_text("".join(json.dumps({"seed": args.seed * 100_003 + i}) + "\n" for i in range(n_rows)))
-        sides: dict[str, dict] = {}
-        if not args.jaxrl_only:
-            sides["trl"] = run_trl(args, model_dir, trl_tasks, tmp)
-        sides["jaxrl"] = run_jaxrl(args, model_dir, tasks, tmp, "sync")
-        if args.run_async:
-            sides["jaxrl_async"] = run_jaxrl(args, model_dir, tasks, tmp, "async")
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):  # alternating, so that a change in the machine's load hits both sides
+            for name, fn in (("trl", lambda: run_trl(args, model_dir, trl_tasks, tmp)),
+                             ("jaxrl", lambda: run_jaxrl(args, model_dir, tasks, tmp, "sync")),
+                             ("jaxrl_async", lambda: run_jaxrl(args, model_dir, tasks, tmp, "async"))):
+                if (name == "trl" and args.jaxrl_only) or (name == "jaxrl_async" and not args.run_async):
+                    continue
+                load = os.getloadavg()[0]  # other work on the machine skews both sides, torch's threads most
+                for stale in ("jaxrl_sync", "jaxrl_async", "trl_out"):
+                    shutil.rmtree(tmp / stale, ignore_errors=True)
+                runs.setdefault(name, []).append({**fn(), "loadavg_1m_before": round(load, 2)})
+        sides = {}
+        for name, rs in runs.items():  # the run with the median s/step, and every run's s/step
+            pick = sorted(rs, key=lambda r: r["s_per_step"])[(len(rs) - 1) // 2]
+            sides[name] = {**pick, "s_per_step_runs": [r["s_per_step"] for r in rs],
+                           "loadavg_1m_runs": [r["loadavg_1m_before"] for r in rs]}
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
