@@ -104,14 +104,13 @@ def main() -> None:
     t = {"generate": 0.0, "rollout": 0.0}
     episodes: list[dict] = []  # this step's: tokens and tool calls per episode
 
-    def timed(name, fn, keys=()):
+    def timed(fn, key):
         def wrapper(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                for k in keys:
-                    t[k] += time.perf_counter() - t0
+                t[key] += time.perf_counter() - t0
         return wrapper
 
     trainer = GRPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
@@ -119,8 +118,9 @@ def main() -> None:
 
     gen_single, generate, tool_loop, rewards_fn = (trainer._generate_single_turn, trainer._generate,
                                                    trainer._tool_call_loop, trainer._calculate_rewards)
-    trainer._generate_single_turn = timed("generate", gen_single, ("generate",))
-    trainer._calculate_rewards = timed("rewards", rewards_fn, ("rollout",))
+    # Private methods of TRL 1.16's GRPOTrainer (wrapped on the instance; a rename upstream fails loudly here).
+    trainer._generate_single_turn = timed(gen_single, "generate")
+    trainer._calculate_rewards = timed(rewards_fn, "rollout")
     tool_calls: list[int] = []
     tool_failures: list[int] = []
     open_tag = tokenizer.convert_tokens_to_ids("<tool_call>")
