@@ -168,14 +168,14 @@ class Attention(nnx.Module):
         return self.o_proj(out), layer_cache
 
 
-def _softmax_attention(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, visible_BxTxS):
-    scores = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k_BxSxNxH, preferred_element_type=jnp.float32)
-    scores = scores / np.float32(math.sqrt(q_BxTxNxH.shape[-1]))
+def _softmax_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
+    scores = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH, k_BxNxSxH, preferred_element_type=jnp.float32)
+    scores = scores / np.float32(math.sqrt(q_BxNxTxH.shape[-1]))
     # A finite fill keeps fully masked rows (left padding) finite, so their gradients are 0
     # rather than NaN.
     scores = jnp.where(visible_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxNxH.dtype)
-    return jnp.einsum("bnts,bsnh->btnh", probs, v_BxSxNxH)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxH.dtype)
+    return jnp.einsum("bnts,bnsh->bnth", probs, v_BxNxSxH)
 
 
 def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
@@ -183,14 +183,16 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
 
     Blocks of queries see only the keys up to their last query: that skips most of the masked
     upper triangle (about half the work) and keeps each block's scores small enough to stay in
-    cache. KV heads are repeated to the query heads: plain batched matmuls, which XLA CPU runs
-    far faster than the grouped 5-D einsum. Rows of fully masked queries (left padding) are
-    finite and unused.
+    cache. KV heads are repeated to the query heads and moved before time once, so every block
+    is a plain batched matmul on contiguous slices (XLA CPU runs the grouped 5-D einsum, or
+    per-block transposes, far slower). Rows of fully masked queries (left padding) are finite
+    and unused.
     """
-    B, T, N, _ = q_BxTxNxH.shape
+    B, T, N, H = q_BxTxNxH.shape
     G = N // k_BxTxKxH.shape[2]
-    k_BxTxNxH = jnp.repeat(k_BxTxKxH, G, axis=2)
-    v_BxTxNxH = jnp.repeat(v_BxTxKxH, G, axis=2)
+    q_BxNxTxH = q_BxTxNxH.transpose(0, 2, 1, 3)
+    k_BxNxTxH = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    v_BxNxTxH = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
     block = max(_MIN_QUERY_BLOCK, -(-T // _MAX_QUERY_BLOCKS))
     outs = []
     for start in range(0, T, block):
@@ -198,9 +200,9 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
         causal_QxS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
         visible_BxQxS = causal_QxS[None] & mask_BxT[:, None, :end]
         outs.append(_softmax_attention(
-            q_BxTxNxH[:, start:end], k_BxTxNxH[:, :end], v_BxTxNxH[:, :end], visible_BxQxS
+            q_BxNxTxH[:, :, start:end], k_BxNxTxH[:, :, :end], v_BxNxTxH[:, :, :end], visible_BxQxS
         ))
-    return jnp.concatenate(outs, axis=1)
+    return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
 
 
 def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, visible_BxTxS):
