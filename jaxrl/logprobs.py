@@ -1,7 +1,7 @@
 """Per-token log-probabilities of completions, chunked over the sequence.
 
-The float32 (B, chunk, V) logits of one chunk exist at a time, forward and backward: each chunk
-is rematerialised in the backward pass instead of stored.
+The float32 (B, chunk, V) logits of one chunk exist at a time, forward and backward: the
+backward pass recomputes each chunk's logits instead of storing them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,72 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models.decoder import Decoder, head_logits, positions_from_mask
+from jaxrl.models.decoder import Decoder, positions_from_mask
+
+
+def _chunk_logits(h_RxD, w_DxV, temperature):
+    z_RxV = jnp.matmul(h_RxD, w_DxV.astype(h_RxD.dtype), preferred_element_type=jnp.float32)
+    return z_RxV / temperature
+
+
+def _chunk_forward(h_RxD, w_DxV, t_R, temperature, with_entropy: bool):
+    """log p(target), the entropy (0 without `with_entropy`) and logsumexp of R rows."""
+    z_RxV = _chunk_logits(h_RxD, w_DxV, temperature)
+    lse_R = jax.nn.logsumexp(z_RxV, axis=-1)
+    logp_R = jnp.take_along_axis(z_RxV, t_R[:, None], -1)[:, 0] - lse_R
+    if not with_entropy:
+        return logp_R, jnp.zeros_like(logp_R), lse_R
+    # -sum p log p = lse - sum p z: one pass over the logits, no (R, V) log-probabilities.
+    ent_R = lse_R - jnp.sum(jnp.exp(z_RxV - lse_R[:, None]) * z_RxV, -1)
+    return logp_R, ent_R, lse_R
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _scan_chunks(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy: bool):
+    return _scan_chunks_fwd(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy)[0]
+
+
+def _scan_chunks_fwd(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy):
+    logp_NxR, ent_NxR, lse_NxR = jax.lax.map(
+        lambda a: _chunk_forward(a[0], w_DxV, a[1], temperature, with_entropy), (h_NxRxD, t_NxR)
+    )
+    return (logp_NxR, ent_NxR), (h_NxRxD, w_DxV, t_NxR, temperature, lse_NxR, ent_NxR)
+
+
+def _scan_chunks_bwd(with_entropy, residuals, cotangents):
+    """The gradient through the logits of one chunk at a time, written out rather than
+    differentiated: no gather transpose, no zero entropy cotangent carried through."""
+    h_NxRxD, w_DxV, t_NxR, temperature, lse_NxR, ent_NxR = residuals
+    dlogp_NxR, dent_NxR = cotangents
+    w = w_DxV.astype(h_NxRxD.dtype)
+
+    def one(carry, xs):
+        dw_DxV, dtemp = carry
+        h_RxD, t_R, lse_R, ent_R, dlogp_R, dent_R = xs
+        z_RxV = _chunk_logits(h_RxD, w, temperature)
+        logp_RxV = z_RxV - lse_R[:, None]
+        p_RxV = jnp.exp(logp_RxV)
+        target_RxV = jnp.arange(z_RxV.shape[1])[None, :] == t_R[:, None]
+        # d log p_t / dz = onehot(t) - p;  d(-sum p log p) / dz = -p (log p + entropy).
+        g_RxV = dlogp_R[:, None] * (target_RxV - p_RxV)
+        if with_entropy:
+            g_RxV = g_RxV - dent_R[:, None] * p_RxV * (logp_RxV + ent_R[:, None])
+        # z = logits / temperature, so dz / dtemperature = -z / temperature.
+        dtemp = dtemp - jnp.sum(g_RxV * z_RxV) / temperature
+        g_RxV = (g_RxV / temperature).astype(h_RxD.dtype)
+        dh_RxD = jnp.matmul(g_RxV, w.T, preferred_element_type=jnp.float32).astype(h_RxD.dtype)
+        dw_DxV = dw_DxV + jnp.matmul(h_RxD.T, g_RxV, preferred_element_type=jnp.float32)
+        return (dw_DxV, dtemp), dh_RxD
+
+    zero = (jnp.zeros(w_DxV.shape, jnp.float32), jnp.zeros((), jnp.float32))
+    (dw_DxV, dtemp), dh_NxRxD = jax.lax.scan(
+        one, zero, (h_NxRxD, t_NxR, lse_NxR, ent_NxR, dlogp_NxR, dent_NxR)
+    )
+    dtemp = dtemp.astype(jnp.result_type(temperature))
+    return dh_NxRxD, dw_DxV.astype(w_DxV.dtype), None, jnp.reshape(dtemp, jnp.shape(temperature))
+
+
+_scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
 
 
 def chunked_logprobs(h_BxCxD, w_DxV, targets_BxC, temperature: float, chunk: int, with_entropy: bool):
@@ -22,21 +87,16 @@ def chunked_logprobs(h_BxCxD, w_DxV, targets_BxC, temperature: float, chunk: int
     h = jnp.pad(h_BxCxD, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets_BxC, ((0, 0), (0, pad)))
     n = (C + pad) // chunk
-    h_NxBxKxD = h.reshape(B, n, chunk, D).swapaxes(0, 1)
-    t_NxBxK = targets.reshape(B, n, chunk).swapaxes(0, 1)
+    # Each chunk's B x chunk rows as one 2-D matmul.
+    h_NxRxD = h.reshape(B, n, chunk, D).swapaxes(0, 1).reshape(n, B * chunk, D)
+    t_NxR = targets.reshape(B, n, chunk).swapaxes(0, 1).reshape(n, B * chunk)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    logp_NxR, ent_NxR = _scan_chunks(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one_chunk(h_BxKxD, t_BxK):
-        logp_BxKxV = jax.nn.log_softmax(head_logits(h_BxKxD, w_DxV) / temperature, axis=-1)
-        logp_BxK = jnp.take_along_axis(logp_BxKxV, t_BxK[..., None], -1)[..., 0]
-        if not with_entropy:
-            return logp_BxK, jnp.zeros_like(logp_BxK)
-        return logp_BxK, -jnp.sum(jnp.exp(logp_BxKxV) * logp_BxKxV, -1)
+    def unchunk(x_NxR):
+        return x_NxR.reshape(n, B, chunk).swapaxes(0, 1).reshape(B, -1)[:, :C]
 
-    logp_NxBxK, ent_NxBxK = jax.lax.map(lambda a: one_chunk(*a), (h_NxBxKxD, t_NxBxK))
-    logp_BxC = logp_NxBxK.swapaxes(0, 1).reshape(B, -1)[:, :C]
-    ent_BxC = ent_NxBxK.swapaxes(0, 1).reshape(B, -1)[:, :C]
-    return logp_BxC, (ent_BxC if with_entropy else None)
+    return unchunk(logp_NxR), (unchunk(ent_NxR) if with_entropy else None)
 
 
 def completion_logprobs(
