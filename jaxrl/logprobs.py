@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from jaxrl.models.decoder import Decoder, positions_from_mask
 
@@ -33,34 +34,46 @@ def _chunk_forward(h_RxD, w_DxV, t_R, temperature, with_entropy: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _scan_chunks(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy: bool):
-    return _scan_chunks_fwd(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy)[0]
+    logp_NxR, ent_NxR, _ = jax.lax.map(
+        lambda a: _chunk_forward(a[0], w_DxV, a[1], temperature, with_entropy), (h_NxRxD, t_NxR)
+    )
+    return logp_NxR, ent_NxR
 
 
-def _scan_chunks_fwd(h_NxRxD, w_DxV, t_NxR, temperature, with_entropy):
+def _scan_chunks_fwd(h, w, t, temperature, with_entropy):
+    # symbolic_zeros: primals arrive wrapped (value, perturbed).
+    h_NxRxD, w_DxV, t_NxR, temperature = h.value, w.value, t.value, temperature.value
     logp_NxR, ent_NxR, lse_NxR = jax.lax.map(
         lambda a: _chunk_forward(a[0], w_DxV, a[1], temperature, with_entropy), (h_NxRxD, t_NxR)
     )
-    return (logp_NxR, ent_NxR), (h_NxRxD, w_DxV, t_NxR, temperature, lse_NxR, ent_NxR)
+    return (logp_NxR, ent_NxR), (h_NxRxD, w_DxV, t_NxR, temperature, lse_NxR)
 
 
 def _scan_chunks_bwd(with_entropy, residuals, cotangents):
     """The gradient through the logits of one chunk at a time, written out rather than
-    differentiated: no gather transpose, no zero entropy cotangent carried through."""
-    h_NxRxD, w_DxV, t_NxR, temperature, lse_NxR, ent_NxR = residuals
-    dlogp_NxR, dent_NxR = cotangents
+    differentiated: no gather transpose, and nothing for an output without a cotangent (the
+    train step's entropy is a metric under stop_gradient)."""
+    h_NxRxD, w_DxV, t_NxR, temperature, lse_NxR = residuals
+    dlogp_NxR, dent_NxR = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
+    with_entropy = with_entropy and dent_NxR is not None
+    zeros_NxR = jnp.zeros(t_NxR.shape, jnp.float32)
+    dlogp_NxR = zeros_NxR if dlogp_NxR is None else dlogp_NxR
+    dent_NxR = dent_NxR if with_entropy else zeros_NxR
     w = w_DxV.astype(h_NxRxD.dtype)
 
     def one(carry, xs):
         dw_DxV, dtemp = carry
-        h_RxD, t_R, lse_R, ent_R, dlogp_R, dent_R = xs
+        h_RxD, t_R, lse_R, dlogp_R, dent_R = xs
         z_RxV = _chunk_logits(h_RxD, w, temperature)
         logp_RxV = z_RxV - lse_R[:, None]
         p_RxV = jnp.exp(logp_RxV)
         target_RxV = jnp.arange(z_RxV.shape[1])[None, :] == t_R[:, None]
-        # d log p_t / dz = onehot(t) - p;  d(-sum p log p) / dz = -p (log p + entropy).
+        # d log p_t / dz = onehot(t) - p.
         g_RxV = dlogp_R[:, None] * (target_RxV - p_RxV)
         if with_entropy:
-            g_RxV = g_RxV - dent_R[:, None] * p_RxV * (logp_RxV + ent_R[:, None])
+            # Through -sum p log p, then log_softmax, in autodiff's order of operations.
+            dlogp_RxV = -dent_R[:, None] * p_RxV * (logp_RxV + 1)
+            g_RxV = g_RxV + dlogp_RxV - p_RxV * jnp.sum(dlogp_RxV, -1, keepdims=True)
         # z = logits / temperature, so dz / dtemperature = -z / temperature.
         dtemp = dtemp - jnp.sum(g_RxV * z_RxV) / temperature
         g_RxV = (g_RxV / temperature).astype(h_RxD.dtype)
@@ -70,13 +83,13 @@ def _scan_chunks_bwd(with_entropy, residuals, cotangents):
 
     zero = (jnp.zeros(w_DxV.shape, jnp.float32), jnp.zeros((), jnp.float32))
     (dw_DxV, dtemp), dh_NxRxD = jax.lax.scan(
-        one, zero, (h_NxRxD, t_NxR, lse_NxR, ent_NxR, dlogp_NxR, dent_NxR)
+        one, zero, (h_NxRxD, t_NxR, lse_NxR, dlogp_NxR, dent_NxR)
     )
-    dtemp = dtemp.astype(jnp.result_type(temperature))
-    return dh_NxRxD, dw_DxV.astype(w_DxV.dtype), None, jnp.reshape(dtemp, jnp.shape(temperature))
+    dtemp = jnp.reshape(dtemp, jnp.shape(temperature)).astype(jnp.result_type(temperature))
+    return dh_NxRxD, dw_DxV.astype(w_DxV.dtype), None, dtemp
 
 
-_scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd)
+_scan_chunks.defvjp(_scan_chunks_fwd, _scan_chunks_bwd, symbolic_zeros=True)
 
 
 def chunked_logprobs(h_BxCxD, w_DxV, targets_BxC, temperature: float, chunk: int, with_entropy: bool):

@@ -168,14 +168,37 @@ class Attention(nnx.Module):
         return self.o_proj(out), layer_cache
 
 
+@jax.custom_vjp
 def _softmax_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
-    scores = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH, k_BxNxSxH, preferred_element_type=jnp.float32)
-    scores = scores / np.float32(math.sqrt(q_BxNxTxH.shape[-1]))
-    # A finite fill keeps fully masked rows (left padding) finite, so their gradients are 0
-    # rather than NaN.
+    return _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS)[0]
+
+
+def _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
+    scale = np.float32(1 / math.sqrt(q_BxNxTxH.shape[-1]))
+    scores = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH * scale.astype(q_BxNxTxH.dtype), k_BxNxSxH,
+                        preferred_element_type=jnp.float32)
+    # A finite fill keeps fully masked rows (left padding) finite: uniform, unused, no NaN.
     scores = jnp.where(visible_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxH.dtype)
-    return jnp.einsum("bnts,bnsh->bnth", probs, v_BxNxSxH)
+    probs_BxNxTxS = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxH.dtype)
+    out_BxNxTxH = jnp.einsum("bnts,bnsh->bnth", probs_BxNxTxS, v_BxNxSxH)
+    return out_BxNxTxH, (q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, probs_BxNxTxS, out_BxNxTxH)
+
+
+def _softmax_attention_bwd(residuals, dout_BxNxTxH):
+    """Written out: the softmax's row sums come from dout . out (T x H) instead of a pass
+    over the (T, S) scores, and the scale applies to q / dq rather than to the scores."""
+    q, k, v, visible_BxTxS, probs, out = residuals
+    scale = np.float32(1 / math.sqrt(q.shape[-1]))
+    dv = jnp.einsum("bnts,bnth->bnsh", probs, dout_BxNxTxH)
+    dprobs = jnp.einsum("bnth,bnsh->bnts", dout_BxNxTxH, v, preferred_element_type=jnp.float32)
+    rowsum_BxNxTx1 = jnp.sum(dout_BxNxTxH * out, -1, keepdims=True, dtype=jnp.float32)
+    dscores = jnp.where(visible_BxTxS[:, None], probs * (dprobs - rowsum_BxNxTx1), 0).astype(q.dtype)
+    dq = jnp.einsum("bnts,bnsh->bnth", dscores, k) * scale.astype(q.dtype)
+    dk = jnp.einsum("bnts,bnth->bnsh", dscores, q * scale.astype(q.dtype))
+    return dq, dk, dv, None
+
+
+_softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
