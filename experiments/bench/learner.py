@@ -4,10 +4,13 @@
 
 Figures (last line, JSON):
   train_tokens_per_s   real prompt + completion tokens / median `Learner.update` wall time
-  ratio_vs_torch       median transformers (PyTorch) step time / ours; above 1 = we are faster.
+  ratio_vs_torch       median transformers (PyTorch) step time / median `Learner.update` wall
+                       time; above 1 = we are faster.
                        Both run the same GRPO step (forward, clipped loss over completion
                        tokens, entropy metric, backward, grad clipping, AdamW) on the same
                        weights and batch, interleaved, with the same number of threads.
+  host_overhead_ms     `Learner.update` wall time outside the jitted call and its metric fetch
+                       (batch checks, transfers, finite check)
   peak_mem_mb          XLA's compiled memory analysis of the train step (see `compiled_peak_mb`)
   logp_peak_mem_*_mb   XLA temp memory of the gradient of summed completion logprobs at a
                        >= 100k vocabulary, chunked over the sequence vs all positions at once
@@ -42,6 +45,11 @@ DEFAULTS = dict(batch=8, prompt_len=64, completion_len=192, steps=5, vocab=8192,
                 layers=4, group_size=4, logp_vocab=131072, logp_chunk=64)
 TINY = dict(batch=4, prompt_len=8, completion_len=32, steps=2, vocab=512, hidden=64,
             layers=2, group_size=2, logp_vocab=131072, logp_chunk=8)
+# Attention and MLP widths; 0 derives them from --hidden (head_dim 32, two query heads per KV
+# head, intermediate 3 x hidden). The tool-episode workload: --hidden 128 --heads 4
+# --kv-heads 2 --intermediate 384 --vocab 1000 --prompt-len 350 --completion-len 128
+# --group-size 8.
+SHAPE = dict(heads=0, kv_heads=0, head_dim=0, intermediate=0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key in DEFAULTS:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
                        help=f"default {DEFAULTS[key]} (--tiny: {TINY[key]})")
+    for key in SHAPE:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=0,
+                       help="default: derived from --hidden")
     args = p.parse_args(argv)
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -60,10 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_config(args, vocab: int):
     # head_dim 32 (vLLM's CPU minimum); two query heads per KV head as in the tiny models.
-    heads = args.hidden // 32
+    head_dim = args.head_dim or 32
+    heads = args.heads or max(args.hidden // head_dim, 1)
     return tiny_config(args.family, vocab_size=vocab, hidden_size=args.hidden,
-                       intermediate_size=3 * args.hidden, num_layers=args.layers,
-                       num_heads=heads, num_kv_heads=max(heads // 2, 1))
+                       intermediate_size=args.intermediate or 3 * args.hidden,
+                       num_layers=args.layers, num_heads=heads, head_dim=head_dim,
+                       num_kv_heads=args.kv_heads or max(heads // 2, 1))
 
 
 def make_batch(args, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -181,9 +194,12 @@ def main(argv=None) -> dict:
     # gradient norms must agree (a check that the two losses are the same).
     jax_norm = learner.update(batch)["grad_norm"]
     torch_norm = torch_step()["grad_norm"]
-    jax_s, torch_s = [], []
+    jax_s, host_s, torch_s = [], [], []
     for _ in range(args.steps):
-        jax_s.append(learner.update(batch)["step_s"])
+        start = time.perf_counter()
+        step_s = learner.update(batch)["step_s"]
+        jax_s.append(time.perf_counter() - start)
+        host_s.append(jax_s[-1] - step_s)
         start = time.perf_counter()
         torch_step()
         torch_s.append(time.perf_counter() - start)
@@ -211,11 +227,14 @@ def main(argv=None) -> dict:
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "jax_step_s": jax_med,
         "torch_step_s": torch_med,
+        "host_overhead_ms": 1000 * statistics.median(host_s),
         "grad_norm_rel_diff": abs(jax_norm - torch_norm) / torch_norm,
         "tokens_per_step": tokens,
         "threads": threads,
     }
+    mc = model_config(args, args.vocab)
     print(f"learner benchmark: {args.family}, hidden {args.hidden}, {args.layers} layers, "
+          f"{mc.num_heads}/{mc.num_kv_heads} heads of {mc.head_dim}, mlp {mc.intermediate_size}, "
           f"vocab {args.vocab}; batch {args.batch} x (prompt {args.prompt_len} + completion "
           f"{args.completion_len}); median of {args.steps} steps; {jax.default_backend()}, "
           f"{threads} threads")

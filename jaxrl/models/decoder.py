@@ -28,6 +28,10 @@ LOGICAL_AXIS_RULES = (
 )
 
 _INIT_STD = 0.02
+# Causal attention without a cache runs over blocks of queries, each against the keys up to its
+# last query: at least this many queries per block, at most this many blocks (an unrolled loop).
+_MIN_QUERY_BLOCK = 64
+_MAX_QUERY_BLOCKS = 16
 
 
 class KVCache(NamedTuple):
@@ -67,10 +71,20 @@ class Linear(nnx.Module):
         self.dtype = cfg.jnp_dtype
 
     def __call__(self, x):
-        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        y = matmul_2d(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def matmul_2d(x_NxD, w_DxF, **kwargs):
+    """`x @ w` over the last axis as one 2-D matmul.
+
+    With 3-D activations XLA CPU copies the output gradient transposed before the weight
+    gradient's dot (a full extra pass, slower than the dot itself); flattened it does not.
+    """
+    y = jnp.matmul(x_NxD.reshape(-1, x_NxD.shape[-1]), w_DxF, **kwargs)
+    return y.reshape(*x_NxD.shape[:-1], w_DxF.shape[-1])
 
 
 class RMSNorm(nnx.Module):
@@ -146,15 +160,84 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
             k, v = k_all[layer], v_all[layer]
             layer_cache = (k_all, v_all)
-        q_BxTxKxGxH = q.reshape(B, T, K, G, H)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k, preferred_element_type=jnp.float32)
-        scores = scores / np.float32(math.sqrt(H))
-        # A finite fill keeps fully masked rows (left padding) finite, so their gradients are 0
-        # rather than NaN.
-        scores = jnp.where(keys.visible_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, K * G * H)
+        if layer_cache is None:
+            out = causal_attention(q, k, v, keys.mask_BxS)
+        else:
+            out = cached_attention(q, k, v, keys.visible_BxTxS)
+        out = out.reshape(B, T, K * G * H)
         return self.o_proj(out), layer_cache
+
+
+@jax.custom_vjp
+def _softmax_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
+    return _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS)[0]
+
+
+def _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
+    scale = np.float32(1 / math.sqrt(q_BxNxTxH.shape[-1]))
+    scores = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH * scale.astype(q_BxNxTxH.dtype), k_BxNxSxH,
+                        preferred_element_type=jnp.float32)
+    # A finite fill keeps fully masked rows (left padding) finite: uniform, unused, no NaN.
+    scores = jnp.where(visible_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs_BxNxTxS = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxH.dtype)
+    out_BxNxTxH = jnp.einsum("bnts,bnsh->bnth", probs_BxNxTxS, v_BxNxSxH)
+    return out_BxNxTxH, (q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, probs_BxNxTxS, out_BxNxTxH)
+
+
+def _softmax_attention_bwd(residuals, dout_BxNxTxH):
+    """Written out: the softmax's row sums come from dout . out (T x H) instead of a pass
+    over the (T, S) scores, and the scale applies to q / dq rather than to the scores."""
+    q, k, v, visible_BxTxS, probs, out = residuals
+    scale = np.float32(1 / math.sqrt(q.shape[-1]))
+    dv = jnp.einsum("bnts,bnth->bnsh", probs, dout_BxNxTxH)
+    dprobs = jnp.einsum("bnth,bnsh->bnts", dout_BxNxTxH, v, preferred_element_type=jnp.float32)
+    rowsum_BxNxTx1 = jnp.sum(dout_BxNxTxH * out, -1, keepdims=True, dtype=jnp.float32)
+    dscores = jnp.where(visible_BxTxS[:, None], probs * (dprobs - rowsum_BxNxTx1), 0).astype(q.dtype)
+    dq = jnp.einsum("bnts,bnsh->bnth", dscores, k) * scale.astype(q.dtype)
+    dk = jnp.einsum("bnts,bnth->bnsh", dscores, q * scale.astype(q.dtype))
+    return dq, dk, dv, None
+
+
+_softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+
+
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
+    """Each query over the real keys at or before it (slots = positions, no cache).
+
+    Blocks of queries see only the keys up to their last query: that skips most of the masked
+    upper triangle (about half the work) and keeps each block's scores small enough to stay in
+    cache. KV heads are repeated to the query heads and moved before time once, so every block
+    is a plain batched matmul on contiguous slices (XLA CPU runs the grouped 5-D einsum, or
+    per-block transposes, far slower). Rows of fully masked queries (left padding) are finite
+    and unused.
+    """
+    B, T, N, H = q_BxTxNxH.shape
+    G = N // k_BxTxKxH.shape[2]
+    q_BxNxTxH = q_BxTxNxH.transpose(0, 2, 1, 3)
+    k_BxNxTxH = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    v_BxNxTxH = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    block = max(_MIN_QUERY_BLOCK, -(-T // _MAX_QUERY_BLOCKS))
+    outs = []
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        causal_QxS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        visible_BxQxS = causal_QxS[None] & mask_BxT[:, None, :end]
+        outs.append(_softmax_attention(
+            q_BxNxTxH[:, :, start:end], k_BxNxTxH[:, :, :end], v_BxNxTxH[:, :, :end], visible_BxQxS
+        ))
+    return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
+
+
+def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, visible_BxTxS):
+    """Queries over a KV cache; grouped, so the cache is never copied per query head."""
+    B, T, N, H = q_BxTxNxH.shape
+    K = k_BxSxKxH.shape[2]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
+    scores = scores / np.float32(math.sqrt(H))
+    scores = jnp.where(visible_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH).reshape(B, T, N, H)
 
 
 class MLP(nnx.Module):
@@ -183,7 +266,8 @@ class DecoderLayer(nnx.Module):
 
 class _KeySlots(NamedTuple):
     start: jax.Array | int  # slot of the first new token
-    visible_BxTxS: jax.Array  # query t may attend to key slot s
+    mask_BxS: jax.Array  # True where a key slot holds a real token
+    visible_BxTxS: jax.Array | None  # query t may attend to key slot s (with a cache)
 
 
 class Decoder(nnx.Module):
@@ -209,15 +293,12 @@ class Decoder(nnx.Module):
         B, T = tokens_BxT.shape
         mask_BxT = mask_BxT.astype(bool)
         if cache is None:
-            key_mask_BxS, start = mask_BxT, 0
-            q_slot_T = k_slot_S = jnp.arange(T)
+            keys = _KeySlots(0, mask_BxT, None)
         else:
             start = cache.end
             key_mask_BxS = jax.lax.dynamic_update_slice(cache.mask_BxS, mask_BxT, (0, start))
-            q_slot_T = start + jnp.arange(T)
-            k_slot_S = jnp.arange(cache.mask_BxS.shape[1])
-        causal_TxS = k_slot_S[None, :] <= q_slot_T[:, None]
-        keys = _KeySlots(start, causal_TxS[None] & key_mask_BxS[:, None, :])
+            causal_TxS = jnp.arange(key_mask_BxS.shape[1])[None, :] <= (start + jnp.arange(T))[:, None]
+            keys = _KeySlots(start, key_mask_BxS, causal_TxS[None] & key_mask_BxS[:, None, :])
 
         x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
@@ -225,7 +306,7 @@ class Decoder(nnx.Module):
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions_BxT, inv_freq, keys, None if kv is None else (*kv, i))
         if cache is not None:
-            cache = KVCache(*kv, key_mask_BxS, start + T)
+            cache = KVCache(*kv, keys.mask_BxS, keys.start + T)
         return self.norm(x), cache
 
     def head_weight(self):
@@ -242,7 +323,7 @@ class Decoder(nnx.Module):
 
 def head_logits(h_BxTxD, w_DxV):
     """Float32 logits of hidden states under the output projection."""
-    return jnp.matmul(h_BxTxD, w_DxV.astype(h_BxTxD.dtype), preferred_element_type=jnp.float32)
+    return matmul_2d(h_BxTxD, w_DxV.astype(h_BxTxD.dtype), preferred_element_type=jnp.float32)
 
 
 def positions_from_mask(mask_BxT, offset_B=None):
