@@ -62,7 +62,7 @@ def _env_list(args) -> int:
     return 0
 
 
-def add_serve_arguments(br: argparse.ArgumentParser) -> None:
+def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     br.add_argument("--engine", default="jax", help="jax (CPU/TPU, default) or vllm (GPU)")
     br.add_argument("--model", required=True, help="Hugging Face model directory")
     br.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's")
@@ -82,7 +82,7 @@ def add_serve_arguments(br: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bridge", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(sub.add_parser("serve", help="serve a generation engine to trainers over gRPC"))
+    _add_serve_arguments(sub.add_parser("serve", help="serve a generation engine to trainers over gRPC"))
 
     env = sub.add_parser("env", help="bundled OpenEnv environments")
     env_sub = env.add_subparsers(dest="env_command", required=True)

@@ -1,4 +1,5 @@
-"""XLA compilations of this process: JAX's persistent compilation cache, and a count of compiles.
+"""XLA compilations of this process: the bucketed shapes that keep them few, JAX's persistent
+compilation cache, and a count of compiles.
 
 A run compiles a small set of shapes fixed by its config. With the persistent cache on (jaxrl's
 default) a second run of the same config loads every executable instead of compiling it, and the
@@ -25,6 +26,11 @@ def _count(event: str, *args, **kwargs) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_count)
 jax.monitoring.register_event_listener(_count)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The power of two >= n (and >= minimum): shapes that compile once and get reused."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def compiles() -> int:

@@ -7,7 +7,8 @@ import pytest
 
 from bridge.envs.spec import RewardSpec
 from bridge.wire import TrajectoryData
-from jaxrl.run.batches import bucket, learner_batch
+from jaxrl.compilation import bucket
+from jaxrl.run.batches import learner_batch
 from jaxrl.run.rewards import RewardWeights
 
 

@@ -16,9 +16,9 @@ import numpy as np
 from flax import nnx
 
 from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
+from bridge.engines.sampler import RowParams, generate_rows
 from jaxrl.compilation import compiles
 from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
-from bridge.engines.sampler import RowParams, generate_rows
 from jaxrl.snapshots import SnapshotError, SnapshotReader
 
 # Config fields that fix parameter shapes: a snapshot must agree on all of them.

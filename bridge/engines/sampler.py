@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.compilation import bucket
 from jaxrl.models import Decoder, KVCache, positions_from_mask
 
 MIN_PROMPT_BUCKET = 16
@@ -40,11 +41,6 @@ class Generation:
     tokens: list[list[int]]  # completion ids, up to and including the stop token
     logprobs: list[list[float]]
     finish_reasons: list[str]  # "stop" or "length"
-
-
-def bucket(n: int, minimum: int) -> int:
-    """The power of two >= n (and >= minimum): shapes that compile once and get reused."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _filter_logits(logits_BxV, top_p_B, top_k_B):

@@ -2,7 +2,7 @@
 
 Prompts are left-padded, completions right-padded; rows beyond the trajectories are padding (every
 mask 0, one prompt token to attend to). Widths come from a small bucketed set so that the jitted
-step compiles few shapes.
+step compiles few shapes (`jaxrl.compilation.bucket`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,6 @@ import numpy as np
 
 from bridge.wire import TrajectoryData
 from jaxrl.run.rewards import RewardWeights
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """Next power of two >= n: few distinct shapes, few recompilations."""
-    return max(minimum, 1 << max(n - 1, 1).bit_length())
 
 
 def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, completion_len: int, pad_id: int,

@@ -84,7 +84,7 @@ def _eval_config(args, prog: str, scratch: Path):
                               f"({', '.join(BUNDLED_NAMES)}) or an OpenEnv server url")
         if args.env in BUNDLED_NAMES:
             env = {"name": args.env, "bundled": args.env}
-        elif args.env is not None and args.env.startswith(("http://", "https://")):
+        elif args.env.startswith(("http://", "https://")):
             env = {"name": "env", "url": args.env}
             args.env = "env"
         else:

@@ -26,11 +26,11 @@ from typing import Any
 from flax import nnx
 
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
-from jaxrl.compilation import compiles, use_persistent_cache
+from jaxrl.compilation import bucket, compiles, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
-from jaxrl.run.batches import bucket, learner_batch
+from jaxrl.run.batches import learner_batch
 from jaxrl.run.collection import Collector, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
@@ -97,9 +97,11 @@ class _Run:
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
-    def evaluate(self, what: str):
+    def evaluate(self, what: str | None = None):
+        """The held-out evaluation on the served weights; printed when it has a name."""
         result = evaluate(self.client, self.tasks.held_out(), self.cfg, self.version, self.stop_ids)
-        print(f"eval {what}: {result.line()}", file=self.out, flush=True)
+        if what is not None:
+            print(f"eval {what}: {result.line()}", file=self.out, flush=True)
         return result
 
 
@@ -240,7 +242,7 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
             r.summary["compiles_after_step_1"] = r.summary.get("compiles_after_step_1", 0) + sum(now) - sum(seen)
         seen = now
         if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps:
-            metrics.update(evaluate(r.client, r.tasks.held_out(), cfg, r.version, r.stop_ids).metrics())
+            metrics.update(r.evaluate().metrics())
         r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
         logger.log(r.step, metrics)
         if cfg.log.samples_per_step:

@@ -17,11 +17,13 @@ import time
 import jax
 import numpy as np
 
+from bridge.envs.spec import ENV_REWARD
 from bridge.wire import SamplingParams, TrajectoryData
+from jaxrl.compilation import bucket
 from jaxrl.learner import Learner
 from jaxrl.losses import LossConfig
 from jaxrl.models import Decoder
-from jaxrl.run.batches import bucket, learner_batch
+from jaxrl.run.batches import learner_batch
 from jaxrl.run.collection import RolloutClient
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.tasks import TaskSource
@@ -45,7 +47,7 @@ def demonstrations(client: RolloutClient, tasks: TaskSource, cfg: TrainConfig) -
     groups = client.request(jobs, [f"demo-{i}" for i in range(len(jobs))], 1, params, 0, policy="solver")
     trajs = [g[0] for g in groups]
     for traj, (env, task) in zip(trajs, jobs):
-        if traj.finish_reason == "error" or traj.rewards.get("env", 0.0) < 1.0:
+        if traj.finish_reason == "error" or traj.rewards.get(ENV_REWARD, 0.0) < 1.0:
             why = traj.error or f"earned reward {traj.rewards}, not 1"
             raise WarmStartError(f"environment {env!r}: the solver's demonstration of task {task} failed: {why}")
     return trajs
