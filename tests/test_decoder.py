@@ -75,32 +75,30 @@ def test_cached_decoding_matches_full_forward(family):
     cfg = tiny_config(family, vocab_size=VOCAB)
     model = Decoder(cfg, nnx.Rngs(1))
     rng = np.random.default_rng(1)
-    prompt_len, steps = 6, 5
-    prompt, prompt_mask = _padded_batch(rng, [6, 4, 1], prompt_len)
-    new_tokens = rng.integers(0, VOCAB, (3, steps))
-    full_tokens = np.concatenate([prompt, new_tokens], 1)
-    full_mask = np.concatenate([prompt_mask, np.ones_like(new_tokens)], 1)
-    full_pos = positions_from_mask(jnp.asarray(full_mask))
-    expected, _ = model(jnp.asarray(full_tokens), full_pos, jnp.asarray(full_mask))
+    lengths, steps, T = [6, 4, 1], 5, 6
+    rows = [rng.integers(0, VOCAB, n + steps) for n in lengths]
+    # Right-padded prompts: each row's tokens from slot 0, decoded from its own length on.
+    prompt = np.zeros((3, T), np.int32)
+    for b, (row, n) in enumerate(zip(rows, lengths)):
+        prompt[b, :n] = row[:n]
+    prompt_mask = (np.arange(T) < np.asarray(lengths)[:, None]).astype(np.int32)
 
     @nnx.jit
     def step(model, tokens, positions, mask, cache):
         return model(tokens, positions, mask, cache)
 
     cache = KVCache.empty(cfg, batch=3, max_len=16)
-    logits, cache = step(model, jnp.asarray(prompt), full_pos[:, :prompt_len], jnp.asarray(prompt_mask), cache)
-    got = [logits]
+    logits, cache = step(model, jnp.asarray(prompt), jnp.arange(T)[None].repeat(3, 0), jnp.asarray(prompt_mask), cache)
+    got = [[logits[b, n - 1]] for b, n in enumerate(lengths)]
     for t in range(steps):
-        col = prompt_len + t
-        logits, cache = step(
-            model, jnp.asarray(new_tokens[:, t:t + 1]), full_pos[:, col:col + 1],
-            jnp.ones((3, 1), jnp.int32), cache,
-        )
-        got.append(logits)
-    got = np.asarray(jnp.concatenate(got, 1))
-    valid = full_mask.astype(bool)
-    np.testing.assert_allclose(got[valid], np.asarray(expected)[valid], atol=1e-5, rtol=0)
-    assert int(cache.end) == prompt_len + steps
+        tokens = np.asarray([[row[n + t]] for row, n in zip(rows, lengths)], np.int32)
+        logits, cache = step(model, jnp.asarray(tokens), cache.length_B[:, None], jnp.ones((3, 1), jnp.int32), cache)
+        for b in range(3):
+            got[b].append(logits[b, 0])
+    for b, (row, n) in enumerate(zip(rows, lengths)):
+        expected, _ = model(jnp.asarray(row[None]), jnp.arange(len(row))[None], jnp.ones((1, len(row)), jnp.int32))
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(expected[0, n - 1:]), atol=1e-5, rtol=0)
+    assert np.asarray(cache.length_B).tolist() == [n + steps for n in lengths]
 
 
 def test_bfloat16_compute_stays_close_to_float32():

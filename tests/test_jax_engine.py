@@ -10,9 +10,9 @@ from flax import nnx
 
 from bridge.engines.base import SamplingParams, SnapshotRefused
 from bridge.engines.jax_engine import JaxEngine
+from jaxrl.compilation import compiles
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import load_pretrained
-from bridge.engines.sampler import _generate
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import build_tiny_model, tiny_config
 
@@ -69,12 +69,13 @@ def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_d
     assert unstopped[0][0].finish_reason == "length"
 
 
-def test_prompts_within_a_bucket_reuse_one_compiled_program(model_dir):
-    engine = JaxEngine(model_dir)
-    before = _generate._cache_size()
-    for length in (3, 7, 12):
-        run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=5, seed=0)))
-    assert _generate._cache_size() - before <= 1
+def test_one_program_per_batch_size_compiled_by_the_warm_up(model_dir):
+    engine = JaxEngine(model_dir, max_batch=4, max_seq_len=128, prefill_chunk=16, warm_up=True)
+    assert engine.shapes.batches() == [1, 2, 4]
+    before = compiles()
+    for length, max_tokens, n in ((3, 5, 1), (40, 2, 3), (100, 20, 2), (7, 60, 4)):
+        run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=max_tokens, seed=0, n=n)))
+    assert compiles() == before
 
 
 def test_stop_strings_cut_at_the_completing_token(model_dir):

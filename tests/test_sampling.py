@@ -6,14 +6,28 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bridge.engines.sampler import RowParams, Shapes, generate_rows
 from jaxrl.models import Decoder, positions_from_mask
-from bridge.engines.sampler import generate
 from jaxrl.tiny import tiny_config
+
+SHAPES = Shapes(max_seq_len=32, chunk=4, max_batch=4)  # prompts longer than a chunk take several
 
 
 @pytest.fixture(scope="module")
 def model():
     return Decoder(tiny_config("qwen3", vocab_size=128), nnx.Rngs(3))
+
+
+def generate(model, prompts, max_new_tokens, stop_token_ids=(), temperature=0.0, seed=0, top_p=1.0, top_k=0):
+    """One completion per prompt with shared settings (greedy at temperature 0)."""
+    n = len(prompts)
+    rows = RowParams(
+        temperature=np.full(n, temperature, np.float32), top_p=np.full(n, top_p, np.float32),
+        top_k=np.full(n, top_k, np.int32), max_tokens=np.full(n, max_new_tokens, np.int32),
+        seed=np.arange(n, dtype=np.uint32) + np.uint32(seed), stop_ids=[tuple(stop_token_ids)] * n,
+    )
+    graphdef, params = nnx.split(model)
+    return generate_rows(graphdef, params, model.cfg, prompts, rows, SHAPES)
 
 
 def _full_logp(model, prompt, completion, temperature):
@@ -27,7 +41,7 @@ def _full_logp(model, prompt, completion, temperature):
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_sampled_logprobs_match_a_full_forward_pass(model, temperature):
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [12]]
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [10, 11], [12]]
     out = generate(model, prompts, max_new_tokens=6, temperature=temperature, seed=1)
     for prompt, toks, logps in zip(prompts, out.tokens, out.logprobs):
         assert len(toks) == 6
@@ -61,6 +75,37 @@ def test_empty_prompt_is_rejected(model):
         generate(model, [[1], []], max_new_tokens=2)
 
 
+def test_sequences_longer_than_max_seq_len_are_refused(model):
+    with pytest.raises(ValueError, match="more than max_seq_len 32"):
+        generate(model, [[1] * 30], max_new_tokens=3)
+
+
+def test_the_cache_holds_prompt_and_completion_but_the_last_token(model):
+    from bridge.engines.sampler import _empty_cache, _generate
+
+    graphdef, params = nnx.split(model)
+    prompt = [3, 4, 5, 6, 7, 8]
+    W = SHAPES.width
+    tokens = np.zeros((1, W), np.int32)
+    tokens[0, :6] = prompt
+    out, _, cache = _generate(params, graphdef, _empty_cache(model.cfg, 1, W), tokens, np.array([6], np.int32),
+                              np.full((1, 4), -2, np.int32), np.zeros(1, np.float32), np.ones(1, np.float32),
+                              np.zeros(1, np.int32), np.array([5], np.int32), np.zeros(1, np.uint32), chunk=4)
+    completion = np.asarray(out[0, :5]).tolist()
+    assert int(cache.length_B[0]) == 6 + 5 - 1
+    # The cached keys equal those of a fresh prefill of the same tokens.
+    seq = prompt + completion[:-1]
+    ref, _, ref_cache = _generate(params, graphdef, _empty_cache(model.cfg, 1, W),
+                                  np.pad(np.asarray([seq], np.int32), ((0, 0), (0, W - len(seq)))),
+                                  np.array([len(seq)], np.int32), np.full((1, 4), -2, np.int32),
+                                  np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
+                                  np.array([1], np.int32), np.zeros(1, np.uint32), chunk=4)
+    assert int(ref[0, 0]) == completion[-1]
+    for layer in range(model.cfg.num_layers):
+        np.testing.assert_allclose(np.asarray(cache.k_BxKxSxH[layer])[0, :, :len(seq)],
+                                   np.asarray(ref_cache.k_BxKxSxH[layer])[0, :, :len(seq)], atol=1e-5)
+
+
 def test_top_k_and_top_p_filters_match_their_definitions():
     from bridge.engines.sampler import _filter_logits
 
@@ -92,15 +137,13 @@ def test_truncated_sampling_reports_full_vocabulary_logprobs(model):
 
 
 def test_rows_in_one_batch_keep_their_own_settings(model):
-    from bridge.engines.sampler import RowParams, generate_rows
-
     graphdef, params = nnx.split(model)
     rows = RowParams(
         temperature=np.array([0.0, 1.0, 1.0], np.float32), top_p=np.ones(3, np.float32),
         top_k=np.zeros(3, np.int32), max_tokens=np.array([2, 7, 4], np.int32),
         seed=np.array([0, 1, 1], np.uint32), stop_ids=[(), (), ()],
     )
-    out = generate_rows(graphdef, params, [[1, 2], [1, 2], [1, 2]], rows)
+    out = generate_rows(graphdef, params, model.cfg, [[1, 2], [1, 2], [1, 2]], rows, SHAPES)
     assert [len(t) for t in out.tokens] == [2, 7, 4]
     assert out.finish_reasons == ["length"] * 3
     # Same seed and prompt: the shorter row is a prefix of the longer one.

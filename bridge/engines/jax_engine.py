@@ -1,14 +1,18 @@
 """The JAX engine: jaxrl's own KV-cache sampler over `jaxrl.models`, batching concurrent requests.
 
-Requests that arrive within `batch_window_s` of each other run as one device call (padded to
-bucketed shapes, so nothing recompiles per request). Weights are swapped only between device
-calls, and every completion records the policy version that produced it.
+Requests that arrive within `batch_window_s` of each other run as one device call of at most
+`max_batch` rows, padded to a power of two. Sequences (prompt + completion) hold at most
+`max_seq_len` tokens: a longer prompt is refused and a completion that reaches it ends "length".
+The only shapes are the batch sizes, so with `warm_up` every program is compiled before the first
+request and none mid-run. Weights are swapped only between device calls, and every completion
+records the policy version that produced it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -16,10 +20,12 @@ import numpy as np
 from flax import nnx
 
 from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
-from bridge.engines.sampler import RowParams, generate_rows
+from bridge.engines.sampler import Generation, RowParams, Shapes, generate_rows
 from jaxrl.compilation import compiles
 from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
 from jaxrl.snapshots import SnapshotError, SnapshotReader
+
+log = logging.getLogger(__name__)
 
 # Config fields that fix parameter shapes: a snapshot must agree on all of them.
 SHAPE_FIELDS = (
@@ -40,11 +46,16 @@ class JaxEngine:
     name = "jax"
 
     def __init__(self, model_dir: str | Path, dtype: str | None = None, max_batch: int = 64,
-                 batch_window_s: float = 0.005, seed: int = 0, tokenizer=None):
+                 batch_window_s: float = 0.005, seed: int = 0, tokenizer=None, max_seq_len: int = 2048,
+                 prefill_chunk: int = 64, warm_up: bool = False):
         model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
         self.cfg: ModelConfig = model.cfg
         self.graphdef, self.params = nnx.split(model)
         self.policy_version = 0
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"jax engine: {name}={value!r} must be a positive integer")
+        self.shapes = Shapes(min(max_seq_len, self.cfg.max_position_embeddings), prefill_chunk, max_batch)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.tokenizer = tokenizer
@@ -53,18 +64,32 @@ class JaxEngine:
         self._swap_lock = asyncio.Lock()
         self._worker: asyncio.Task | None = None
         self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0, "compiles": compiles()}
+        if warm_up:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compiles (or loads from the persistent cache) the program of every batch size."""
+        rows = self.shapes.batches()[-1]
+        for n in self.shapes.batches():
+            generate_rows(self.graphdef, self.params, self.cfg, [[0]] * n, RowParams(
+                temperature=np.ones(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
+                max_tokens=np.ones(n, np.int32), seed=np.arange(n, dtype=np.uint32), stop_ids=[()] * n),
+                self.shapes)
+        log.info("jax engine: compiled batch sizes up to %d (max_seq_len %d)", rows, self.shapes.max_seq_len)
+        self.stats["compiles"] = compiles()
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer; pass stop_token_ids instead")
-        context = self.cfg.max_position_embeddings
+        longest = self.shapes.max_seq_len
         for i, p in enumerate(prompts):
-            if len(p) >= context:
+            if len(p) >= longest:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens, but the model's context is {context} tokens "
-                    f"(max_position_embeddings), which leaves no room to generate; shorten the prompt")
+                    f"prompt {i} has {len(p)} tokens, but the engine holds {longest} tokens per sequence "
+                    f"(max_seq_len, at most the model's max_position_embeddings), which leaves no room to "
+                    f"generate; shorten the prompt or raise max_seq_len")
         if self._worker is None or self._worker.get_loop() is not asyncio.get_running_loop():
             # The batching task lives in the caller's event loop (one per asyncio.run).
             self._queue = asyncio.Queue()
@@ -112,9 +137,8 @@ class JaxEngine:
                     prompts.append(prompt)
                     for key in fields:
                         fields[key].append(getattr(req.params, key))
-                    # Positions stop at the model's context: a completion that reaches it ends "length".
-                    fields["max_tokens"][-1] = min(req.params.max_tokens,
-                                                   self.cfg.max_position_embeddings - len(prompt))
+                    # A completion that reaches max_seq_len ends "length".
+                    fields["max_tokens"][-1] = min(req.params.max_tokens, self.shapes.max_seq_len - len(prompt))
         rows = RowParams(
             temperature=np.asarray(fields["temperature"], np.float32),
             top_p=np.asarray(fields["top_p"], np.float32),
@@ -124,9 +148,15 @@ class JaxEngine:
             stop_ids=fields["stop_token_ids"],
         )
         start = time.perf_counter()
-        out = generate_rows(self.graphdef, params, prompts, rows, self.max_batch)
+        out = Generation([], [], [])
+        for lo in range(0, len(prompts), self.max_batch):  # one request may bring more rows than a batch
+            part = generate_rows(self.graphdef, params, self.cfg, prompts[lo:lo + self.max_batch],
+                                 rows.slice(lo, lo + self.max_batch), self.shapes)
+            out.tokens += part.tokens
+            out.logprobs += part.logprobs
+            out.finish_reasons += part.finish_reasons
+            self.stats["batches"] += 1
         self.stats["generate_s"] += time.perf_counter() - start
-        self.stats["batches"] += 1
         self.stats["rows"] += len(prompts)
         self.stats["tokens"] += sum(len(t) for t in out.tokens)
         self.stats["compiles"] = compiles()

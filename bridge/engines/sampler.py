@@ -1,4 +1,9 @@
-"""KV-cache sampling over a Decoder: one jitted program per (batch, prompt, new-token) bucket.
+"""KV-cache sampling over a Decoder: one jitted program per batch size.
+
+Prompts are prefilled a fixed chunk at a time into a cache of a fixed width, and the decode loop
+runs until every row is done, so prompt and completion lengths never change a shape: a run
+compiles one program per batch-size bucket (`Shapes.batches()`), all of which a warm-up can
+compile before the first request.
 
 Every row carries its own temperature, top-p, top-k, token budget and seed, so requests with
 different settings share one compiled program and one batch. The logprob reported for a sampled
@@ -18,11 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.compilation import bucket
-from jaxrl.models import Decoder, KVCache, positions_from_mask
-
-MIN_PROMPT_BUCKET = 16
-MIN_NEW_BUCKET = 16
-
+from jaxrl.models import Decoder, KVCache, ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class RowParams:
@@ -34,6 +35,10 @@ class RowParams:
     max_tokens: np.ndarray
     seed: np.ndarray
     stop_ids: list[tuple[int, ...]]  # token ids that end each row
+
+    def slice(self, lo: int, hi: int) -> RowParams:
+        return RowParams(self.temperature[lo:hi], self.top_p[lo:hi], self.top_k[lo:hi], self.max_tokens[lo:hi],
+                         self.seed[lo:hi], self.stop_ids[lo:hi])
 
 
 @dataclasses.dataclass
@@ -71,55 +76,100 @@ def _sample(logits_BxV, key_B, temperature_B, top_p_B, top_k_B):
     return token_B, jnp.take_along_axis(logp_BxV, token_B[:, None], -1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new"))
-def _generate(params, graphdef, tokens_BxP, mask_BxP, stop_ids_BxS, temperature_B, top_p_B,
-              top_k_B, max_tokens_B, seed_B, max_new: int):
-    """Prefill then decode up to `max_new` tokens, stopping early once every row is done."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("cache",))
+def _generate(params, graphdef, cache: KVCache, tokens_BxW, prompt_len_B, stop_ids_BxS, temperature_B, top_p_B,
+              top_k_B, max_tokens_B, seed_B, chunk: int):
+    """Prefill each row's prompt past its cached prefix, `chunk` tokens at a time, then decode
+    until every row stops or reaches its max_tokens. One program per batch size: the cache width W
+    and `chunk` are the engine's, so prompt and completion lengths never change a shape.
+
+    Returns the completions (B, W; -1 past a row's end), their logprobs, and the cache holding
+    each row's prompt and completion except the last token (never fed back).
+    """
     model: Decoder = nnx.merge(graphdef, params)
-    B, P = tokens_BxP.shape
-    cache = KVCache.empty(model.cfg, B, P + max_new)
-    logits_BxPxV, cache = model(tokens_BxP, positions_from_mask(mask_BxP), mask_BxP, cache)
+    B, W = tokens_BxW.shape
+
+    def prefill_body(carry):
+        cache, logits_BxV = carry
+        start_B = cache.length_B
+        tokens_BxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(tokens_BxW, start_B)
+        slot_BxC = start_B[:, None] + jnp.arange(chunk)
+        h_BxCxD, cache = model.hidden(tokens_BxC, slot_BxC, slot_BxC < prompt_len_B[:, None], cache)
+        last_B = prompt_len_B - 1 - start_B  # the prompt's last token, for rows it is in this chunk
+        h_BxD = jnp.take_along_axis(h_BxCxD, jnp.clip(last_B, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        ends_here_B = (start_B < prompt_len_B) & (last_B < chunk)
+        return cache, jnp.where(ends_here_B[:, None], model.logits(h_BxD[:, None])[:, 0], logits_BxV)
+
+    logits_BxV = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
+    cache, logits_BxV = jax.lax.while_loop(
+        lambda carry: jnp.any(carry[0].length_B < prompt_len_B), prefill_body, (cache, logits_BxV))
     base_keys = jax.vmap(jax.random.key)(seed_B)
 
     def body(carry):
-        t, logits_BxV, cache, position_B, done_B, out_tokens, out_logp = carry
+        t, logits_BxV, cache, done_B, out_tokens, out_logp = carry
         keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(base_keys, t)
         token_B, logp_B = _sample(logits_BxV, keys_B, temperature_B, top_p_B, top_k_B)
         out_tokens = out_tokens.at[:, t].set(jnp.where(done_B, -1, token_B))
         out_logp = out_logp.at[:, t].set(jnp.where(done_B, 0.0, logp_B))
         stopped_B = jnp.any(token_B[:, None] == stop_ids_BxS, axis=-1)
         done_B = done_B | stopped_B | (t + 1 >= max_tokens_B)
-        logits, cache = model(token_B[:, None], position_B[:, None], jnp.ones((B, 1), jnp.int32), cache)
-        return t + 1, logits[:, 0], cache, position_B + 1, done_B, out_tokens, out_logp
+        # A row's last token is not fed back: the cache then holds exactly what a continuation reuses.
+        logits, cache = model(token_B[:, None], cache.length_B[:, None], ~done_B[:, None], cache)
+        return t + 1, logits[:, 0], cache, done_B, out_tokens, out_logp
 
     def cond(carry):
-        t, *_, done_B, _, _ = carry
-        return (t < max_new) & ~jnp.all(done_B)
+        t, _, _, done_B, _, _ = carry
+        return (t < W) & ~jnp.all(done_B)
 
-    init = (
-        jnp.int32(0), logits_BxPxV[:, -1], cache, mask_BxP.sum(-1).astype(jnp.int32),
-        jnp.zeros((B,), bool), jnp.full((B, max_new), -1, jnp.int32), jnp.zeros((B, max_new), jnp.float32),
-    )
-    *_, out_tokens, out_logp = jax.lax.while_loop(cond, body, init)
-    return out_tokens, out_logp
+    init = (jnp.int32(0), logits_BxV, cache, max_tokens_B <= 0, jnp.full((B, W), -1, jnp.int32),
+            jnp.zeros((B, W), jnp.float32))
+    _, _, cache, _, out_tokens, out_logp = jax.lax.while_loop(cond, body, init)
+    return out_tokens, out_logp, cache
 
 
-def generate_rows(
-    graphdef, params, prompts: list[list[int]], rows: RowParams, max_batch: int | None = None
-) -> Generation:
-    """Generates one completion per prompt row, padding shapes to buckets."""
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "width"))
+def _empty_cache(cfg, batch: int, width: int) -> KVCache:
+    return KVCache.empty(cfg, batch, width)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The engine's fixed shapes: sequences of up to `max_seq_len` tokens (prompt + completion),
+    prompts prefilled `chunk` tokens at a time, batches bucketed to powers of two up to `max_batch`."""
+
+    max_seq_len: int
+    chunk: int
+    max_batch: int
+
+    @property
+    def width(self) -> int:
+        """Cache slots per row: a chunk written at the last prompt token still fits."""
+        return self.max_seq_len + self.chunk
+
+    def batch(self, rows: int) -> int:
+        return min(bucket(rows, 1), max(self.max_batch, rows))
+
+    def batches(self) -> list[int]:
+        """Every batch size a run can use: what a warm-up compiles."""
+        return sorted({self.batch(n) for n in range(1, self.max_batch + 1)})
+
+
+def generate_rows(graphdef, params, cfg: ModelConfig, prompts: list[list[int]], rows: RowParams,
+                  shapes: Shapes) -> Generation:
+    """Generates one completion per prompt row; max_tokens must leave each row within max_seq_len."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt needs a token")
     n = len(prompts)
-    B = bucket(n, 1) if max_batch is None else min(bucket(n, 1), max(max_batch, n))
-    P = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
-    max_new = bucket(int(rows.max_tokens.max()), MIN_NEW_BUCKET)
-    tokens = np.zeros((B, P), np.int32)
-    mask = np.zeros((B, P), np.int32)
-    mask[n:, -1] = 1  # padding rows: one dummy token so no row is empty
+    longest = max(len(p) + int(m) for p, m in zip(prompts, rows.max_tokens))
+    if longest > shapes.max_seq_len:
+        raise ValueError(f"a prompt and its max_tokens take {longest} tokens, more than max_seq_len "
+                         f"{shapes.max_seq_len}")
+    B, W = shapes.batch(n), shapes.width
+    tokens = np.zeros((B, W), np.int32)
+    prompt_len = np.ones(B, np.int32)  # padding rows: one token, no completion
     for b, p in enumerate(prompts):
-        tokens[b, P - len(p):] = p
-        mask[b, P - len(p):] = 1
+        tokens[b, :len(p)] = p
+        prompt_len[b] = len(p)
 
     def pad(x, fill):
         return np.concatenate([np.asarray(x), np.full(B - n, fill, np.asarray(x).dtype)])
@@ -127,12 +177,13 @@ def generate_rows(
     stops = np.full((B, bucket(max(len(s) for s in rows.stop_ids), 4)), -2, np.int32)
     for b, ids in enumerate(rows.stop_ids):
         stops[b, :len(ids)] = ids
-    out_tokens, out_logp = jax.device_get(_generate(
-        params, graphdef, tokens, mask, stops,
+    out_tokens, out_logp, _ = _generate(
+        params, graphdef, _empty_cache(cfg, B, W), tokens, prompt_len, stops,
         pad(rows.temperature.astype(np.float32), 0.0), pad(rows.top_p.astype(np.float32), 1.0),
-        pad(rows.top_k.astype(np.int32), 0), pad(rows.max_tokens.astype(np.int32), 1),
-        pad(rows.seed.astype(np.uint32), 0), max_new=max_new,
-    ))
+        pad(rows.top_k.astype(np.int32), 0), pad(rows.max_tokens.astype(np.int32), 0),
+        pad(rows.seed.astype(np.uint32), 0), chunk=shapes.chunk,
+    )
+    out_tokens, out_logp = jax.device_get((out_tokens, out_logp))
     result = Generation([], [], [])
     for b in range(n):
         length = int((out_tokens[b] >= 0).sum())
@@ -141,25 +192,3 @@ def generate_rows(
         result.logprobs.append(out_logp[b, :length].tolist())
         result.finish_reasons.append("stop" if toks and toks[-1] in rows.stop_ids[b] else "length")
     return result
-
-
-def generate(
-    model: Decoder,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    stop_token_ids: tuple[int, ...] = (),
-    temperature: float = 0.0,
-    seed: int = 0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-) -> Generation:
-    """Samples one completion per prompt with shared settings (greedy at temperature 0)."""
-    n = len(prompts)
-    rows = RowParams(
-        temperature=np.full(n, temperature, np.float32), top_p=np.full(n, top_p, np.float32),
-        top_k=np.full(n, top_k, np.int32), max_tokens=np.full(n, max_new_tokens, np.int32),
-        seed=np.arange(n, dtype=np.uint32) + np.uint32(seed),
-        stop_ids=[tuple(stop_token_ids)] * n,
-    )
-    graphdef, params = nnx.split(model)
-    return generate_rows(graphdef, params, prompts, rows)

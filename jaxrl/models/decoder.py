@@ -35,22 +35,29 @@ _MAX_QUERY_BLOCKS = 16
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, written at slots [0, end)."""
+    """Keys and values of every layer: row b holds its tokens, in order, at slots [0, length_B[b])."""
 
-    k_LxBxSxKxH: jax.Array
-    v_LxBxSxKxH: jax.Array
-    mask_BxS: jax.Array  # True where a slot holds a real (non-padding) token
-    end: jax.Array  # int32 scalar: the next slot to write
+    # One buffer per layer, heads before slots: a decode step's attention reads each head's keys
+    # in place as one contiguous matrix (one stacked L-layer buffer made XLA CPU copy each layer's
+    # slice every step; slots before heads made it transpose the whole cache).
+    k_BxKxSxH: tuple[jax.Array, ...]
+    v_BxKxSxH: tuple[jax.Array, ...]
+    length_B: jax.Array  # int32
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         return cls(
-            jnp.zeros(shape, cfg.jnp_dtype),
-            jnp.zeros(shape, cfg.jnp_dtype),
-            jnp.zeros((batch, max_len), bool),
-            jnp.zeros((), jnp.int32),
+            tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
+            tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
+            jnp.zeros((batch,), jnp.int32),
         )
+
+
+def _write_rows(cache_BxKxSxH, new_BxTxKxH, start_B):
+    """Row b's new keys (or values) at slots [start_B[b], start_B[b] + T)."""
+    new_BxKxTxH = new_BxTxKxH.transpose(0, 2, 1, 3).astype(cache_BxKxSxH.dtype)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(cache_BxKxSxH, new_BxKxTxH, start_B)
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, cfg: ModelConfig, init: str) -> nnx.Param:
@@ -153,17 +160,10 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
         if layer_cache is not None:
-            # Update the whole L-layer buffer so XLA writes in place instead of restacking.
-            k_all, v_all, layer = layer_cache
-            at = (layer, 0, keys.start, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
-            k, v = k_all[layer], v_all[layer]
-            layer_cache = (k_all, v_all)
-        if layer_cache is None:
-            out = causal_attention(q, k, v, keys.mask_BxS)
+            layer_cache = (_write_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
+            out = cached_attention(q, *layer_cache, keys.visible_BxTxS)
         else:
-            out = cached_attention(q, k, v, keys.visible_BxTxS)
+            out = causal_attention(q, k, v, keys.mask_BxT)
         out = out.reshape(B, T, K * G * H)
         return self.o_proj(out), layer_cache
 
@@ -228,16 +228,18 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
 
 
-def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, visible_BxTxS):
-    """Queries over a KV cache; grouped, so the cache is never copied per query head."""
+def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, visible_BxTxS):
+    """Queries over a KV cache; the G query heads of a KV head and the T queries form the rows of
+    one matmul per (batch, KV head), so the cache is read in place, never copied per query head."""
     B, T, N, H = q_BxTxNxH.shape
-    K = k_BxSxKxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
-    scores = scores / np.float32(math.sqrt(H))
+    K = k_BxKxSxH.shape[1]
+    q_BxKxGTxH = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
+    scores = jnp.einsum("bkqh,bksh->bkqs", q_BxKxGTxH, k_BxKxSxH, preferred_element_type=jnp.float32)
+    scores = scores.reshape(B, K, N // K, T, -1) / np.float32(math.sqrt(H))
     scores = jnp.where(visible_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH).reshape(B, T, N, H)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype).reshape(B, K, N // K * T, -1)
+    out_BxKxGTxH = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
+    return out_BxKxGTxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 class MLP(nnx.Module):
@@ -265,9 +267,9 @@ class DecoderLayer(nnx.Module):
 
 
 class _KeySlots(NamedTuple):
-    start: jax.Array | int  # slot of the first new token
-    mask_BxS: jax.Array  # True where a key slot holds a real token
-    visible_BxTxS: jax.Array | None  # query t may attend to key slot s (with a cache)
+    mask_BxT: jax.Array  # True on real tokens
+    start_B: jax.Array | None  # with a cache: each row's slot of its first new token
+    visible_BxTxS: jax.Array | None  # with a cache: query t may attend to key slot s
 
 
 class Decoder(nnx.Module):
@@ -287,26 +289,33 @@ class Decoder(nnx.Module):
     def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None):
         """Final normed hidden states (B, T, D) and the updated cache.
 
-        mask_BxT is 1 on real tokens and 0 on padding (left padding is the usual layout).
-        Causality follows slot order, so positions only drive RoPE.
+        mask_BxT is 1 on real tokens and 0 on padding. Without a cache, causality follows slot
+        order (left padding is the usual layout) and positions only drive RoPE. With a cache the
+        new tokens are right-padded (each row's real ones first, at positions length_B + t): they
+        are written at slots [length_B, length_B + T), each attends to the slots up to its own,
+        and a row's length grows by its real tokens (the padding's slots are overwritten later).
+        The cache needs T free slots past every row's length.
         """
         B, T = tokens_BxT.shape
         mask_BxT = mask_BxT.astype(bool)
         if cache is None:
-            keys = _KeySlots(0, mask_BxT, None)
+            keys = _KeySlots(mask_BxT, None, None)
         else:
-            start = cache.end
-            key_mask_BxS = jax.lax.dynamic_update_slice(cache.mask_BxS, mask_BxT, (0, start))
-            causal_TxS = jnp.arange(key_mask_BxS.shape[1])[None, :] <= (start + jnp.arange(T))[:, None]
-            keys = _KeySlots(start, key_mask_BxS, causal_TxS[None] & key_mask_BxS[:, None, :])
+            slots = cache.k_BxKxSxH[0].shape[2]
+            query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
+            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None])
 
         x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
-        kv = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
+        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions_BxT, inv_freq, keys, None if kv is None else (*kv, i))
+            x, kv = layer(x, positions_BxT, inv_freq, keys,
+                          None if cache is None else (cache.k_BxKxSxH[i], cache.v_BxKxSxH[i]))
+            if cache is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
         if cache is not None:
-            cache = KVCache(*kv, keys.mask_BxS, keys.start + T)
+            cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32))
         return self.norm(x), cache
 
     def head_weight(self):
