@@ -25,6 +25,7 @@ def test_shipped_configs_load(path):
     ({"rewards": [{"fn": "env"}, {"fn": "env"}]}, "distinct names"),
     ({"rollout": {"max_tokens": 64, "max_total_tokens": 32}}, "max_total_tokens >= max_tokens"),
     ({"rollout": {"mode": "async"}}, "learner.loss.is_level"),
+    ({"rollout": {"max_prompt_tokens": 0}}, "rollout.max_prompt_tokens=0 must be >= 1"),
     ({"eval": {"pass_k": 4}}, "eval.temperature > 0"),
     ({"rollout": {"groups_per_step": 3}, "learner": {"group_size": 2, "grad_accum": 4}}, "divisible"),
     ({"sft": {"envs": ["wordle"]}}, "sft.envs names unknown"),

@@ -83,6 +83,9 @@ class RolloutConfig:
     max_tokens: int = _help("tokens per model turn", default=64)
     max_turns: int = _help("model turns per episode", default=1)
     max_total_tokens: int = _help("all turns of an episode, environment tokens included", default=256)
+    max_prompt_tokens: int = _help(
+        "longest episode prompt (task prompt and the environment's first observation); a started jax engine "
+        "holds max_prompt_tokens + max_total_tokens per sequence and refuses longer prompts", default=512)
     max_staleness: int = _help("async: drop trajectories more than this many versions older than the learner",
                                default=1)
     dynamic_sampling: bool = _help("DAPO: drop groups whose rewards are all equal and refill", default=False)
@@ -175,6 +178,8 @@ class TrainConfig:
         if not keys or len(set(keys)) != len(keys):
             raise ValueError(f"rewards: need at least one, with distinct names; got {keys}")
         r = self.rollout
+        if r.max_prompt_tokens < 1:
+            raise ValueError(f"rollout.max_prompt_tokens={r.max_prompt_tokens} must be >= 1")
         if r.groups_per_step < 1 or r.max_tokens < 1 or r.max_turns < 1 or r.max_total_tokens < r.max_tokens:
             raise ValueError("rollout: groups_per_step, max_tokens, max_turns must be >= 1 and "
                              f"max_total_tokens >= max_tokens (got {r.max_total_tokens} < {r.max_tokens})"

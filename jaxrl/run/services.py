@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bridge.client import BridgeClient, BridgeError
 from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
+from jaxrl.compilation import bucket
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.processes import BridgeProcess, EnvServerProcess
 
@@ -81,7 +82,20 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
         "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
     }, indent=1))
     bridge = stack.enter_context(BridgeProcess.start(
-        model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch, seed=cfg.seed,
-        engine_kwargs=cfg.bridge.engine_kwargs, envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
+        model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch or _step_batch(cfg), seed=cfg.seed,
+        engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
         env=bridge_env, log_path=logs / "bridge.log"))
     return [bridge.address]
+
+
+def _step_batch(cfg: TrainConfig) -> int:
+    """A step's episodes, at most 64: the most a started engine generates together by default."""
+    return min(64, bucket(cfg.rollout.groups_per_step * cfg.learner.group_size, 1))
+
+
+def engine_kwargs(cfg: TrainConfig) -> dict:
+    """The started engine's arguments: for jax, sequences as long as the rollout's and every
+    program compiled before the first request; `bridge.engine_kwargs` override."""
+    r = cfg.rollout
+    defaults = {"max_seq_len": r.max_prompt_tokens + r.max_total_tokens, "warm_up": True} if cfg.bridge.engine == "jax" else {}
+    return {**defaults, **cfg.bridge.engine_kwargs}
