@@ -132,3 +132,17 @@ def test_bad_requests_are_refused(model_dir):
         run(engine.generate([[1], []], SamplingParams()))
     with pytest.raises(ValueError, match="n=0 must be >= 1"):
         SamplingParams(n=0)
+
+
+def test_an_episodes_next_turn_reuses_its_cached_prefix_until_the_weights_change(model_dir):
+    engine = JaxEngine(model_dir, max_batch=2, max_seq_len=64)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
+    prompt = [5, 6, 7, 8, 9]
+    [[first]] = run(engine.generate([prompt], params))
+    turn = prompt + first.token_ids + [10, 11]
+    [[second]] = run(engine.generate([turn], params))
+    assert engine.stats["prefix_cached_tokens"] == len(prompt) + len(first.token_ids) - 1
+    engine.policy_version += 1  # as a snapshot swap does: keys and values of the old weights are stale
+    [[again]] = run(engine.generate([turn], params))
+    assert engine.stats["prefix_cached_tokens"] == len(prompt) + len(first.token_ids) - 1
+    assert again.token_ids == second.token_ids and again.logprobs == pytest.approx(second.logprobs, abs=1e-5)

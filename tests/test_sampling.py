@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bridge.engines.sampler import RowParams, Shapes, generate_rows
+from bridge.engines.sampler import PrefixCache, RowParams, Shapes, generate_rows
 from jaxrl.models import Decoder, positions_from_mask
 from jaxrl.tiny import tiny_config
 
@@ -27,7 +27,7 @@ def generate(model, prompts, max_new_tokens, stop_token_ids=(), temperature=0.0,
         seed=np.arange(n, dtype=np.uint32) + np.uint32(seed), stop_ids=[tuple(stop_token_ids)] * n,
     )
     graphdef, params = nnx.split(model)
-    return generate_rows(graphdef, params, model.cfg, prompts, rows, SHAPES)
+    return generate_rows(graphdef, params, prompts, rows, SHAPES, PrefixCache(model.cfg, SHAPES, rows=0))
 
 
 def _full_logp(model, prompt, completion, temperature):
@@ -80,32 +80,6 @@ def test_sequences_longer_than_max_seq_len_are_refused(model):
         generate(model, [[1] * 30], max_new_tokens=3)
 
 
-def test_the_cache_holds_prompt_and_completion_but_the_last_token(model):
-    from bridge.engines.sampler import _empty_cache, _generate
-
-    graphdef, params = nnx.split(model)
-    prompt = [3, 4, 5, 6, 7, 8]
-    W = SHAPES.width
-    tokens = np.zeros((1, W), np.int32)
-    tokens[0, :6] = prompt
-    out, _, cache = _generate(params, graphdef, _empty_cache(model.cfg, 1, W), tokens, np.array([6], np.int32),
-                              np.full((1, 4), -2, np.int32), np.zeros(1, np.float32), np.ones(1, np.float32),
-                              np.zeros(1, np.int32), np.array([5], np.int32), np.zeros(1, np.uint32), chunk=4)
-    completion = np.asarray(out[0, :5]).tolist()
-    assert int(cache.length_B[0]) == 6 + 5 - 1
-    # The cached keys equal those of a fresh prefill of the same tokens.
-    seq = prompt + completion[:-1]
-    ref, _, ref_cache = _generate(params, graphdef, _empty_cache(model.cfg, 1, W),
-                                  np.pad(np.asarray([seq], np.int32), ((0, 0), (0, W - len(seq)))),
-                                  np.array([len(seq)], np.int32), np.full((1, 4), -2, np.int32),
-                                  np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
-                                  np.array([1], np.int32), np.zeros(1, np.uint32), chunk=4)
-    assert int(ref[0, 0]) == completion[-1]
-    for layer in range(model.cfg.num_layers):
-        np.testing.assert_allclose(np.asarray(cache.k_BxKxSxH[layer])[0, :, :len(seq)],
-                                   np.asarray(ref_cache.k_BxKxSxH[layer])[0, :, :len(seq)], atol=1e-5)
-
-
 def test_top_k_and_top_p_filters_match_their_definitions():
     from bridge.engines.sampler import _filter_logits
 
@@ -143,9 +117,33 @@ def test_rows_in_one_batch_keep_their_own_settings(model):
         top_k=np.zeros(3, np.int32), max_tokens=np.array([2, 7, 4], np.int32),
         seed=np.array([0, 1, 1], np.uint32), stop_ids=[(), (), ()],
     )
-    out = generate_rows(graphdef, params, model.cfg, [[1, 2], [1, 2], [1, 2]], rows, SHAPES)
+    out = generate_rows(graphdef, params, [[1, 2], [1, 2], [1, 2]], rows, SHAPES, PrefixCache(model.cfg, SHAPES, 0))
     assert [len(t) for t in out.tokens] == [2, 7, 4]
     assert out.finish_reasons == ["length"] * 3
     # Same seed and prompt: the shorter row is a prefix of the longer one.
     assert out.tokens[1][:4] == out.tokens[2]
     assert out.tokens[0] == generate(model, [[1, 2]], max_new_tokens=2).tokens[0]
+
+
+def test_a_continuation_prefills_only_its_new_tokens_and_samples_what_a_fresh_prefill_would(model):
+    """An episode's next turn extends its last prompt and completion: with the prefix cache it
+    prefills only the new tokens, and samples exactly what it samples without the cache."""
+    graphdef, params = nnx.split(model)
+
+    def rows(n, max_tokens, seed):
+        return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
+                         np.full(n, max_tokens, np.int32), np.arange(n, dtype=np.uint32) + seed, [()] * n)
+
+    cached = PrefixCache(model.cfg, SHAPES, rows=4)
+    prompts = [[3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8], [9, 10]]  # the first two: one prefill
+    first = generate_rows(graphdef, params, prompts, rows(3, 5, 0), SHAPES, cached)
+    assert cached.stats == {"prompt_tokens": 14, "cached_tokens": 6}
+    assert first.tokens[0] != first.tokens[1]  # same prompt, own seeds
+    nxt = [p + t + [11, 12, 13] for p, t in zip(prompts, first.tokens)]
+    second = generate_rows(graphdef, params, nxt, rows(3, 4, 7), SHAPES, cached)
+    assert cached.stats["cached_tokens"] == 6 + sum(len(p) + len(t) - 1 for p, t in zip(prompts, first.tokens))
+    fresh = generate_rows(graphdef, params, nxt, rows(3, 4, 7), SHAPES, PrefixCache(model.cfg, SHAPES, 0))
+    assert second.tokens == fresh.tokens
+    np.testing.assert_allclose(np.concatenate(second.logprobs), np.concatenate(fresh.logprobs), atol=1e-5)
+    for prompt, toks, logps in zip(nxt, second.tokens, second.logprobs):
+        np.testing.assert_allclose(logps, _full_logp(model, prompt, toks, 1.0)[1], atol=1e-5)

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
-from bridge.engines.sampler import Generation, RowParams, Shapes, generate_rows
+from bridge.engines.sampler import Generation, PrefixCache, RowParams, Shapes, generate_rows
 from jaxrl.compilation import compiles
 from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
 from jaxrl.snapshots import SnapshotError, SnapshotReader
@@ -47,7 +47,7 @@ class JaxEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str | None = None, max_batch: int = 64,
                  batch_window_s: float = 0.005, seed: int = 0, tokenizer=None, max_seq_len: int = 2048,
-                 prefill_chunk: int = 64, warm_up: bool = False):
+                 prefill_chunk: int = 64, prefix_cache_rows: int | None = None, warm_up: bool = False):
         model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
         self.cfg: ModelConfig = model.cfg
         self.graphdef, self.params = nnx.split(model)
@@ -56,6 +56,12 @@ class JaxEngine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jax engine: {name}={value!r} must be a positive integer")
         self.shapes = Shapes(min(max_seq_len, self.cfg.max_position_embeddings), prefill_chunk, max_batch)
+        # Enough rows for every episode of two full batches to find its last turn again.
+        rows = 2 * max_batch if prefix_cache_rows is None else prefix_cache_rows
+        if not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"jax engine: prefix_cache_rows={rows!r} must be an integer >= 0")
+        self.prefix = PrefixCache(self.cfg, self.shapes, rows)
+        self._prefix_version = self.policy_version
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.tokenizer = tokenizer
@@ -71,10 +77,11 @@ class JaxEngine:
         """Compiles (or loads from the persistent cache) the program of every batch size."""
         rows = self.shapes.batches()[-1]
         for n in self.shapes.batches():
-            generate_rows(self.graphdef, self.params, self.cfg, [[0]] * n, RowParams(
+            generate_rows(self.graphdef, self.params, [[0]] * n, RowParams(
                 temperature=np.ones(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
                 max_tokens=np.ones(n, np.int32), seed=np.arange(n, dtype=np.uint32), stop_ids=[()] * n),
-                self.shapes)
+                self.shapes, self.prefix)
+        self.prefix.clear()
         log.info("jax engine: compiled batch sizes up to %d (max_seq_len %d)", rows, self.shapes.max_seq_len)
         self.stats["compiles"] = compiles()
 
@@ -148,10 +155,17 @@ class JaxEngine:
             stop_ids=fields["stop_token_ids"],
         )
         start = time.perf_counter()
+        if version != self._prefix_version:  # cached keys and values of other weights
+            self.prefix.clear()
+            self._prefix_version = version
         out = Generation([], [], [])
         for lo in range(0, len(prompts), self.max_batch):  # one request may bring more rows than a batch
-            part = generate_rows(self.graphdef, params, self.cfg, prompts[lo:lo + self.max_batch],
-                                 rows.slice(lo, lo + self.max_batch), self.shapes)
+            try:
+                part = generate_rows(self.graphdef, params, prompts[lo:lo + self.max_batch],
+                                     rows.slice(lo, lo + self.max_batch), self.shapes, self.prefix)
+            except Exception:
+                self.prefix.clear()
+                raise
             out.tokens += part.tokens
             out.logprobs += part.logprobs
             out.finish_reasons += part.finish_reasons
@@ -160,6 +174,7 @@ class JaxEngine:
         self.stats["rows"] += len(prompts)
         self.stats["tokens"] += sum(len(t) for t in out.tokens)
         self.stats["compiles"] = compiles()
+        self.stats.update({f"prefix_{k}": v for k, v in self.prefix.stats.items()})
         results, i = [], 0
         for req in batch:
             per_prompt = []

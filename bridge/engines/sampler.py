@@ -76,18 +76,23 @@ def _sample(logits_BxV, key_B, temperature_B, top_p_B, top_k_B):
     return token_B, jnp.take_along_axis(logp_BxV, token_B[:, None], -1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("cache",))
-def _generate(params, graphdef, cache: KVCache, tokens_BxW, prompt_len_B, stop_ids_BxS, temperature_B, top_p_B,
-              top_k_B, max_tokens_B, seed_B, chunk: int):
-    """Prefill each row's prompt past its cached prefix, `chunk` tokens at a time, then decode
-    until every row stops or reaches its max_tokens. One program per batch size: the cache width W
-    and `chunk` are the engine's, so prompt and completion lengths never change a shape.
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("pool",))
+def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B, tokens_BxW, prompt_len_B,
+              stop_ids_BxS, temperature_B, top_p_B, top_k_B, max_tokens_B, seed_B, chunk: int):
+    """Row b starts from pool row src_B[b], whose first cached_B[b] slots hold its prompt's first
+    tokens; prefills the rest `chunk` tokens at a time (a row whose leader_B[b] is another row
+    has the same prompt and copies that row's prefill); decodes until every row stops or reaches
+    its max_tokens; writes its cache (prompt and completion but the last token, never fed back)
+    to pool row dst_B[b]. One program per batch size: the cache width W and `chunk` are the
+    engine's, so prompt and completion lengths never change a shape.
 
-    Returns the completions (B, W; -1 past a row's end), their logprobs, and the cache holding
-    each row's prompt and completion except the last token (never fed back).
+    Returns the completions (B, W; -1 past a row's end), their logprobs, and the pool.
     """
     model: Decoder = nnx.merge(graphdef, params)
     B, W = tokens_BxW.shape
+    leads_B = leader_B == jnp.arange(B)
+    cache = KVCache(tuple(k[src_B] for k in pool.k_BxKxSxH), tuple(v[src_B] for v in pool.v_BxKxSxH),
+                    jnp.where(leads_B, cached_B, prompt_len_B))
 
     def prefill_body(carry):
         cache, logits_BxV = carry
@@ -103,6 +108,7 @@ def _generate(params, graphdef, cache: KVCache, tokens_BxW, prompt_len_B, stop_i
     logits_BxV = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
     cache, logits_BxV = jax.lax.while_loop(
         lambda carry: jnp.any(carry[0].length_B < prompt_len_B), prefill_body, (cache, logits_BxV))
+    cache, logits_BxV = jax.tree.map(lambda x: x[leader_B], (cache, logits_BxV))
     base_keys = jax.vmap(jax.random.key)(seed_B)
 
     def body(carry):
@@ -124,12 +130,72 @@ def _generate(params, graphdef, cache: KVCache, tokens_BxW, prompt_len_B, stop_i
     init = (jnp.int32(0), logits_BxV, cache, max_tokens_B <= 0, jnp.full((B, W), -1, jnp.int32),
             jnp.zeros((B, W), jnp.float32))
     _, _, cache, _, out_tokens, out_logp = jax.lax.while_loop(cond, body, init)
-    return out_tokens, out_logp, cache
+    pool = jax.tree.map(lambda p, c: p.at[dst_B].set(c), pool, cache)
+    return out_tokens, out_logp, pool
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "batch", "width"))
 def _empty_cache(cfg, batch: int, width: int) -> KVCache:
     return KVCache.empty(cfg, batch, width)
+
+
+class PrefixCache:
+    """KV rows of recent sequences kept on the device, so that an episode's next turn (whose prompt
+    extends its last prompt and completion) prefills only the new tokens.
+
+    Rows of one call with the same prompt prefill it once. The least recently used row is
+    overwritten first; all rows are forgotten when the weights change. With `rows=0` nothing is
+    kept across calls.
+    """
+
+    def __init__(self, cfg: ModelConfig, shapes: Shapes, rows: int):
+        self.cfg, self.shapes = cfg, shapes
+        self.tokens: list[tuple[int, ...]] = [()] * rows
+        self.used = [0] * rows
+        self.clock = 0
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0}
+        self.clear()
+
+    def clear(self) -> None:
+        """Forgets every row (new weights, or a failed call that may have consumed the pool)."""
+        self.pool = _empty_cache(self.cfg, len(self.tokens) + 1, self.shapes.width)  # last row: scratch
+        self.tokens = [()] * len(self.tokens)
+
+    def plan(self, prompts: list[list[int]], batch: int) -> tuple[np.ndarray, ...]:
+        """(src, dst, cached, leader) per row of a batch of `batch` rows (padding rows: scratch)."""
+        scratch = len(self.tokens)
+        src, dst = np.full(batch, scratch, np.int32), np.full(batch, scratch, np.int32)
+        cached, leader = np.zeros(batch, np.int32), np.arange(batch, dtype=np.int32)
+        first: dict[tuple[int, ...], int] = {}
+        claimed: set[int] = set()
+        self.clock += 1
+        for b, prompt in enumerate(map(tuple, prompts)):
+            self.stats["prompt_tokens"] += len(prompt)
+            if prompt in first:
+                leader[b] = first[prompt]
+                self.stats["cached_tokens"] += len(prompt)
+            else:
+                first[prompt] = b
+                best = max((s for s, t in enumerate(self.tokens) if len(t) < len(prompt) and prompt[:len(t)] == t
+                            and t), key=lambda s: len(self.tokens[s]), default=None)
+                if best is not None:
+                    src[b], cached[b] = best, len(self.tokens[best])
+                    self.stats["cached_tokens"] += int(cached[b])
+                    if best not in claimed:  # the episode's next turn extends its row in place
+                        dst[b] = best
+            if dst[b] == scratch:
+                free = [s for s in range(scratch) if s not in claimed]
+                if free:
+                    dst[b] = min(free, key=lambda s: (len(self.tokens[s]) > 0, self.used[s]))
+            if dst[b] != scratch:
+                claimed.add(int(dst[b]))
+                self.used[dst[b]] = self.clock
+        return src, dst, cached, leader
+
+    def keep(self, dst: np.ndarray, sequences: list[list[int]]) -> None:
+        for row, seq in zip(dst, sequences):
+            if row < len(self.tokens):
+                self.tokens[row] = tuple(seq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +220,8 @@ class Shapes:
         return sorted({self.batch(n) for n in range(1, self.max_batch + 1)})
 
 
-def generate_rows(graphdef, params, cfg: ModelConfig, prompts: list[list[int]], rows: RowParams,
-                  shapes: Shapes) -> Generation:
+def generate_rows(graphdef, params, prompts: list[list[int]], rows: RowParams, shapes: Shapes,
+                  prefix: PrefixCache) -> Generation:
     """Generates one completion per prompt row; max_tokens must leave each row within max_seq_len."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt needs a token")
@@ -177,8 +243,9 @@ def generate_rows(graphdef, params, cfg: ModelConfig, prompts: list[list[int]], 
     stops = np.full((B, bucket(max(len(s) for s in rows.stop_ids), 4)), -2, np.int32)
     for b, ids in enumerate(rows.stop_ids):
         stops[b, :len(ids)] = ids
-    out_tokens, out_logp, _ = _generate(
-        params, graphdef, _empty_cache(cfg, B, W), tokens, prompt_len, stops,
+    src, dst, cached, leader = prefix.plan(prompts, B)
+    out_tokens, out_logp, prefix.pool = _generate(
+        params, graphdef, prefix.pool, src, dst, cached, leader, tokens, prompt_len, stops,
         pad(rows.temperature.astype(np.float32), 0.0), pad(rows.top_p.astype(np.float32), 1.0),
         pad(rows.top_k.astype(np.int32), 0), pad(rows.max_tokens.astype(np.int32), 0),
         pad(rows.seed.astype(np.uint32), 0), chunk=shapes.chunk,
@@ -191,4 +258,5 @@ def generate_rows(graphdef, params, cfg: ModelConfig, prompts: list[list[int]], 
         result.tokens.append(toks)
         result.logprobs.append(out_logp[b, :length].tolist())
         result.finish_reasons.append("stop" if toks and toks[-1] in rows.stop_ids[b] else "length")
+    prefix.keep(dst, [p + t[:-1] for p, t in zip(prompts, result.tokens)])
     return result
