@@ -12,6 +12,7 @@ stops at once (children are still stopped). `--resume` continues from the newest
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -107,8 +108,6 @@ class _Run:
 
 def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
     """Runs the training job `cfg`; returns the summary printed as the last line."""
-    from transformers import AutoTokenizer
-
     wall_start = time.perf_counter()
     check_services(cfg)
     model_dir = ensure_model(cfg)
@@ -116,13 +115,19 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = _start_step(run, ckpt, resume)
     dump_yaml(cfg, run.config)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    tokenizer.save_pretrained(run.tokenizer)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     with _Stop() as stop, contextlib.ExitStack() as stack:
         stack.callback(ckpt.close)
-        client = RolloutClient(start_services(cfg, model_dir, run.path / "logs", stack, bridge_env), cfg)
+        # The children start (seconds: imports, model load, compiles) while this process loads the tokenizer.
+        services = stack.enter_context(contextlib.ExitStack())
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
+            addresses = pool.submit(start_services, cfg, model_dir, run.path / "logs", services, bridge_env)
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            tokenizer.save_pretrained(run.tokenizer)
+            client = RolloutClient(addresses.result(), cfg)
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary)
         if start_step is None:
