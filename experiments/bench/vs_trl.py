@@ -268,7 +268,7 @@ def jaxrl_config(args, model_dir: Path, tasks: Path, run_dir: Path, mode: str) -
         "data": {"train_file": str(tasks), "seed": args.seed},
         "rollout": {"mode": mode, "groups_per_step": args.prompts, "temperature": 1.0, "top_p": 1.0,
                     "max_tokens": args.max_completion_length, "max_turns": args.max_tool_calls + 1,
-                    "max_total_tokens": args.max_completion_length},
+                    "max_total_tokens": args.max_completion_length, "max_prompt_tokens": args.max_prompt_tokens},
         "learner": {"group_size": args.generations, "grad_accum": 1, "num_iterations": 1, "loss": loss,
                     "optimizer": {"learning_rate": args.lr, "schedule": "constant", "warmup_steps": 0,
                                   "weight_decay": 0.0, "max_grad_norm": 1.0}},
@@ -366,6 +366,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-completion-length", type=int, default=128, help="completion tokens per episode, "
                    "tool results included")
     p.add_argument("--max-tool-calls", type=int, default=4)
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="jaxrl's rollout.max_prompt_tokens (the "
+                   "prompt takes ~217 tokens; TRL pads to the batch's longest)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=128)

@@ -84,8 +84,9 @@ class RolloutConfig:
     max_turns: int = _help("model turns per episode", default=1)
     max_total_tokens: int = _help("all turns of an episode, environment tokens included", default=256)
     max_prompt_tokens: int = _help(
-        "longest episode prompt (task prompt and the environment's first observation); a started jax engine "
-        "holds max_prompt_tokens + max_total_tokens per sequence and refuses longer prompts", default=512)
+        "longest episode prompt (task prompt and the environment's first observation): the learner batch's "
+        "prompt width (one shape all run), and a started jax engine holds max_prompt_tokens + max_total_tokens "
+        "per sequence", default=512)
     max_staleness: int = _help("async: drop trajectories more than this many versions older than the learner",
                                default=1)
     dynamic_sampling: bool = _help("DAPO: drop groups whose rewards are all equal and refill", default=False)

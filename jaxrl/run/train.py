@@ -27,7 +27,7 @@ from typing import Any
 from flax import nnx
 
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
-from jaxrl.compilation import bucket, compiles, use_persistent_cache
+from jaxrl.compilation import compiles, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
@@ -263,9 +263,10 @@ def _bridge_compiles(client: RolloutClient) -> int:
 
 def _step_batch(result: StepRollouts, cfg: TrainConfig, pad_id: int) -> dict:
     """The step's groups as the learner batch: groups_per_step x group_size rows (missing groups are
-    padding), prompts bucketed, completions `rollout.max_total_tokens` wide."""
+    padding), prompts `rollout.max_prompt_tokens` wide (one shape for the whole run; a longer
+    prompt widens its step), completions `rollout.max_total_tokens` wide."""
     trajs = [t for g in result.groups for t in g]
-    prompt_len = bucket(max((len(t.prompt_ids) for t in trajs), default=1))
+    prompt_len = max([cfg.rollout.max_prompt_tokens] + [len(t.prompt_ids) for t in trajs])
     return learner_batch(trajs, cfg.groups_per_step_rows, prompt_len, cfg.rollout.max_total_tokens, pad_id,
                          RewardWeights(cfg.rewards), sampler_logp=cfg.learner.loss.is_level != "none",
                          mask_truncated=cfg.rollout.drop_truncated)
