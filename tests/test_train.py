@@ -33,7 +33,7 @@ def write_config(path: Path, model_dir: Path, run_dir: Path, **sections) -> Path
         "model": {"dir": str(model_dir)},
         "envs": [{"name": "echo", "bundled": "echo", "max_concurrent_envs": 16}],
         "steps": 3,
-        "rollout": {"groups_per_step": 2, "max_tokens": 12, "max_total_tokens": 24},
+        "rollout": {"groups_per_step": 2, "max_tokens": 12, "max_total_tokens": 24, "max_prompt_tokens": 64},
         "learner": {"group_size": 4, "optimizer": {"learning_rate": 1e-3}},
         "eval": {"episodes": 8},
         "checkpoint_every": 2,
@@ -145,7 +145,7 @@ def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_
             tmp_path / "c.yaml", model_dir, tmp_path / "run",
             envs=[{"name": "echo", "bundled": "echo", "max_concurrent_envs": 16},
                   {"name": "reverse", "url": url, "session": {"connect_timeout_s": 30.0}}],
-            rollout={"mode": "async", "groups_per_step": 4, "max_tokens": 12, "max_total_tokens": 24},
+            rollout={"mode": "async", "groups_per_step": 4, "max_tokens": 12, "max_total_tokens": 24, "max_prompt_tokens": 64},
             learner={"group_size": 2, "loss": {"is_level": "token"}},
         )
         # the test-only server may still be starting: check_startup would refuse it, so wait
