@@ -34,7 +34,10 @@ of that turn, batching wait included; turn-synchronous: from the round's start t
 call that produced the turn; sequential: the call), and for JAX the engine's device calls (`batches`,
 `rows`) and the XLA compiles during the timed run (0 when the warm-up covered every shape).
 Threads: XLA's CPU client uses one intra-op thread per core it may use; torch gets as many
-(`torch.set_num_threads`). The sides run one after the other, never together.
+(`torch.set_num_threads`, or `--torch-threads`). The sides run one after the other, never together.
+On a machine shared with other work, torch's threads suffer far more than XLA's when a core is
+taken (the `--tiny` turn-synchronous run at load 3.6 on 2 cores: 0.24 s with 2 torch threads, 0.02 s
+with 1): read `load_before` (1-minute load average) next to each figure.
 The last line is one JSON object; `ratios` are JAX tokens/s over transformers tokens/s (>1: JAX faster).
 """
 
@@ -54,6 +57,7 @@ import numpy as np
 
 from bridge.engines.base import SamplingParams
 from bridge.engines.jax_engine import JaxEngine
+from jaxrl.compilation import compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +123,14 @@ def run_jax(engine: JaxEngine, script: list[Episode]) -> dict:
     async def episodes():
         return await asyncio.gather(*(_jax_episode(engine, ep, latencies) for ep in script))
 
-    before = dict(engine.stats)
+    before, compiled = dict(engine.stats), compiles()
     start = time.perf_counter()
     produced = sum(asyncio.run(episodes()))
     wall = time.perf_counter() - start
     out = _figures(wall, produced, latencies)
-    delta = {k: engine.stats[k] - before[k] for k in ("batches", "rows", "tokens", "generate_s", "compiles")}
+    delta = {k: engine.stats[k] - before[k] for k in ("batches", "rows", "generate_s")}
     out.update(batches=delta["batches"], rows=delta["rows"], rows_per_batch=delta["rows"] / delta["batches"],
-               device_s=delta["generate_s"], compiles=delta["compiles"])
+               device_s=delta["generate_s"], compiles=compiles() - compiled)
     return out
 
 
@@ -248,6 +252,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--max-batch", type=int, default=64, help="the JAX engine's max_batch")
     p.add_argument("--hf-batching", choices=("round", "grouped"), default="round")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: the cores this process may use, as XLA)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-sequential", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a smoke size, for the test")
@@ -269,7 +275,7 @@ def _build_model(args, tmp: str) -> Path:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = len(os.sched_getaffinity(0))
+    threads = args.torch_threads or len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir) if args.model_dir else _build_model(args, tmp)
         cfg = json.loads((model_dir / "config.json").read_text())
