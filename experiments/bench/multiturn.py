@@ -14,7 +14,9 @@ far (prompt, completions, tool results) as a new prompt: a fresh prefill, as the
 
 - `jax`: `JaxEngine` in this process; each episode an asyncio task that sleeps its delay and then
   calls `engine.generate([ids], SamplingParams(n=1, max_tokens=turn tokens))` once per turn, as
-  `bridge.rollout.run_episode` does; the engine batches whatever arrives within its batch window.
+  `bridge.rollout.run_episode` does; the engine (`--max-batch`, its default batch window) batches
+  what arrives within its batch window. Not behind a bridge process: the bridge's contract runs whole
+  episodes against environments, and `engines` measures what the bridge adds to one batch.
 - `hf_turn_sync`: the same model in transformers (torch, CPU) served the way TRL's
   `environment_factory` loop serves it: turn-synchronous rounds. Every episode is there at the start
   (no arrival delays: its best case); round r generates turn r of every episode that has one in one
