@@ -1,0 +1,27 @@
+"""The multi-turn engine benchmark keeps working (tiny sizes; the figures themselves are not asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_tiny_multiturn_benchmark_prints_its_figures():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.multiturn", "--tiny"], cwd=Path(__file__).parents[1],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures["ratios"]) == {"jax_over_hf_turn_sync", "jax_over_hf_sequential"}
+    assert all(r > 0 for r in figures["ratios"].values())
+    for side in ("jax", "hf_turn_sync", "hf_sequential"):
+        f = figures[side]
+        assert f["tokens"] == figures["generated_tokens"] > 0, side  # every side generates the same tokens
+        assert f["turns"] == figures["turns"], side
+        assert f["wall_s"] > 0 and f["tok_s"] > 0 and f["turn_latency_median_ms"] > 0, side
+    assert figures["jax"]["batches"] >= 1 and figures["jax"]["rows"] == figures["turns"]
+    assert isinstance(figures["jax"]["compiles"], int)
+    assert figures["hf_turn_sync"]["generate_calls"] >= 2  # every episode has at least two turns
