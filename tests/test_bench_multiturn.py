@@ -23,5 +23,6 @@ def test_tiny_multiturn_benchmark_prints_its_figures():
         assert f["turns"] == figures["turns"], side
         assert f["wall_s"] > 0 and f["tok_s"] > 0 and f["turn_latency_median_ms"] > 0, side
     assert figures["jax"]["batches"] >= 1 and figures["jax"]["rows"] == figures["turns"]
-    assert isinstance(figures["jax"]["compiles"], int)
+    assert figures["jax"]["compiles"] == 0  # the warm-up compiled every batch size
+    assert 0 < figures["jax"]["prompt_tokens_from_prefix_cache"] < 1  # later turns reuse earlier ones
     assert figures["hf_turn_sync"]["generate_calls"] >= 2  # every episode has at least two turns

@@ -29,7 +29,10 @@ far (prompt, completions, tool results) as a new prompt: a fresh prefill, as the
 - `hf_sequential`: one episode after another, one `generate` of exactly the turn's tokens per turn
   (batch 1; a single-stream server). `--skip-sequential` leaves it out.
 
-Each side runs the script once untimed (JAX compiles its shapes, torch allocates), then once timed.
+The JAX engine compiles every batch size before the timed run (`warm_up`) and keeps recent
+sequences' keys and values (an episode's next turn prefills only its new tokens:
+`prompt_tokens_from_prefix_cache` is the share of prompt tokens it did not prefill); transformers
+runs the script once untimed (torch allocates), then once timed.
 Generated tokens are asserted equal on every side (the script's total). Reported per side: wall
 seconds for all episodes, generated tokens/s, the median per-turn latency (JAX: the `generate` call
 of that turn, batching wait included; turn-synchronous: from the round's start to the end of the
@@ -130,9 +133,11 @@ def run_jax(engine: JaxEngine, script: list[Episode]) -> dict:
     produced = sum(asyncio.run(episodes()))
     wall = time.perf_counter() - start
     out = _figures(wall, produced, latencies)
-    delta = {k: engine.stats[k] - before[k] for k in ("batches", "rows", "generate_s")}
+    delta = {k: engine.stats[k] - before.get(k, 0) for k in
+             ("batches", "rows", "generate_s", "prefix_prompt_tokens", "prefix_cached_tokens")}
     out.update(batches=delta["batches"], rows=delta["rows"], rows_per_batch=delta["rows"] / delta["batches"],
-               device_s=delta["generate_s"], compiles=compiles() - compiled)
+               device_s=delta["generate_s"], compiles=compiles() - compiled,
+               prompt_tokens_from_prefix_cache=delta["prefix_cached_tokens"] / delta["prefix_prompt_tokens"])
     return out
 
 
@@ -297,8 +302,10 @@ def main(argv=None) -> dict:
             "load_before": {},
         }
 
-        engine = JaxEngine(model_dir, max_batch=args.max_batch)
-        run_jax(engine, script)  # warm-up: compiles the shapes this script's batches take
+        # Sequences as long as the script's longest; every batch size compiled up front. No untimed run:
+        # its sequences would sit in the engine's prefix cache and serve the timed run's turns.
+        longest = max(len(ep.prompt) + ep.tokens + sum(map(len, ep.tools)) for ep in script)
+        engine = JaxEngine(model_dir, max_batch=args.max_batch, max_seq_len=longest, warm_up=True)
         figures["load_before"]["jax"] = os.getloadavg()[0]
         figures["jax"] = run_jax(engine, script)
         asyncio.run(engine.close())
