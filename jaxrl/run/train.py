@@ -192,8 +192,8 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
               **{k: r.summary[k] for k in ("eval_before", "eval_before_stderr") if k in r.summary}}
     r.writer = SnapshotWriter(r.run.snapshots, model_cfg, keep=3)
     stack.callback(r.writer.close)
-    for stale in [v for v in r.writer.manager.all_steps() if v > r.step]:
-        r.writer.manager.delete(stale)  # published after the checkpoint we resume from
+    for stale in [v for v in r.writer.versions() if v > r.step]:
+        r.writer.delete(stale)  # published after the checkpoint we resume from
     if r.step > 0 or warm:
         _publish(r, learner, r.step + 1)
     if warm and cfg.eval.episodes:
