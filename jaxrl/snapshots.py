@@ -243,46 +243,53 @@ def _merge_process_databases(directory: Path) -> None:
 
 def _read_arrays(directory: Path, tensors: dict[str, dict]) -> dict[str, np.ndarray]:
     """The arrays `tensors` (name -> manifest entry) of the OCDBT database at `directory`, as
-    read-only NumPy arrays.
+    NumPy arrays, every read in flight at once.
 
-    The manifest gives each array's shape, dtype and piece shape (`chunk`), so every piece is read
-    at once as a plain key-value pair, without opening an array. Snapshots whose manifest has no
-    `chunk` (written through Orbax by earlier versions) are read through TensorStore's zarr driver.
+    The manifest gives each array's shape, dtype and piece shape (`chunk`): pieces under
+    `_SMALL_BYTES` are read as plain key-value pairs, without opening an array (the mirror of
+    `_write_arrays`; read-only arrays over the bytes read). Larger ones, and every array of a
+    snapshot whose manifest has no `chunk` (written through Orbax by earlier versions), are read
+    through TensorStore's zarr driver, which reads big pieces ~3x faster than a key-value read.
     """
     # A fresh context per snapshot: no cache can serve another snapshot's bytes.
     context = ts.Context(ts.Context.Spec({"file_io_mode": {"mode": "memmap"}}))
     kvstore = ts.KvStore.open(_kvstore_spec(directory), context=context).result()
-    if not all("chunk" in meta for meta in tensors.values()):
-        opening = {name: ts.open({"driver": "zarr3", "recheck_cached_data": False}, kvstore=kvstore / f"{name}/",
-                                 open=True, read=True, context=context) for name in tensors}
-        return {name: opened.result().read().result() for name, opened in opening.items()}
-    plans = []
+    plans = {}
     for name, meta in tensors.items():
-        shape, chunk = tuple(meta["shape"]), tuple(meta["chunk"])
-        starts = itertools.product(*(range(0, n, c) for n, c in zip(shape, chunk)))
-        index = [tuple(slice(s, min(s + c, n)) for s, c, n in zip(start, chunk, shape)) for start in starts]
-        plans.append((name, shape, chunk, np.dtype(DTYPES[meta["dtype"]]), index,
-                      [kvstore.read(_chunk_key(name, i, chunk)) for i in index]))
+        dtype = np.dtype(DTYPES[meta["dtype"]])
+        if "chunk" in meta and math.prod(meta["chunk"]) * dtype.itemsize < _SMALL_BYTES:
+            shape, chunk = tuple(meta["shape"]), tuple(meta["chunk"])
+            starts = itertools.product(*(range(0, n, c) for n, c in zip(shape, chunk)))
+            index = [tuple(slice(s, min(s + c, n)) for s, c, n in zip(start, chunk, shape)) for start in starts]
+            plans[name] = (shape, chunk, dtype, index, [kvstore.read(_chunk_key(name, i, chunk)) for i in index])
+        else:
+            plans[name] = ts.open({"driver": "zarr3", "recheck_cached_data": False}, kvstore=kvstore / f"{name}/",
+                                  open=True, read=True, context=context)
+    reading = {name: plan.result().read() for name, plan in plans.items() if not isinstance(plan, tuple)}
     out = {}
-    for name, shape, chunk, dtype, index, reads in plans:
-        pieces = []
-        for i, read in zip(index, reads):
-            read = read.result()
-            if read.state != "value":
-                raise ValueError(f"tensor {name!r}: its piece {_chunk_key(name, i, chunk)} is missing")
-            piece = np.frombuffer(read.value, dtype)
-            if piece.size != math.prod(chunk):
-                raise ValueError(f"tensor {name!r}: piece {_chunk_key(name, i, chunk)} holds {piece.size} "
-                                 f"values, not {math.prod(chunk)}")
-            pieces.append(piece.reshape(chunk))
-        if len(pieces) == 1 and chunk == shape:
-            out[name] = pieces[0]
-            continue
-        x = np.empty(shape, dtype)
-        for i, piece in zip(index, pieces):
-            x[i] = piece[tuple(slice(0, s.stop - s.start) for s in i)]
-        out[name] = x
+    for name, plan in plans.items():
+        out[name] = reading[name].result() if name in reading else _assemble(name, *plan)
     return out
+
+
+def _assemble(name: str, shape: tuple, chunk: tuple, dtype: np.dtype, index: list, reads: list) -> np.ndarray:
+    """An array from its pieces' key-value reads."""
+    pieces = []
+    for i, read in zip(index, reads):
+        read = read.result()
+        if read.state != "value":
+            raise ValueError(f"tensor {name!r}: its piece {_chunk_key(name, i, chunk)} is missing")
+        piece = np.frombuffer(read.value, dtype)
+        if piece.size != math.prod(chunk):
+            raise ValueError(f"tensor {name!r}: piece {_chunk_key(name, i, chunk)} holds {piece.size} "
+                             f"values, not {math.prod(chunk)}")
+        pieces.append(piece.reshape(chunk))
+    if len(pieces) == 1 and chunk == shape:
+        return pieces[0]
+    x = np.empty(shape, dtype)
+    for i, piece in zip(index, pieces):
+        x[i] = piece[tuple(slice(0, s.stop - s.start) for s in i)]
+    return x
 
 
 def _write_json(path: Path, value) -> None:
