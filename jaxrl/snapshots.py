@@ -2,25 +2,29 @@
 
 A snapshot is an Orbax checkpoint numbered by policy version with two items: `weights`, a flat
 {HF tensor name: array} that every process writes for its own shards, and `manifest` (JSON):
-the HF config and each tensor's shape, dtype and checksum. Stock Orbax lists and restores it
-(`ocp.CheckpointManager` with a `PyTreeCheckpointHandler` and a `JsonCheckpointHandler`;
-tests/test_snapshots.py checks that). A snapshot is written as `<version>.orbax-checkpoint-tmp`
-and renamed on commit, so readers only ever list finished ones; the checksums catch the rest
-(uncompressed zarr has no checksum of its own, so a damaged data file would read back silently).
+the HF config and each tensor's shape, dtype, checksum and piece shape (`chunk`). Stock Orbax
+lists and restores it (`ocp.CheckpointManager` with a `PyTreeCheckpointHandler` and a
+`JsonCheckpointHandler`; tests/test_snapshots.py checks that). A snapshot is written as
+`<version>.orbax-checkpoint-tmp` and renamed on commit, so readers only ever list finished ones;
+the checksums catch the rest (uncompressed zarr has no checksum of its own, so a damaged data
+file would read back silently).
 
-The bytes go through TensorStore directly, in Orbax's layout: each tensor a zarr3 array (one
-`sharding_indexed` chunk per shard, uncompressed) in one OCDBT database, `weights/_METADATA` the
-tree metadata, `manifest/metadata` the JSON, `_CHECKPOINT_METADATA` the step's. Orbax's own
-save and restore paths (CheckpointManager, the pytree handler) cost ~100 ms and ~25 ms of
-threads, event loops and metadata passes per snapshot whatever its size; this costs a few ms.
-With several processes each writes its shards into `weights/ocdbt.process_<i>`, and the primary
-merges those databases into the snapshot's (Orbax's scheme) between two barriers.
+The bytes go through TensorStore directly, in Orbax's layout: each tensor a zarr3 array in one
+OCDBT database (uncompressed, one chunk per shard: its bytes as they lie in memory),
+`weights/_METADATA` the tree metadata, `manifest/metadata` the JSON, `_CHECKPOINT_METADATA` the
+step's. Orbax's own save and restore (CheckpointManager, the pytree handler) cost ~100 ms and
+~25 ms of threads, event loops and metadata passes per snapshot whatever its size; this costs a
+few ms. With several processes each writes its shards into `weights/ocdbt.process_<i>`, and the
+primary merges those databases into the snapshot's (Orbax's scheme) between barriers.
 
 Speed (measured by experiments/bench/snapshots.py on a 2-core CPU machine):
 - zarr3 without compression: zstd costs more CPU than the disk time it saves.
 - the cast and transposes run as one small XLA program per tensor, and the checksums are NumPy
   sums over each process's own shards, read as uint32 words (no conversion pass); one XLA
   program for all transposes and XLA:CPU reductions were each several times slower.
+- small pieces are written and read as plain key-value pairs (opening a TensorStore array costs
+  more than moving a small piece), large ones through the zarr driver (faster on big pieces);
+  all of a snapshot's writes go in one OCDBT commit, all its reads are in flight at once.
 - OCDBT data files of at most `DATA_FILE_BYTES`, so several are written at once.
 - the reader maps the data files (tensorstore's `memmap` file mode) instead of reading them into
   a buffer and copying that: one copy from the page cache instead of two. Committed files are
