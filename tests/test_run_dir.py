@@ -43,16 +43,18 @@ def _dead_pid() -> int:
 def test_snapshots_live_in_memory_only_for_a_run_that_starts_its_bridges(tmp_path):
     run, shm = RunDir.create(tmp_path / "run"), tmp_path / "shm"
     shm.mkdir()
-    with snapshot_directory(run, None, local_bridges=True, shm=shm) as (directory, in_memory):
+    with snapshot_directory(run, None, local_bridges=True, needs_bytes=1 << 20, shm=shm) as (directory, in_memory):
         assert in_memory and directory.parent == shm and directory.is_dir()
         assert directory.name.startswith(f"{SHM_PREFIX}{os.getpid()}-")
     assert not directory.exists()  # removed with the run
-    for configured, local, where, expected in [
-        (None, False, shm, run.snapshots),  # remote bridges read the run directory
-        (None, True, tmp_path / "no-shm", run.snapshots),  # no /dev/shm
-        (str(tmp_path / "mine"), True, shm, tmp_path / "mine"),  # the user's choice
+    for configured, local, where, needs, expected in [
+        (None, False, shm, 0, run.snapshots),  # remote bridges read the run directory
+        (None, True, tmp_path / "no-shm", 0, run.snapshots),  # no /dev/shm
+        (str(tmp_path / "mine"), True, shm, 0, tmp_path / "mine"),  # the user's choice
+        (None, True, shm, 1 << 60, run.snapshots),  # snapshots too big for the memory there is
     ]:
-        with snapshot_directory(run, configured, local_bridges=local, shm=where) as (directory, in_memory):
+        with snapshot_directory(run, configured, local_bridges=local, needs_bytes=needs,
+                                shm=where) as (directory, in_memory):
             assert directory == expected.absolute() and not in_memory
         assert list(shm.iterdir()) == []
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+log = logging.getLogger("jaxrl.run")
 SHM = Path("/dev/shm")
 SHM_PREFIX = "jaxrl-snapshots-"  # + the trainer's pid + "-" + a random part
 
@@ -66,15 +68,16 @@ class RunDir:
 
 
 @contextlib.contextmanager
-def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool,
+def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool, needs_bytes: int = 0,
                        shm: Path = SHM) -> Iterator[tuple[Path, bool]]:
     """Where the run's snapshots live while it trains, and whether that is a memory directory of
     its own: (directory, in_memory).
 
     `configured` (the `snapshot_dir` key), if set; else, with `local_bridges` (this host's one
-    process starts the bridges) and a writable `shm`, a fresh directory under `shm`, removed on
-    exit however the run ends (one left by a run killed outright goes at the next run's start);
-    else `run.snapshots`, which any bridge that reads the run directory can read.
+    process starts the bridges) and a writable `shm` with room for `needs_bytes` in at most half
+    of its free space and of the memory available, a fresh directory under `shm`, removed on exit
+    however the run ends (one left by a run killed outright goes at the next run's start); else
+    `run.snapshots`, which any bridge that reads the run directory can read.
     """
     _remove_orphans(shm)
     if configured:
@@ -83,11 +86,29 @@ def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool,
     if not (local_bridges and shm.is_dir() and os.access(shm, os.W_OK)):
         yield run.snapshots.absolute(), False
         return
+    if needs_bytes > _memory_room(shm) / 2:
+        log.warning("snapshots go to %s: %.1f GB of them would not fit in memory (%s)", run.snapshots,
+                    needs_bytes / 1e9, shm)
+        yield run.snapshots.absolute(), False
+        return
     directory = Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=shm))
     try:
         yield directory, True
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _memory_room(shm: Path) -> int:
+    """Bytes that files under `shm` (tmpfs: memory) may take: its free space, and no more than
+    the memory available."""
+    stat = os.statvfs(shm)
+    room = stat.f_bavail * stat.f_frsize
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return room
+    return min(room, available)
 
 
 def _remove_orphans(shm: Path) -> None:

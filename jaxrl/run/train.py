@@ -46,6 +46,7 @@ from jaxrl.sharding import make_mesh
 from jaxrl.snapshots import SnapshotWriter, copy_snapshot, delete_snapshot, snapshot_versions
 
 log = logging.getLogger("jaxrl.train")
+SNAPSHOTS_KEPT = 3
 
 
 class _Stop:
@@ -124,9 +125,12 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     with _Stop() as stop, contextlib.ExitStack() as stack:
         stack.callback(ckpt.close)
-        # Entered before the bridges start, so that a memory directory goes after they stop.
+        # Entered before the bridges start, so that a memory directory goes after they stop. Room
+        # for the snapshots kept and the one being written, each about the model's own weights.
+        weights_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         snapshots, _ = stack.enter_context(snapshot_directory(
-            run, cfg.snapshot_dir, local_bridges=not cfg.bridge.addresses and jax.process_count() == 1))
+            run, cfg.snapshot_dir, local_bridges=not cfg.bridge.addresses and jax.process_count() == 1,
+            needs_bytes=(SNAPSHOTS_KEPT + 1) * weights_bytes))
         client = RolloutClient(start_services(cfg, model_dir, run.path / "logs", stack, bridge_env), cfg)
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots)
@@ -165,7 +169,7 @@ def _evaluate_base(r: _Run, model_dir: Path) -> None:
     the base model's held-out success."""
     if r.cfg.bridge.addresses:
         base = load_pretrained(model_dir, param_dtype=r.cfg.model.dtype)
-        with contextlib.closing(SnapshotWriter(r.snapshots, base.cfg, keep=3)) as writer:
+        with contextlib.closing(SnapshotWriter(r.snapshots, base.cfg, keep=SNAPSHOTS_KEPT)) as writer:
             writer.publish(nnx.split(base)[1], 0)
         r.client.load_snapshot(str(r.snapshots), 0)
     if r.cfg.eval.before and r.cfg.eval.episodes:
@@ -195,7 +199,7 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
         print(f"resumed from step {r.step}", file=r.out, flush=True)
     r.meta = {"model_config": model_cfg.to_hf(),
               **{k: r.summary[k] for k in ("eval_before", "eval_before_stderr") if k in r.summary}}
-    r.writer = SnapshotWriter(r.snapshots, model_cfg, keep=3)
+    r.writer = SnapshotWriter(r.snapshots, model_cfg, keep=SNAPSHOTS_KEPT)
     stack.callback(_close_writer, r)
     for stale in [v for v in r.writer.versions() if v > r.step]:
         r.writer.delete(stale)  # published after the checkpoint we resume from
