@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = ("publish_s", "load_s", "publish_ratio", "load_ratio", "publish_same_work_ratio", "load_warm_s",
-        "load_warm_ratio", "numpy_save_s", "numpy_publish_s", "numpy_load_s", "numpy_load_warm_s",
-        "convert_s", "checksum_s", "size_mb")
+KEYS = ("round_trip_ratio", "round_trip_warm_ratio", "publish_s", "load_s", "publish_ratio", "load_ratio",
+        "publish_same_work_ratio", "load_warm_s", "load_warm_ratio", "numpy_save_s", "numpy_publish_s",
+        "numpy_load_s", "numpy_load_warm_s", "convert_s", "checksum_s", "size_mb")
 
 
 def test_tiny_benchmark_prints_figures(tmp_path):

@@ -11,8 +11,18 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file as save_numpy
 
-from jaxrl.models import CheckpointError, Decoder, ModelConfigError, load_pretrained, save_pretrained
+from jaxrl.models import (
+    CheckpointError,
+    Decoder,
+    ModelConfigError,
+    from_hf_tensors,
+    load_pretrained,
+    params_from_hf_tensors,
+    save_pretrained,
+    to_hf_tensors,
+)
 from jaxrl.models.hf import read_safetensors
+from jaxrl.sharding import MeshConfig, make_mesh, param_shardings
 from jaxrl.tiny import tiny_config
 
 
@@ -119,3 +129,35 @@ def test_corrupt_safetensors_file_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot be read as safetensors"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("family,tied,sharded", [("llama", False, True), ("qwen2", True, False)])
+def test_params_from_hf_tensors_are_from_hf_tensors_placed_like_the_old_ones(family, tied, sharded):
+    """What the bridge swaps in: the model from_hf_tensors builds, in the served params' structure,
+    dtype and shardings, with the served params left as they were."""
+    cfg = tiny_config(family, tied=tied, vocab_size=300)
+    old = nnx.state(Decoder(cfg, nnx.Rngs(0)), nnx.Param)
+    if sharded:
+        old = jax.device_put(old, param_shardings(old, make_mesh(MeshConfig(fsdp=4, tp=2))))
+    old_values = [np.array(x) for x in jax.tree.leaves(old)]
+    # bfloat16 tensors into float32 params, as a bfloat16 snapshot into a float32 engine.
+    tensors = {k: np.asarray(v) for k, v in
+               to_hf_tensors(cfg, nnx.state(Decoder(cfg, nnx.Rngs(1)), nnx.Param), jax.numpy.bfloat16).items()}
+    new = params_from_hf_tensors(cfg, tensors, old)
+    want = nnx.state(from_hf_tensors(cfg, tensors), nnx.Param)
+    assert jax.tree.structure(new) == jax.tree.structure(old) == jax.tree.structure(want)
+    for path, x in jax.tree_util.tree_leaves_with_path(new):
+        [[_, w]], [[_, o]] = [[(p, v) for p, v in jax.tree_util.tree_leaves_with_path(t) if p == path]
+                              for t in (want, old)]
+        assert x.dtype == o.dtype == np.float32 and x.sharding == o.sharding, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(w), err_msg=str(path))
+    for before, after in zip(old_values, jax.tree.leaves(old)):
+        np.testing.assert_array_equal(before, np.asarray(after))
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(CheckpointError, match=rf"snap: tensor '{name}' has shape \(7, 64\), expected \(128, 64\)"):
+        params_from_hf_tensors(cfg, {**tensors, name: np.zeros((7, 64), np.float32)}, old, "snap")
+    with pytest.raises(CheckpointError, match=rf"snap: tensors differ .* \(missing \['{name}'\], unexpected \[\]\)"):
+        params_from_hf_tensors(cfg, {k: v for k, v in tensors.items() if k != name}, old, "snap")
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['model.extra'\]"):
+        params_from_hf_tensors(cfg, {**tensors, "model.extra": tensors[name]}, old, "snap")

@@ -104,8 +104,16 @@ def test_load_snapshot_swaps_weights_and_refuses_bad_snapshots(model_dir, tmp_pa
     perturbed = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x), nnx.state(model, nnx.Param))
     writer = SnapshotWriter(tmp_path / "snaps", model.cfg)
     writer.publish(perturbed, version=7)
+    served = engine.params
+    served_values = [np.array(x) for x in jax.tree.leaves(served)]
     load_s = run(engine.load_snapshot(str(tmp_path / "snaps"), 7))
     assert load_s > 0 and engine.policy_version == 7
+    # New params in the served ones' structure, dtypes and placement; the old ones untouched (a
+    # generation that started before the swap goes on with them).
+    assert jax.tree.structure(engine.params) == jax.tree.structure(served)
+    for new, old, value in zip(jax.tree.leaves(engine.params), jax.tree.leaves(served), served_values):
+        assert new.dtype == old.dtype and new.sharding == old.sharding
+        np.testing.assert_array_equal(np.asarray(old), value)
     after = run(engine.generate([prompt], params))[0][0]
     assert after.policy_version == 7
     nnx.update(model, perturbed)
@@ -124,6 +132,19 @@ def test_load_snapshot_swaps_weights_and_refuses_bad_snapshots(model_dir, tmp_pa
     assert engine.policy_version == 7
     still = run(engine.generate([prompt], params))[0][0]
     assert still.token_ids == after.token_ids and still.policy_version == 7
+
+
+def test_a_bfloat16_snapshot_loads_into_a_float32_engine(model_dir, tmp_path):
+    engine = JaxEngine(model_dir)
+    model = load_pretrained(model_dir)
+    assert model.cfg.param_dtype == "float32"
+    perturbed = jax.tree.map(lambda x: x * 1.5, nnx.state(model, nnx.Param))
+    SnapshotWriter(tmp_path, model.cfg, dtype="bfloat16").publish(perturbed, 3)
+    run(engine.load_snapshot(str(tmp_path), 3))
+    want = jax.tree.map(lambda x: np.asarray(x[...].astype(jnp.bfloat16).astype(jnp.float32)), perturbed)
+    for got, expected in zip(jax.tree.leaves(engine.params), jax.tree.leaves(want)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got), expected)
 
 
 def test_bad_requests_are_refused(model_dir):

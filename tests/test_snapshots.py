@@ -1,5 +1,6 @@
-"""Weight snapshots: exact round trips, atomic publication under SIGKILL, damaged files refused,
-pruning, multi-process writes, and clear errors for snapshots that are not there."""
+"""Weight snapshots: exact round trips that stock Orbax reads too, snapshots Orbax wrote read back,
+atomic publication under SIGKILL, damaged files refused, pruning, replacing, copying, multi-process
+writes, and clear errors for snapshots that are not there."""
 
 import json
 import os
@@ -13,13 +14,23 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from jaxrl.models import Decoder, ModelConfig, from_hf_tensors, hf_names, to_hf_tensors
 from jaxrl.models.config import DTYPES
 from jaxrl.sharding import MeshConfig, make_mesh, param_shardings
-from jaxrl.snapshots import SnapshotError, SnapshotReader, SnapshotWriter, host_checksum
+from jaxrl.snapshots import (
+    FORMAT,
+    SnapshotError,
+    SnapshotReader,
+    SnapshotWriter,
+    copy_snapshot,
+    delete_snapshot,
+    host_checksum,
+    snapshot_versions,
+)
 from jaxrl.tiny import tiny_config
 
 WORKERS = Path(__file__).parent / "workers"
@@ -48,6 +59,16 @@ def _assert_exact(tensors, expected):
         got = tensors[name]
         assert isinstance(got, np.ndarray) and got.dtype == want.dtype, name
         np.testing.assert_array_equal(got, np.asarray(want), err_msg=name)
+
+
+def _orbax_manager(directory, **options):
+    """A stock Orbax CheckpointManager for snapshots: what any Orbax user would open."""
+    return ocp.CheckpointManager(
+        directory,
+        item_handlers={"weights": ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False),
+                       "manifest": ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(**options),
+    )
 
 
 @pytest.mark.parametrize("family, dtype, sharded", [
@@ -80,6 +101,39 @@ def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, family, dtype, sha
     rebuilt = _logits(from_hf_tensors(served_cfg, snapshot.tensors))
     original = _logits(Decoder(cfg, nnx.Rngs(0)))
     np.testing.assert_allclose(rebuilt, original, rtol=0, atol=0 if dtype == "float32" else 0.02)
+
+    # It is an Orbax checkpoint: stock Orbax lists it and restores both items, shards included.
+    manager = _orbax_manager(tmp_path, read_only=True, save_interval_steps=0, create=False)
+    assert manager.all_steps() == [7]
+    restored = manager.restore(7, args=ocp.args.Composite(weights=ocp.args.PyTreeRestore(),
+                                                          manifest=ocp.args.JsonRestore()))
+    _assert_exact({name: restored.weights[name] for name in expected}, expected)
+    assert restored.manifest["format"] == FORMAT and list(restored.manifest["tensors"]) == list(expected)
+    manager.close()
+
+
+def test_snapshots_that_orbax_wrote_are_read(tmp_path):
+    """What earlier versions of jaxrl published (Orbax's own save, no piece shapes in the manifest),
+    or any Orbax user writes, still loads and is still verified."""
+    cfg = tiny_config("qwen2", tied=False, vocab_size=256)
+    expected = _expected(cfg, 0, jnp.bfloat16)
+    manifest = {"format": FORMAT, "version": 4, "hf_config": {**cfg.to_hf(), "dtype": "bfloat16"},
+                "tensors": {name: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": host_checksum(x)}
+                            for name, x in expected.items()}}
+    manager = _orbax_manager(tmp_path)
+    manager.save(4, args=ocp.args.Composite(weights=ocp.args.PyTreeSave(expected),
+                                            manifest=ocp.args.JsonSave(manifest)))
+    manager.wait_until_finished()
+    manager.close()
+    snapshot = SnapshotReader(tmp_path).load()
+    assert snapshot.version == 4
+    _assert_exact(snapshot.tensors, expected)
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    manifest["tensors"][name]["checksum"] ^= 1
+    (tmp_path / "4" / "manifest" / "metadata").write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotError, match=f"tensor '{name}' fails its checksum"):
+        SnapshotReader(tmp_path).load(4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -215,15 +269,62 @@ def test_pruning_keeps_the_newest_and_those_in_use(tmp_path):
         (6, [], [5, 6]),
     ]:
         writer.publish(params, version, in_use=in_use)
-        assert reader.versions() == kept, version
-        assert sorted(int(p.name) for p in tmp_path.iterdir()) == kept
+        assert reader.versions() == writer.versions() == kept, version
+        # Pruned ones are out of every listing at once (renamed), their files deleted in the background.
+        assert sorted(int(p.name) for p in tmp_path.iterdir() if TMP_SUFFIX not in p.name) == kept
     # Without waiting, the snapshot becomes visible (and old ones go) once the write finishes.
     writer.publish(params, 7, wait=False)
     writer.wait()
     assert reader.versions() == [6, 7]
     writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["6", "7"]  # nothing left behind
     with pytest.raises(ValueError, match="keep=0"):
         SnapshotWriter(tmp_path, cfg, keep=0)
+
+
+def test_a_version_published_again_replaces_it_and_delete_removes_it(tmp_path):
+    cfg = tiny_config("qwen3")
+    writer = SnapshotWriter(tmp_path, cfg, keep=5)
+    for version, seed in [(1, 1), (2, 2), (2, 3)]:
+        writer.publish(_params(cfg, seed), version)
+    assert writer.versions() == [1, 2]
+    _assert_exact(SnapshotReader(tmp_path).load(2).tensors, _expected(cfg, 3))
+    writer.delete(1)
+    assert writer.versions() == [2]
+    delete_snapshot(tmp_path, 2)
+    delete_snapshot(tmp_path, 9)  # not there: nothing to do
+    writer.close()
+    assert snapshot_versions(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_copy_commits_a_finished_snapshot_elsewhere_and_keeps_the_newest(tmp_path):
+    cfg = tiny_config("qwen3")
+    writer = SnapshotWriter(tmp_path / "shm", cfg)
+    for version in (1, 2, 3):
+        writer.publish(_params(cfg, version), version)
+    writer.close()
+    assert copy_snapshot(tmp_path / "shm", 3, tmp_path / "run" / "snapshots") == tmp_path / "run" / "snapshots" / "3"
+    for version in (1, 2):
+        copy_snapshot(tmp_path / "shm", version, tmp_path / "run" / "snapshots", keep=2)
+    assert snapshot_versions(tmp_path / "run" / "snapshots") == [2, 3]
+    assert not [p for p in (tmp_path / "run" / "snapshots").iterdir() if TMP_SUFFIX in p.name]
+    _assert_exact(SnapshotReader(tmp_path / "run" / "snapshots").load(3).tensors, _expected(cfg, 3))
+    with pytest.raises(SnapshotError, match=r"no finished snapshot with version 4 \(have \[1, 2, 3\]\)"):
+        copy_snapshot(tmp_path / "shm", 4, tmp_path / "run" / "snapshots")
+
+
+def test_a_piece_the_manifest_names_but_the_files_lack_is_refused(tmp_path):
+    cfg = tiny_config("qwen3")
+    writer = SnapshotWriter(tmp_path, cfg)
+    writer.publish(_params(cfg), 1)
+    writer.close()
+    manifest_file = tmp_path / "1" / "manifest" / "metadata"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["tensors"]["model.extra.weight"] = {"shape": [4], "dtype": "float32", "checksum": 0, "chunk": [4]}
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotError, match=r"1: cannot be restored \(ValueError: tensor 'model.extra.weight': "
+                                            r"its piece model.extra.weight/c/0 is missing\)"):
+        SnapshotReader(tmp_path).load()
 
 
 def test_missing_snapshots_are_clear_errors(tmp_path):

@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from processes import gone
+from jaxrl.run.run_dir import SHM, SHM_PREFIX
+from jaxrl.snapshots import snapshot_versions
 from jaxrl.tiny import build_tiny_model
 from jaxrl.run.tracking import read_metrics
 
@@ -70,6 +72,8 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     assert (run_dir / "checkpoints" / "3").is_dir()
     bridge_log = (run_dir / "logs" / "bridge.log").read_text()
     assert "serving snapshot" in bridge_log and "version 4" in bridge_log  # the weights after 3 updates
+    _assert_snapshots_lived_in_memory(bridge_log)
+    assert snapshot_versions(run_dir / "snapshots") == [4]  # the one served at the end, for eval and export
     for png in ("reward.png", "metrics.png"):
         assert (run_dir / "plots" / png).stat().st_size > 1000
     assert list((run_dir / "tensorboard").iterdir())
@@ -90,11 +94,23 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
 
     summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--resume"))
     assert summary["steps"] == 5 and summary["eval_before"] is not None
+    _assert_snapshots_lived_in_memory((run_dir / "logs" / "bridge.log").read_text())
+    assert snapshot_versions(run_dir / "snapshots") == [4, 6]
     rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     # A second process on the same shapes loads the learner's executables from the persistent cache.
     assert [r["compiles/learner"] for r in rows[3:]] == [0.0, 0.0] and "compiles_after_step_1" in summary
     assert (run_dir / "checkpoints" / "5").is_dir()
+
+
+def _assert_snapshots_lived_in_memory(bridge_log: str) -> None:
+    """The bridge loaded every snapshot from a directory of the run's own in /dev/shm, gone now."""
+    if not SHM.is_dir():
+        return
+    loaded = {line.split("serving snapshot ")[1].split(" version")[0]
+              for line in bridge_log.splitlines() if "serving snapshot " in line}
+    assert loaded and all(Path(p).parent == SHM and Path(p).name.startswith(SHM_PREFIX) for p in loaded), loaded
+    assert not [p for p in loaded if Path(p).exists()]
 
 
 def _children_of(pid: int) -> list[int]:
@@ -135,6 +151,8 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir,
     assert "eval_after" not in summary  # a stopped run is not evaluated as finished
     assert (run_dir / "checkpoints" / str(summary["steps"])).is_dir()
     assert not [c for c in children if not gone(c)]
+    _assert_snapshots_lived_in_memory((run_dir / "logs" / "bridge.log").read_text())
+    assert snapshot_versions(run_dir / "snapshots") == [summary["steps"] + 1]
 
 
 def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_path):
@@ -183,6 +201,7 @@ def test_training_through_a_bridge_started_on_its_own(model_dir, tmp_path):
             bridge.stop()
     assert summary["steps"] == 2 and "eval_before" in summary
     assert health.policy_version == 3  # the run's own weights after two updates, published to it
+    assert snapshot_versions(tmp_path / "run" / "snapshots") == [0, 2, 3]  # where a bridge elsewhere reads them
     assert not (tmp_path / "run" / "logs" / "bridge.log").exists()  # no bridge of its own
 
 

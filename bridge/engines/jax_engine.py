@@ -22,7 +22,7 @@ from flax import nnx
 from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
 from bridge.engines.sampler import Generation, PrefixCache, RowParams, Shapes, generate_rows
 from jaxrl.compilation import compiles
-from jaxrl.models import ModelConfig, from_hf_tensors, load_pretrained
+from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
 from jaxrl.snapshots import SnapshotError, SnapshotReader
 
 log = logging.getLogger(__name__)
@@ -203,23 +203,27 @@ class JaxEngine:
 
     async def load_snapshot(self, path: str, version: int) -> float:
         start = time.perf_counter()
+        params = await asyncio.to_thread(self._read_snapshot, path, version)
+        async with self._swap_lock:
+            self.params, self.policy_version = params, version
+        return time.perf_counter() - start
+
+    def _read_snapshot(self, path: str, version: int):
+        """Snapshot `version`'s weights as new params shaped, typed and placed like the served ones
+        (nothing is built or initialised); SnapshotRefused if they cannot be served."""
         try:
-            snapshot = await asyncio.to_thread(SnapshotReader(path).load, version)
-        except SnapshotError as e:
-            raise SnapshotRefused(str(e)) from e
-        try:
+            snapshot = SnapshotReader(path).load(version)
             incoming = ModelConfig.from_hf(snapshot.hf_config, source=f"{snapshot.path} manifest")
-        except ValueError as e:
+        except (SnapshotError, ValueError) as e:
             raise SnapshotRefused(str(e)) from e
         differing = [f"{k}: serving {getattr(self.cfg, k)}, snapshot {getattr(incoming, k)}"
                      for k in SHAPE_FIELDS if getattr(self.cfg, k) != getattr(incoming, k)]
         if differing:
             raise SnapshotRefused(f"{snapshot.path}: a different model shape ({'; '.join(differing)})")
-        model = await asyncio.to_thread(from_hf_tensors, self.cfg, snapshot.tensors, str(snapshot.path))
-        _, params = nnx.split(model)
-        async with self._swap_lock:
-            self.params, self.policy_version = params, version
-        return time.perf_counter() - start
+        try:
+            return params_from_hf_tensors(self.cfg, snapshot.tensors, self.params, str(snapshot.path))
+        except CheckpointError as e:
+            raise SnapshotRefused(str(e)) from e
 
     async def close(self) -> None:
         if self._worker is not None:

@@ -8,8 +8,8 @@ The model is a synthetic Qwen3-style decoder with float32 params on the device, 
 What is timed (wall clock; each time is the median over --repeats rounds; ratios are medians of
 the per-round ratios, ours against numpy's in the same round):
   publish        `SnapshotWriter.publish(params, v)` until the snapshot is committed: the cast to
-                 bfloat16 and the Hugging Face transposes, the checksums, the Orbax write (every
-                 data file fsync'ed by tensorstore) and the commit rename.
+                 bfloat16 and the Hugging Face transposes, the checksums, the write of the Orbax
+                 checkpoint through TensorStore (every data file fsync'ed) and the commit rename.
   numpy_save     `numpy.save` of the finished serving tensors, already on the host (bfloat16
                  bytes saved as uint16), one .npy per tensor, each file fsync'ed: the same bytes
                  to disk the same way, without the conversion we are charged for.
@@ -25,14 +25,18 @@ write the disk is synced and left idle for a second (untimed). Old snapshots are
 between rounds (untimed). `load_average` (1 min, at the end) says how busy the machine was: on
 a shared machine the figures move by tens of percent from run to run.
 
-Headline: `load_ratio` is the cold-cache ratio: the same bytes read back from storage, as a
+Headline: `round_trip_ratio`, (publish + load) / (numpy_save + numpy_load) per round, cold: a
+weight sync against writing and reading the same bytes with NumPy (`round_trip_warm_ratio` with
+the warm load). `load_ratio` is the cold-cache ratio: the same bytes read back from storage, as a
 bridge on another host does, or after the pages were evicted. `load_warm_ratio` is the
 same-host case (`jaxrl train` runs the bridge beside the trainer, which just wrote the files):
 a memory-copy contest that numpy's one `readinto` per file into huge pages wins, while ours maps
 the files, copies out of the mappings into freshly faulted arrays, checksums every byte and runs
 Orbax's Python: about twice numpy's CPU, so on a busy machine it swings the most.
-`publish_ratio` charges us for the cast and the transposes that numpy's baseline is spared;
-`publish_same_work_ratio` is the like-for-like figure. `convert_s` and `checksum_s` time those
+`publish_ratio` (and so `round_trip_ratio`) charges us for the cast and the transposes that
+numpy's baseline is spared; `publish_same_work_ratio` is the like-for-like figure.
+`--dir /dev/shm` measures where `jaxrl train` puts the snapshots of a run that starts its own
+bridges: tmpfs has no page cache to drop, so there cold and warm are the same memory reads. `convert_s` and `checksum_s` time those
 two publish steps alone (the checksum is also the verification cost of a load).
 """
 
@@ -211,7 +215,13 @@ def run(args) -> dict:
         # Median of the per-round ratios: each pair ran back to back, under the same load.
         return statistics.median(a / b for a, b in zip(times[ours], times[theirs]))
 
+    def round_trip(load, numpy_load):
+        return statistics.median((p + l) / (s + n) for p, l, s, n in zip(
+            times["publish"], times[load], times["numpy_save"], times[numpy_load]))
+
     return {
+        "round_trip_ratio": round_trip("load_cold", "numpy_load_cold"),
+        "round_trip_warm_ratio": round_trip("load_warm", "numpy_load_warm"),
         "publish_s": med["publish"],
         "load_s": med["load_cold"],
         "publish_ratio": ratio("publish", "numpy_save"),

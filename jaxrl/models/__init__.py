@@ -7,6 +7,7 @@ from jaxrl.models.hf import (
     from_hf_tensors,
     hf_names,
     load_pretrained,
+    params_from_hf_tensors,
     save_pretrained,
     to_hf_tensors,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "from_hf_tensors",
     "hf_names",
     "load_pretrained",
+    "params_from_hf_tensors",
     "positions_from_mask",
     "save_pretrained",
     "to_hf_tensors",

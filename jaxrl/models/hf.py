@@ -6,6 +6,7 @@ snapshots for the bridge use it too, so any engine can load them without knowing
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Iterator, Mapping
@@ -109,6 +110,55 @@ def from_hf_tensors(
         param.set_value(value.T if transposed else value)
     nnx.update(model, params)
     return model
+
+
+def _key(entry) -> str | int:
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return str(entry)
+
+
+@functools.lru_cache(maxsize=16)
+def _slots(cfg: ModelConfig, treedef) -> tuple[tuple[str, int, bool], ...]:
+    """(HF name, leaf position, transposed) of every parameter, for params flattened to `treedef`."""
+    paths = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves)))[0]
+    position = {tuple(_key(k) for k in path if _key(k) != "value"): i for path, i in paths}
+    slots = []
+    for name, path, transposed in hf_names(cfg):
+        if path not in position:
+            raise CheckpointError(f"the params have no {'/'.join(map(str, path))} for {name!r}")
+        slots.append((name, position.pop(path), transposed))
+    if position:
+        raise CheckpointError(f"params {sorted(map(str, position))[:5]} have no Hugging Face name")
+    return tuple(slots)
+
+
+def params_from_hf_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, np.ndarray], like: nnx.State, source: str = "tensors"
+) -> nnx.State:
+    """New params shaped, typed and placed like `like` (a Decoder's params), holding `tensors`.
+
+    What `from_hf_tensors` builds, without building a model: one transfer of every tensor onto
+    the devices of the param it replaces. `like` is left untouched (it may be in use).
+    Raises CheckpointError naming the tensor that is missing, unexpected or of the wrong shape.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    slots = _slots(cfg, treedef)
+    if len(tensors) != len(slots) or any(name not in tensors for name, _, _ in slots):
+        names = {name for name, _, _ in slots}
+        missing, unexpected = sorted(names - set(tensors)), sorted(set(tensors) - names)
+        raise CheckpointError(f"{source}: tensors differ from a {cfg.model_type} model of this shape (missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]})")
+    host = [None] * len(leaves)
+    for name, i, transposed in slots:
+        old, value = leaves[i], tensors[name]
+        want = old.shape[::-1] if transposed else old.shape
+        if tuple(value.shape) != tuple(want):
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(want)}")
+        host[i] = np.asarray(value.T if transposed else value, old.dtype)
+    placed = jax.device_put(host, [x.sharding for x in leaves])
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def read_config(path: str | Path) -> dict:

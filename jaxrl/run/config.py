@@ -145,6 +145,11 @@ class TrainConfig:
     sft: SFTConfig = _help("supervised warm start before RL", default_factory=SFTConfig)
     log: LogConfig = _help("what the run shows and writes", default_factory=LogConfig)
     sync_every: int = _help("publish weights to the bridge every N steps", default=1)
+    snapshot_dir: str | None = _help(
+        "where weight snapshots go while the run trains (every bridge must read it); null: a directory of "
+        "the run's own in /dev/shm (memory, removed at the end) when the run starts its bridges on one host and "
+        "its snapshots fit in half the memory free there, else RUN/snapshots. Outside RUN/snapshots, the last "
+        "snapshot served is copied there at the end (for `jaxrl eval`, `jaxrl export`)", default=None)
     checkpoint_every: int = _help("train checkpoint every N steps (and at the end)", default=25)
     keep_checkpoints: int = _help("train checkpoints kept", default=2)
     compilation_cache: str | None = _help(

@@ -5,15 +5,30 @@ RUN/
   config.yaml      the resolved run config
   metrics.jsonl    one JSON object per logged step
   checkpoints/     train checkpoints (jaxrl.checkpoints.TrainCheckpointer)
-  snapshots/       weight snapshots for the bridge (jaxrl.snapshots.SnapshotWriter)
+  snapshots/       weight snapshots for the bridge (jaxrl.snapshots.SnapshotWriter), or only the
+                   last one served when they live in memory while the run trains
   tokenizer/       the run's tokenizer, written with `tokenizer.save_pretrained`
 ```
+
+While a run trains, its snapshots live where `snapshot_directory` says: by default, when the run
+starts its own bridges on this host, in a directory of its own under /dev/shm (memory: publishing
+costs no disk, reading no disk), removed when the run ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger("jaxrl.run")
+SHM = Path("/dev/shm")
+SHM_PREFIX = "jaxrl-snapshots-"  # + the trainer's pid + "-" + a random part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +65,67 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
+
+
+@contextlib.contextmanager
+def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool, needs_bytes: int = 0,
+                       shm: Path = SHM) -> Iterator[tuple[Path, bool]]:
+    """Where the run's snapshots live while it trains, and whether that is a memory directory of
+    its own: (directory, in_memory).
+
+    `configured` (the `snapshot_dir` key), if set; else, with `local_bridges` (this host's one
+    process starts the bridges) and a writable `shm` with room for `needs_bytes` in at most half
+    of its free space and of the memory available, a fresh directory under `shm`, removed on exit
+    however the run ends (one left by a run killed outright goes at the next run's start); else
+    `run.snapshots`, which any bridge that reads the run directory can read.
+    """
+    _remove_orphans(shm)
+    if configured:
+        yield Path(configured).expanduser().absolute(), False
+        return
+    if not (local_bridges and shm.is_dir() and os.access(shm, os.W_OK)):
+        yield run.snapshots.absolute(), False
+        return
+    if needs_bytes > _memory_room(shm) / 2:
+        log.warning("snapshots go to %s: %.1f GB of them would not fit in memory (%s)", run.snapshots,
+                    needs_bytes / 1e9, shm)
+        yield run.snapshots.absolute(), False
+        return
+    directory = Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=shm))
+    try:
+        yield directory, True
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _memory_room(shm: Path) -> int:
+    """Bytes that files under `shm` (tmpfs: memory) may take: its free space, and no more than
+    the memory available."""
+    stat = os.statvfs(shm)
+    room = stat.f_bavail * stat.f_frsize
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return room
+    return min(room, available)
+
+
+def _remove_orphans(shm: Path) -> None:
+    """Removes this user's snapshot directories under `shm` whose run (process) is gone."""
+    try:
+        entries = list(os.scandir(shm))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(SHM_PREFIX):
+            continue
+        pid = entry.name[len(SHM_PREFIX):].split("-")[0]
+        try:
+            if not pid.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:  # alive but not ours to signal, or the entry went away
+            continue

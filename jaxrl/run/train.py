@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
@@ -36,16 +37,17 @@ from jaxrl.run.collection import Collector, RolloutClient, StepRollouts, rollout
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
 from jaxrl.run.rewards import RewardWeights
-from jaxrl.run.run_dir import RunDir
+from jaxrl.run.run_dir import RunDir, snapshot_directory
 from jaxrl.run.services import StartupError, check_services, start_services
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
 from jaxrl.run.typed_config import dump_yaml
 from jaxrl.run.warm_start import demonstrations, warm_start
 from jaxrl.sharding import make_mesh
-from jaxrl.snapshots import SnapshotWriter
+from jaxrl.snapshots import SnapshotWriter, copy_snapshot, delete_snapshot, snapshot_versions
 
 log = logging.getLogger("jaxrl.train")
+SNAPSHOTS_KEPT = 3
 
 
 class _Stop:
@@ -84,6 +86,7 @@ class _Run:
     tokenizer: Any
     out: Any
     summary: dict[str, Any]
+    snapshots: Path  # where snapshots are published and the bridges read them (see snapshot_directory)
     step: int = 0
     version: int = 0  # the weights the bridges serve
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
@@ -119,6 +122,12 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     with _Stop() as stop, contextlib.ExitStack() as stack:
         stack.callback(ckpt.close)
+        # Entered before the bridges start, so that a memory directory goes after they stop. Room
+        # for the snapshots kept and the one being written, each about the model's own weights.
+        weights_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+        snapshots, _ = stack.enter_context(snapshot_directory(
+            run, cfg.snapshot_dir, local_bridges=not cfg.bridge.addresses and jax.process_count() == 1,
+            needs_bytes=(SNAPSHOTS_KEPT + 1) * weights_bytes))
         # The children start (seconds: imports, model load, compiles) while this process loads the tokenizer.
         services = stack.enter_context(contextlib.ExitStack())
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
@@ -129,7 +138,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             tokenizer.save_pretrained(run.tokenizer)
             client = RolloutClient(addresses.result(), cfg)
         stack.callback(client.close)
-        r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary)
+        r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots)
         if start_step is None:
             _evaluate_base(r, model_dir)
         learner = _make_learner(r, model_dir, start_step, stack)
@@ -165,9 +174,9 @@ def _evaluate_base(r: _Run, model_dir: Path) -> None:
     the base model's held-out success."""
     if r.cfg.bridge.addresses:
         base = load_pretrained(model_dir, param_dtype=r.cfg.model.dtype)
-        with contextlib.closing(SnapshotWriter(r.run.snapshots, base.cfg, keep=3)) as writer:
+        with contextlib.closing(SnapshotWriter(r.snapshots, base.cfg, keep=SNAPSHOTS_KEPT)) as writer:
             writer.publish(nnx.split(base)[1], 0)
-        r.client.load_snapshot(str(r.run.snapshots), 0)
+        r.client.load_snapshot(str(r.snapshots), 0)
     if r.cfg.eval.before and r.cfg.eval.episodes:
         before = r.evaluate("before training")
         r.summary["eval_before"], r.summary["eval_before_stderr"] = before.success, before.stderr
@@ -195,10 +204,14 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
         print(f"resumed from step {r.step}", file=r.out, flush=True)
     r.meta = {"model_config": model_cfg.to_hf(),
               **{k: r.summary[k] for k in ("eval_before", "eval_before_stderr") if k in r.summary}}
-    r.writer = SnapshotWriter(r.run.snapshots, model_cfg, keep=3)
-    stack.callback(r.writer.close)
-    for stale in [v for v in r.writer.manager.all_steps() if v > r.step]:
-        r.writer.manager.delete(stale)  # published after the checkpoint we resume from
+    r.writer = SnapshotWriter(r.snapshots, model_cfg, keep=SNAPSHOTS_KEPT)
+    stack.callback(_close_writer, r)
+    for stale in [v for v in r.writer.versions() if v > r.step]:
+        r.writer.delete(stale)  # published after the checkpoint we resume from
+    if r.snapshots != r.run.snapshots.absolute():  # one process (see snapshot_directory)
+        # What the run directory keeps of an earlier run: up to the version of the checkpoint resumed from.
+        for stale in [v for v in snapshot_versions(r.run.snapshots) if v > r.step + 1]:
+            delete_snapshot(r.run.snapshots, stale)
     if r.step > 0 or warm:
         _publish(r, learner, r.step + 1)
     if warm and cfg.eval.episodes:
@@ -210,9 +223,20 @@ def _publish(r: _Run, learner: Learner, version: int) -> float:
     """Writes the learner's weights as snapshot `version` and has every bridge serve them."""
     t0 = time.perf_counter()
     r.writer.publish(learner.state.params, version)
-    r.client.load_snapshot(str(r.run.snapshots), version)
+    r.client.load_snapshot(str(r.snapshots), version)
     r.version = version
     return time.perf_counter() - t0
+
+
+def _close_writer(r: _Run) -> None:
+    """However the run ends: the snapshot the bridges serve also lands in RUN/snapshots when the
+    snapshots live elsewhere (for `jaxrl eval RUN`, `jaxrl export`)."""
+    r.writer.close()
+    if r.snapshots != r.run.snapshots.absolute() and r.version in r.writer.versions():
+        try:
+            copy_snapshot(r.snapshots, r.version, r.run.snapshots, keep=r.writer.keep)
+        except OSError as e:
+            log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
 
 
 def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -> None:
