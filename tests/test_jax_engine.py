@@ -1,6 +1,7 @@
 """The JAX engine in-process: learner-equal logprobs, batching, stops, and in-place weight swaps."""
 
 import asyncio
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +70,20 @@ def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_d
     assert unstopped[0][0].finish_reason == "length"
 
 
-def test_one_program_per_batch_size_compiled_by_the_warm_up(model_dir):
+def test_one_program_per_batch_size_compiled_by_the_warm_up(model_dir, tmp_path):
     engine = JaxEngine(model_dir, max_batch=4, max_seq_len=128, prefill_chunk=16, warm_up=True)
     assert engine.shapes.batches() == [1, 2, 4]
     before = compiles()
     for length, max_tokens, n in ((3, 5, 1), (40, 2, 3), (100, 20, 2), (7, 60, 4)):
         run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=max_tokens, seed=0, n=n)))
+    assert compiles() == before
+    model = load_pretrained(model_dir)  # generation with swapped-in weights compiles nothing either
+    with contextlib.closing(SnapshotWriter(tmp_path, model.cfg)) as writer:
+        writer.publish(nnx.split(model)[1], 1)
+    run(engine.load_snapshot(str(tmp_path), 1))
+    before = compiles()
+    for n in (1, 2, 4):
+        run(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0, n=n)))
     assert compiles() == before
 
 

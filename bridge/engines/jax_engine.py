@@ -16,6 +16,7 @@ import logging
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -50,7 +51,10 @@ class JaxEngine:
                  prefill_chunk: int = 64, prefix_cache_rows: int | None = None, warm_up: bool = False):
         model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
         self.cfg: ModelConfig = model.cfg
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        # Committed to their devices, as swapped-in snapshots are: jit keys on it, so uncommitted
+        # first weights would compile every program again after the first swap.
+        self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, params))
         self.policy_version = 0
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or value < 1:
