@@ -176,8 +176,10 @@ class PrefixCache:
                 self.stats["cached_tokens"] += len(prompt)
             else:
                 first[prompt] = b
-                best = max((s for s, t in enumerate(self.tokens) if len(t) < len(prompt) and prompt[:len(t)] == t
-                            and t), key=lambda s: len(self.tokens[s]), default=None)
+                # The last token first: a cheap test that rules out nearly every other episode's row.
+                best = max((s for s, t in enumerate(self.tokens)
+                            if t and len(t) < len(prompt) and prompt[len(t) - 1] == t[-1] and prompt[:len(t)] == t),
+                           key=lambda s: len(self.tokens[s]), default=None)
                 if best is not None:
                     src[b], cached[b] = best, len(self.tokens[best])
                     self.stats["cached_tokens"] += int(cached[b])

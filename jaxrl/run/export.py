@@ -21,7 +21,7 @@ from jaxrl.models import ModelConfig, from_hf_tensors, hf_names, save_pretrained
 from jaxrl.models.config import DTYPES, ModelConfigError
 from jaxrl.models.hf import CheckpointError
 from jaxrl.run.run_dir import RunDir
-from jaxrl.snapshots import SnapshotError, SnapshotReader
+from jaxrl.snapshots import SnapshotError, SnapshotReader, snapshot_versions
 
 # Files of a model directory that a tokenizer directory must not overwrite.
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
@@ -104,7 +104,7 @@ def _resolve(source: Path, version, checkpoint_step) -> tuple[str, Path, int, Ru
 
     run = RunDir(source)
     if run.snapshots.is_dir() or run.checkpoints.is_dir():
-        snapshots = _snapshot_versions(run.snapshots) if run.snapshots.is_dir() else []
+        snapshots = snapshot_versions(run.snapshots)
         steps = _checkpoint_steps(run.checkpoints) if run.checkpoints.is_dir() else []
         if checkpoint_step is not None or (version is None and not snapshots and steps):
             return "checkpoints", run.checkpoints, _pick(run.checkpoints, "checkpoint step", steps, checkpoint_step), run
@@ -126,7 +126,7 @@ def _resolve(source: Path, version, checkpoint_step) -> tuple[str, Path, int, Ru
     kind = kinds.pop()
     _check_option(source, kind, version, checkpoint_step)
     if kind == "snapshots":
-        number = _pick(source, "snapshot version", _snapshot_versions(source), version)
+        number = _pick(source, "snapshot version", snapshot_versions(source), version)
     else:
         number = _pick(source, "checkpoint step", _checkpoint_steps(source), checkpoint_step)
     return kind, source, number, _run_of(source)
@@ -164,10 +164,6 @@ def _pick(directory: Path, what: str, have: list[int], wanted: int | None) -> in
     if wanted not in have:
         raise ExportError(f"{directory}: no finished {what} {wanted}; available: {have or 'none'}")
     return wanted
-
-
-def _snapshot_versions(directory: Path) -> list[int]:
-    return SnapshotReader(directory).versions()
 
 
 def _checkpoint_manager(directory: Path) -> ocp.CheckpointManager:

@@ -82,13 +82,13 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
         "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
     }, indent=1))
     bridge = stack.enter_context(BridgeProcess.start(
-        model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch or _step_batch(cfg), seed=cfg.seed,
+        model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
         engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
         env=bridge_env, log_path=logs / "bridge.log"))
     return [bridge.address]
 
 
-def _step_batch(cfg: TrainConfig) -> int:
+def _episodes_per_step(cfg: TrainConfig) -> int:
     """A step's episodes, at most 64: the most a started engine generates together by default."""
     return min(64, bucket(cfg.rollout.groups_per_step * cfg.learner.group_size, 1))
 
