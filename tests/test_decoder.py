@@ -70,8 +70,9 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
     np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_cached_decoding_matches_full_forward(family):
+@pytest.mark.parametrize("family, slots", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen3", 512)])
+def test_cached_decoding_matches_full_forward(family, slots):
+    """With 512 slots the queries attend to the smallest window (128 slots) of attention_windows."""
     cfg = tiny_config(family, vocab_size=VOCAB)
     model = Decoder(cfg, nnx.Rngs(1))
     rng = np.random.default_rng(1)
@@ -87,7 +88,7 @@ def test_cached_decoding_matches_full_forward(family):
     def step(model, tokens, positions, mask, cache):
         return model(tokens, positions, mask, cache)
 
-    cache = KVCache.empty(cfg, batch=3, max_len=16)
+    cache = KVCache.empty(cfg, batch=3, max_len=slots)
     logits, cache = step(model, jnp.asarray(prompt), jnp.arange(T)[None].repeat(3, 0), jnp.asarray(prompt_mask), cache)
     got = [[logits[b, n - 1]] for b, n in enumerate(lengths)]
     for t in range(steps):
@@ -99,6 +100,27 @@ def test_cached_decoding_matches_full_forward(family):
         expected, _ = model(jnp.asarray(row[None]), jnp.arange(len(row))[None], jnp.ones((1, len(row)), jnp.int32))
         np.testing.assert_allclose(np.asarray(got[b]), np.asarray(expected[0, n - 1:]), atol=1e-5, rtol=0)
     assert np.asarray(cache.length_B).tolist() == [n + steps for n in lengths]
+
+
+def test_cached_decoding_past_the_smallest_window_sees_every_slot():
+    cfg = tiny_config("qwen3", vocab_size=VOCAB)
+    model = Decoder(cfg, nnx.Rngs(4))
+    row = np.random.default_rng(4).integers(0, VOCAB, 202)
+    expected, _ = model(jnp.asarray(row[None]), jnp.arange(202)[None], jnp.ones((1, 202), jnp.int32))
+    cache = KVCache.empty(cfg, batch=1, max_len=512)  # windows 128, 256, 512: the prompt needs 256
+    _, cache = model(jnp.asarray(row[None, :200]), jnp.arange(200)[None], jnp.ones((1, 200), jnp.int32), cache)
+    got = []
+    for t in (200, 201):
+        logits, cache = model(jnp.asarray(row[None, t:t + 1]), cache.length_B[:, None], jnp.ones((1, 1), jnp.int32), cache)
+        got.append(logits[0, 0])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected[0, 200:]), atol=1e-5, rtol=0)
+
+
+def test_attention_windows_halve_down_to_the_smallest():
+    from jaxrl.models.decoder import attention_windows
+
+    assert attention_windows(2112) == (132, 264, 528, 1056, 2112)
+    assert attention_windows(100) == (100,)
 
 
 def test_bfloat16_compute_stays_close_to_float32():

@@ -161,7 +161,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions_BxT, inv_freq)
         if layer_cache is not None:
             layer_cache = (_write_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
-            out = cached_attention(q, *layer_cache, keys.visible_BxTxS)
+            out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
         else:
             out = causal_attention(q, k, v, keys.mask_BxT)
         out = out.reshape(B, T, K * G * H)
@@ -242,6 +242,25 @@ def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, visible_BxTxS):
     return out_BxKxGTxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
+def attention_windows(slots: int, smallest: int = 128) -> tuple[int, ...]:
+    """Cache prefixes a query may be limited to, halving from the whole cache down to `smallest`."""
+    windows = [slots]
+    while windows[0] // 2 >= smallest:
+        windows.insert(0, windows[0] // 2)
+    return tuple(windows)
+
+
+def windowed_cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, visible_BxTxS, window):
+    """`cached_attention` over the first attention_windows(S)[window] slots only: a decode step
+    reads the slots in use (within 2x), not the whole cache, whose width is fixed."""
+    windows = attention_windows(k_BxKxSxH.shape[2])
+
+    def over(w):
+        return lambda: cached_attention(q_BxTxNxH, k_BxKxSxH[:, :, :w], v_BxKxSxH[:, :, :w], visible_BxTxS[..., :w])
+
+    return jax.lax.switch(window, [over(w) for w in windows])
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -270,6 +289,7 @@ class _KeySlots(NamedTuple):
     mask_BxT: jax.Array  # True on real tokens
     start_B: jax.Array | None  # with a cache: each row's slot of its first new token
     visible_BxTxS: jax.Array | None  # with a cache: query t may attend to key slot s
+    window: jax.Array | None = None  # with a cache: the attention_windows entry that holds every visible slot
 
 
 class Decoder(nnx.Module):
@@ -303,7 +323,10 @@ class Decoder(nnx.Module):
         else:
             slots = cache.k_BxKxSxH[0].shape[2]
             query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
-            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None])
+            used = jnp.max(cache.length_B) + T
+            window = jnp.searchsorted(jnp.asarray(attention_windows(slots)), used)
+            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None],
+                             jnp.minimum(window, len(attention_windows(slots)) - 1))
 
         x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
