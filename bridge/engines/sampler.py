@@ -158,7 +158,9 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forgets every row (new weights, or a failed call that may have consumed the pool)."""
-        self.pool = _empty_cache(self.cfg, len(self.tokens) + 1, self.shapes.width)  # last row: scratch
+        # The last row: scratch. Committed to the device like the pool `_generate` returns (a jit
+        # without array inputs returns uncommitted arrays, which would compile every program twice).
+        self.pool = jax.device_put(_empty_cache(self.cfg, len(self.tokens) + 1, self.shapes.width), jax.devices()[0])
         self.tokens = [()] * len(self.tokens)
 
     def plan(self, prompts: list[list[int]], batch: int) -> tuple[np.ndarray, ...]:
