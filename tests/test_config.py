@@ -27,6 +27,7 @@ def test_shipped_configs_load(path):
     ({"rollout": {"mode": "async"}}, "learner.loss.is_level"),
     ({"rollout": {"max_prompt_tokens": 0}}, "rollout.max_prompt_tokens=0 must be >= 1"),
     ({"eval": {"pass_k": 4}}, "eval.temperature > 0"),
+    ({"learner": {"group_size": 1}}, "learner.group_size=1 must be >= 2"),
     ({"rollout": {"groups_per_step": 3}, "learner": {"group_size": 2, "grad_accum": 4}}, "divisible"),
     ({"sft": {"envs": ["wordle"]}}, "sft.envs names unknown"),
     ({"envs": [{"name": "x", "url": "http://a", "env_class": "m:C"}]}, "exactly one of bundled, url, env_class"),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,28 +26,77 @@ def _load_train_config(args, prog: str):
 
 
 def _train(args) -> int:
-    """Trains against environments; the last stdout line is a JSON summary of the run."""
+    """Trains against environments; the last stdout line is a JSON summary of the run.
+
+    Exit codes: 0 the run finished its steps; 2 it could not start (nothing was started); 1 it
+    failed while running (one line here, the traceback in RUN/logs/); 128 + the signal's number
+    when a signal stopped it (after its checkpoint).
+    """
     cfg = _load_train_config(args, "jaxrl train")
     if cfg is None:
         return 2
-    from jaxrl.run.collection import EnvironmentsDown
-    from jaxrl.run.evaluation import EvaluationFailed
-    from jaxrl.run.processes import ChildStartError
     from jaxrl.run.services import StartupError
-    from jaxrl.run.tasks import TaskError
-    from jaxrl.run.train import train
-    from jaxrl.run.warm_start import WarmStartError
+    from jaxrl.run.train import Interrupted, train
 
     try:
         summary = train(cfg, resume=args.resume)
-    except (StartupError, ChildStartError, EnvironmentsDown, EvaluationFailed, TaskError, WarmStartError) as e:
+    except StartupError as e:
         print(f"jaxrl train: error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except Interrupted as e:
+        print(f"jaxrl train: stopped by {e.signal.name}", file=sys.stderr)
+        return 128 + e.signal
     except KeyboardInterrupt:
         print("jaxrl train: stopped", file=sys.stderr)
         return 130
+    except Exception as e:
+        print(f"jaxrl train: error: {_failure_line(e)} (traceback: {_save_traceback(e, cfg.run_dir)})",
+              file=sys.stderr)
+        return 1
     print(json.dumps(summary), flush=True)
-    return 0
+    stopped = summary.get("stopped")
+    return 128 + signal.Signals[stopped] if stopped else 0
+
+
+def _failure_line(e: BaseException) -> str:
+    """What went wrong, in one line: a full disk by name, the run layer's own errors as they are
+    worded, anything else with its type."""
+    from jaxrl.run.collection import EnvironmentsDown
+    from jaxrl.run.evaluation import EvaluationFailed
+    from jaxrl.run.processes import ChildStartError
+    from jaxrl.run.tasks import TaskError
+    from jaxrl.run.warm_start import WarmStartError
+
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            where = f" writing {cause.filename}" if cause.filename else ""
+            return f"disk full{where}: free space (or move run_dir), then --resume from the last checkpoint"
+        cause = cause.__cause__ or cause.__context__
+    ours = (ChildStartError, EnvironmentsDown, EvaluationFailed, TaskError, WarmStartError)
+    text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
+    lines = text.strip().splitlines() or [type(e).__name__]
+    return lines[0] + (" ..." if len(lines) > 1 else "")
+
+
+def _save_traceback(e: BaseException, run_dir: str) -> str:
+    """Writes `e`'s traceback to RUN/logs/train_error.log (or a temporary file when the run directory
+    cannot take it, e.g. a full disk); returns where."""
+    import tempfile
+    import time
+    import traceback
+
+    text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {''.join(traceback.format_exception(e))}\n"
+    try:
+        path = Path(run_dir) / "logs" / "train_error.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(text)
+        return str(path)
+    except OSError:
+        with tempfile.NamedTemporaryFile("w", prefix="jaxrl-train-error-", suffix=".log", delete=False) as f:
+            f.write(text)
+        return f.name
 
 
 # `jaxrl eval` flag -> the config key it overrides

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import jax
 
 from bridge.client import BridgeClient, BridgeError
 from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
@@ -21,12 +24,22 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class StartupError(Exception):
-    """The run cannot start (bad model directory, unreachable bridge or environment)."""
+    """The run cannot start (bad model directory, unreachable bridge or environment); raised before
+    any child process starts."""
 
 
 def check_services(cfg: TrainConfig) -> None:
-    """Fails fast, with one line, on what would otherwise fail after minutes of loading: environment
-    servers that do not answer, classes and reward functions that do not import, silent bridges."""
+    """Fails fast, with one line, on what would otherwise fail after minutes of loading: a mesh the
+    devices cannot hold, optional packages the config needs, environment servers that do not answer,
+    classes and reward functions that do not import, silent bridges."""
+    try:
+        cfg.mesh.shape(jax.device_count())
+    except ValueError as e:
+        raise StartupError(f"mesh: {e} ({jax.default_backend()} backend); fix mesh.* for this machine") from None
+    for package, why in _needed_packages(cfg):
+        if importlib.util.find_spec(package) is None:
+            raise StartupError(f"{why} needs the {package!r} package, which is not installed: pip install {package}, "
+                               "or change that setting")
     for spec in cfg.envs:
         try:
             if spec.env_class:
@@ -48,6 +61,18 @@ def check_services(cfg: TrainConfig) -> None:
         except BridgeError as e:
             raise StartupError(f"bridge.addresses: {address} does not answer ({e}); start it with "
                                "`jaxrl bridge --model DIR --envs FILE`, or leave bridge.addresses empty") from None
+
+
+def _needed_packages(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(package, the setting that needs it) for the optional packages of `cfg`."""
+    needed = []
+    if cfg.log.wandb is not None:
+        needed.append(("wandb", "log.wandb"))
+    if cfg.log.tensorboard:
+        needed.append(("tensorboardX", "log.tensorboard"))
+    if cfg.bridge.engine == "vllm" and not cfg.bridge.addresses:
+        needed.append(("vllm", "bridge.engine=vllm"))
+    return needed
 
 
 def _check_health(url: str, timeout_s: float) -> None:

@@ -50,12 +50,24 @@ log = logging.getLogger("jaxrl.train")
 SNAPSHOTS_KEPT = 3
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: stop now (children are still stopped on the way out)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signal = signal.Signals(signum)
+
+
 class _Stop:
     """SIGINT/SIGTERM: the first asks the loop to stop after this step, the second stops now."""
 
     def __init__(self):
-        self.requested = False
+        self.signal: signal.Signals | None = None
         self._old = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -64,8 +76,8 @@ class _Stop:
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+            raise Interrupted(signum)
+        self.signal = signal.Signals(signum)
         print(f"\njaxrl train: {signal.Signals(signum).name}: stopping after this step "
               "(checkpoint written); again to stop now", file=sys.stderr, flush=True)
 
@@ -151,7 +163,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         if r.step >= cfg.steps and cfg.eval.episodes:
             _final_evaluation(r)
         if stop.requested and r.step < cfg.steps:
-            summary["stopped"] = "signal"
+            summary["stopped"] = stop.signal.name  # `jaxrl train` exits 128 + its number
     summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
     summary["final"] = _finish_report(run.path, out)
     return summary
