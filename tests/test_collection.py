@@ -110,7 +110,20 @@ def test_failed_and_stale_groups_are_dropped():
     assert not collector._keep(stale, learner_version=5, counts=counts)
     failed = [traj("a", 0, [1], [], [], {}, finish="error"), ok[1]]
     assert not collector._keep(failed, learner_version=5, counts=counts)
-    assert counts == {"groups_stale": 1, "groups_failed": 1}
+    foreign = [traj("a", 0, [1], [1], [1], {"env": 1.0}, version=999), ok[1]]
+    assert not collector._keep(foreign, learner_version=5, counts=counts)
+    assert counts == {"groups_stale": 1, "groups_failed": 1, "groups_foreign_version": 1}
+
+
+def test_sync_mode_trains_only_on_the_version_just_published():
+    collector = Collector(config(), client=None, tasks=None, stop_ids=(0,))
+    counts = collections.Counter()
+    assert collector._keep([traj("a", 0, [1], [1, 2], [1, 1], {"env": 1.0}, version=5)], 5, counts)
+    older = traj("a", 0, [1], [1, 2], [1, 1], {"env": 1.0}, version=5)
+    older.token_versions[0] = 4  # one turn sampled before the last publish
+    assert not collector._keep([older], 5, counts)
+    assert not collector._keep([traj("a", 0, [1], [1], [1], {"env": 1.0}, version=999)], 5, counts)
+    assert counts == {"groups_stale": 1, "groups_foreign_version": 1}
 
 
 def test_too_many_failed_episodes_stop_the_run():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ from jaxrl.run.rewards import RewardWeights
 from jaxrl.run.tasks import Task, TaskSource
 
 Group = list[TrajectoryData]
+log = logging.getLogger(__name__)
 
 
 class EnvironmentsDown(RuntimeError):
@@ -100,11 +102,19 @@ class Collector:
         if any(t.finish_reason == "error" for t in group):
             counts["groups_failed"] += 1
             return False
-        if self.cfg.rollout.mode == "async":
-            oldest = min(t.policy_version for t in group)
-            if oldest < learner_version - self.cfg.rollout.max_staleness:
-                counts["groups_stale"] += 1
-                return False
+        # Sync mode trains on the version just published only; async on versions at most
+        # max_staleness behind. A newer version than the learner's was never published by this run.
+        oldest = learner_version - (self.cfg.rollout.max_staleness if self.cfg.rollout.mode == "async" else 0)
+        versions = [t.token_versions[t.loss_mask.astype(bool)] for t in group]
+        versions = np.concatenate(versions) if versions else np.zeros(0, np.int64)
+        if len(versions) and versions.max() > learner_version:
+            counts["groups_foreign_version"] += 1
+            log.warning("dropped group %s: sampled with version %d, but this run has published up to %d (another "
+                        "client loaded weights into the bridge?)", group[0].group_id, versions.max(), learner_version)
+            return False
+        if len(versions) and versions.min() < oldest:
+            counts["groups_stale"] += 1
+            return False
         if self.cfg.rollout.dynamic_sampling:
             # No learning signal: fewer than two rewards, or all equal.
             rewards = [self.rewards.total(t.rewards) for t in group]
