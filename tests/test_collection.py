@@ -9,6 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from bridge.envs.spec import RewardError
 from bridge.wire import SamplingParams, TrajectoryData
 from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
@@ -159,3 +160,26 @@ def test_dynamic_sampling_keeps_only_groups_with_two_distinct_rewards():
     assert not collector._keep(group({}, {"env": 1.0}), 0, counts)  # one reward only
     assert not collector._keep(group({}, {}), 0, counts)
     assert counts == {"groups_zero_variance": 3}
+
+
+def test_a_reward_error_stops_the_step_naming_the_function():
+    class Client:
+        def request(self, tasks, ids, group_size, params, min_version, policy=""):
+            groups = [[traj(i, k, [1], [1], [1], {"env": 1.0}) for k in range(group_size)] for i in ids]
+            groups[1][0].finish_reason = "error"
+            groups[1][0].error = "RewardError: reward function 'f' (m:f) for episode 0-1/0 of 'coin' returned nan"
+            return groups
+
+    cfg = config()
+    with pytest.raises(RewardError, match=r"^reward function 'f' \(m:f\) for episode 0-1/0 of 'coin' returned nan$"):
+        Collector(cfg, Client(), TaskSource(cfg), (0,)).collect(0, 0)
+
+
+def test_episodes_scored_and_unscored_are_counted():
+    class Client:
+        def request(self, tasks, ids, group_size, params, min_version, policy=""):
+            return [[traj(i, 0, [1], [1], [1], {}), traj(i, 1, [1], [1], [1], {"env": 0.0})] for i in ids]
+
+    cfg = config()
+    result = Collector(cfg, Client(), TaskSource(cfg), (0,)).collect(0, 0)
+    assert (result.counts["episodes_scored"], result.counts["episodes_unscored"]) == (2, 2)

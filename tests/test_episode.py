@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 
@@ -242,12 +243,50 @@ def test_max_turns_and_budget_end_episodes(tok):
     assert traj.finish_reason == "length" and len(traj.completion_ids) >= 120
 
 
-def test_reward_function_errors_fail_the_episode_not_the_rollout(tok):
+@pytest.mark.parametrize("fn, message", [
+    ("not_a_list", "returned 1.0; it must return a list with one value per completion"),
+    ("two_values", "returned [1.0, 2.0]; it must return a list with one value per completion"),
+    ("nan", "returned nan; rewards must be finite"),
+    ("inf", "returned inf; rewards must be finite"),
+    ("text", "returned '1.5' (str); rewards must be numbers or None"),
+])
+def test_a_reward_that_is_not_a_number_or_none_is_a_reward_error_naming_the_function(tok, fn, message):
     runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser(),
-                         [RewardSpec("test_episode:bad_reward")])
+                         [RewardSpec(f"test_episode:{fn}")])
     traj = run(ScriptedEngine(tok, lambda prompt: "done"), runtime, "counter", {})
-    assert traj.finish_reason == "error" and "one value per completion" in traj.error
+    assert traj.finish_reason == "error"
+    assert traj.error.startswith(f"RewardError: reward function {fn!r} (test_episode:{fn}) for episode g/0 of "
+                                 "'counter' "), traj.error
+    assert message in traj.error
 
 
-def bad_reward(completions, environments, **kwargs):
+def test_an_environment_reward_that_is_not_a_number_is_a_reward_error(tok):
+    runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:NanCounter")], tok, get_parser())
+    traj = run(ScriptedEngine(tok, lambda prompt: "done"), runtime, "counter", {})
+    assert traj.error == "RewardError: environment 'counter' (its reward()) returned nan; rewards must be finite " \
+                         "(None: does not apply)"
+
+
+class NanCounter(Counter):
+    def reward(self) -> float:
+        return float("nan")
+
+
+def not_a_list(completions, environments, **kwargs):
     return 1.0
+
+
+def two_values(completions, environments, **kwargs):
+    return [1.0, 2.0]
+
+
+def nan(completions, environments, **kwargs):
+    return [float("nan")]
+
+
+def inf(completions, environments, **kwargs):
+    return [math.inf]
+
+
+def text(completions, environments, **kwargs):
+    return ["1.5"]

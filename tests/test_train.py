@@ -263,6 +263,28 @@ def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path
     assert took < 6  # 3 s on a quiet machine: interpreter, imports, the checks
 
 
+@pytest.mark.parametrize("fn, last_line", [
+    ("nan", "jaxrl train: error: reward function 'nan' (tests.workers.rewards:nan) for episode 0-"),
+    ("nothing", "jaxrl train: error: step 2: no reward function scored any episode for 2 steps in a row"),
+])
+def test_a_run_on_rewards_that_are_not_numbers_stops_in_one_line(model_dir, tmp_path, fn, last_line):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=5, eval={"episodes": 0},
+                          rewards=[{"fn": f"tests.workers.rewards:{fn}"}],
+                          rollout={"groups_per_step": 2, "max_tokens": 8, "max_total_tokens": 8,
+                                   "max_prompt_tokens": 64, "max_unscored_steps": 2})
+    proc = jaxrl("train", config)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(last_line) and f"traceback: {run_dir}/logs/train_error.log" in lines[-1], lines
+    if fn == "nothing":  # the step before the stop: warned, and counted
+        assert lines[0].startswith("jaxrl train: WARNING: step 1: no learning signal") and len(lines) == 2, lines
+        assert [r["rollout/no_learning_signal"] for r in read_metrics(run_dir)] == [1.0]
+    else:
+        assert len(lines) == 1 and "returned nan; rewards must be finite" in lines[0]
+    assert "Traceback" in (run_dir / "logs" / "train_error.log").read_text()
+
+
 def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_dir, tmp_path):
     server = subprocess.Popen([sys.executable, str(WORKER), "reverse"], stdout=subprocess.PIPE, text=True)
     run_dir = tmp_path / "run"

@@ -35,7 +35,8 @@ import json
 from typing import Any
 
 from bridge.envs.session import Endpoint, EnvServerError
-from bridge.envs.spec import ENV_REWARD, EnvConfigError, EnvSpec, RewardSpec, import_object
+from bridge.envs.spec import (ENV_REWARD, EnvConfigError, EnvSpec, RewardError, RewardSpec, import_object,
+                              reward_value)
 from bridge.envs.tools import ToolEnvironment
 from bridge.rollout import TurnResult
 from bridge.tool_calls import ToolCallParser, format_tool_results, render_tool_results
@@ -209,8 +210,9 @@ class SessionEpisode:
     def _observe(self, payload: dict[str, Any]) -> dict[str, Any]:
         obs = payload.get("observation") or {}
         self.record.observations.append(obs)
-        if payload.get("reward") is not None:
-            self.record.rewards.append(float(payload["reward"]))
+        reward = reward_value(payload.get("reward"), f"environment {self.spec.name!r} (its step reply's reward)")
+        if reward is not None:
+            self.record.rewards.append(reward)
         self.record.done = bool(payload.get("done"))
         return obs
 
@@ -347,9 +349,9 @@ class ToolClassEpisode:
     async def close(self) -> None:
         reward = getattr(self.env.env, "reward", None)
         if callable(reward):  # the class's own reward, read before it is closed
-            value = reward()
+            value = reward_value(reward(), f"environment {self.spec.name!r} (its reward())")
             if value is not None:
-                self.record.rewards.append(float(value))
+                self.record.rewards.append(value)
         await self.env.aclose()
 
     @property
@@ -479,6 +481,7 @@ class EnvRuntime:
         self.parser = parser
         self.template_kwargs = dict(template_kwargs or {})
         self.reward_specs = list(rewards)
+        self.reward_specs_by_key = {r.key: r for r in self.reward_specs}
         self.reward_fns = {r.key: (None if r.fn == ENV_REWARD else import_object(r.fn, "reward function"))
                            for r in self.reward_specs}
         for key, fn in self.reward_fns.items():
@@ -513,14 +516,17 @@ class EnvRuntime:
         completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
         fields = {k: [v] for k, v in task.items() if k not in ("completions", "environments")}
         for key, fn in fns.items():
+            what = (f"reward function {key!r} ({self.reward_specs_by_key[key].fn}) for episode "
+                    f"{trajectory.group_id}/{trajectory.index_in_group} of {env!r}")
             value = fn(completions=[completion], environments=[episode.handle], env=[env], **fields)
             if inspect.isawaitable(value):
                 value = await value
             if not isinstance(value, (list, tuple)) or len(value) != 1:
-                raise TypeError(f"reward function {key!r} must return a list with one value per completion, "
-                                f"got {value!r}")
-            if value[0] is not None:
-                rewards[key] = float(value[0])
+                raise RewardError(f"{what} returned {value!r}; it must return a list with one value per "
+                                  "completion (here 1)")
+            value = reward_value(value[0], what)
+            if value is not None:
+                rewards[key] = value
         return rewards
 
     def metrics(self) -> dict[str, float]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import numbers
 from typing import Any, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
@@ -140,6 +142,24 @@ class RewardSpec:
             return cls(**data)
         except TypeError as e:
             raise EnvConfigError(f"reward {data!r}: {e}") from None
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite number or None: a bug in the function (or environment) that
+    produced it, so the run stops on it rather than train on it. An episode scored with one ends
+    with finish_reason "error" and an error starting with "RewardError: "."""
+
+
+def reward_value(value: Any, what: str) -> float | None:
+    """`value` as a float, None as None; RewardError naming `what` for anything else (strings,
+    NaN, inf, containers)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):
+        raise RewardError(f"{what} returned {value!r} ({type(value).__name__}); rewards must be numbers or None")
+    if not math.isfinite(value):
+        raise RewardError(f"{what} returned {value!r}; rewards must be finite (None: does not apply)")
+    return float(value)
 
 
 def import_object(path: str, what: str) -> Any:

@@ -35,6 +35,10 @@ def _train(args) -> int:
     cfg = _load_train_config(args, "jaxrl train")
     if cfg is None:
         return 2
+    import logging
+
+    # Warnings one line each, named; libraries may have configured the root logger already.
+    logging.basicConfig(level=logging.WARNING, format="jaxrl train: %(levelname)s: %(message)s", force=True)
     from jaxrl.run.services import StartupError
     from jaxrl.run.train import Interrupted, train
 
@@ -61,9 +65,11 @@ def _train(args) -> int:
 def _failure_line(e: BaseException) -> str:
     """What went wrong, in one line: a full disk by name, the run layer's own errors as they are
     worded, anything else with its type."""
+    from bridge.envs.spec import RewardError
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
     from jaxrl.run.processes import ChildStartError
+    from jaxrl.run.rewards import NothingScored
     from jaxrl.run.tasks import TaskError
     from jaxrl.run.warm_start import WarmStartError
 
@@ -73,7 +79,7 @@ def _failure_line(e: BaseException) -> str:
             where = f" writing {cause.filename}" if cause.filename else ""
             return f"disk full{where}: free space (or move run_dir), then --resume from the last checkpoint"
         cause = cause.__cause__ or cause.__context__
-    ours = (ChildStartError, EnvironmentsDown, EvaluationFailed, TaskError, WarmStartError)
+    ours = (ChildStartError, EnvironmentsDown, EvaluationFailed, NothingScored, RewardError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     lines = text.strip().splitlines() or [type(e).__name__]
     return lines[0] + (" ..." if len(lines) > 1 else "")
@@ -164,6 +170,7 @@ def _eval(args) -> int:
         if found is None:
             return 2
         cfg, snapshot = found
+        from bridge.envs.spec import RewardError
         from jaxrl.run.evaluation import EvaluationFailed, evaluate_weights
         from jaxrl.run.processes import ChildStartError
         from jaxrl.run.services import StartupError
@@ -171,7 +178,7 @@ def _eval(args) -> int:
         logs = Path(args.target) / "logs" / "eval" if snapshot is not None else Path(scratch) / "logs"
         try:
             result = evaluate_weights(cfg, logs, snapshot, args.env, args.split)
-        except (StartupError, ChildStartError, EvaluationFailed) as e:
+        except (StartupError, ChildStartError, EvaluationFailed, RewardError) as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1
     weights = f"snapshot {snapshot[1]}" if snapshot else cfg.model.dir

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from bridge.client import BridgeClient
+from bridge.envs.spec import RewardError
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -138,6 +139,7 @@ class Collector:
             groups = self.client.request(tasks, ids, self.cfg.learner.group_size, self.params, min_version)
             counts["requests"] += 1
             episodes = [t for g in groups for t in g]
+            check_rewards(episodes)
             failed = [t for t in episodes if t.finish_reason == "error"]
             counts["episodes"] += len(episodes)
             counts["episodes_failed"] += len(failed)
@@ -146,6 +148,9 @@ class Collector:
                 raise EnvironmentsDown(
                     f"step {step}: only {len(episodes) - len(failed)} of {len(episodes)} episodes succeeded "
                     f"(rollout.min_success_fraction={r.min_success_fraction}); most common error ({n}x): {worst}")
+            for t in episodes:
+                if t.finish_reason != "error":
+                    counts["episodes_scored" if self.rewards.total(t.rewards) is not None else "episodes_unscored"] += 1
             gen += sum(t.generate_s for t in episodes)
             env += sum(t.env_s for t in episodes)
             kept += [g for g in groups if self._keep(g, learner_version_at_use, counts)]
@@ -181,6 +186,17 @@ class Collector:
 
     def close(self) -> None:
         self.prefetch.shutdown(wait=False, cancel_futures=True)
+
+
+def check_rewards(episodes: list[TrajectoryData]) -> None:
+    """Raises the first RewardError the bridge reported: a reward function (or an environment's
+    reward) that returned something other than a finite number or None stops the run."""
+    for t in episodes:
+        if t.finish_reason == "error" and t.error.startswith(_REWARD_ERROR):
+            raise RewardError(t.error[len(_REWARD_ERROR):])
+
+
+_REWARD_ERROR = f"{RewardError.__name__}: "
 
 
 def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:

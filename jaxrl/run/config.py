@@ -94,6 +94,9 @@ class RolloutConfig:
     drop_truncated: bool = _help("drop episodes cut by the token budget (finish_reason length)", default=False)
     min_success_fraction: float = _help(
         "stop with an error when fewer episodes than this succeed in a step (environments down)", default=0.25)
+    max_unscored_steps: int = _help(
+        "stop with an error after this many steps in a row in which no reward function scored any episode "
+        "(all returned None)", default=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +197,8 @@ class TrainConfig:
                              f"max_total_tokens >= max_tokens (got {r.max_total_tokens} < {r.max_tokens})"
                              if r.max_total_tokens < r.max_tokens else
                              "rollout: groups_per_step, max_tokens and max_turns must be >= 1")
+        if r.max_unscored_steps < 1:
+            raise ValueError(f"rollout.max_unscored_steps={r.max_unscored_steps} must be >= 1")
         if not 0 <= r.min_success_fraction <= 1 or r.max_staleness < 0 or r.max_refills < 0:
             raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
         if r.temperature <= 0:

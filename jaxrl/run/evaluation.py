@@ -19,7 +19,7 @@ import numpy as np
 
 from bridge.wire import SamplingParams
 from jaxrl.compilation import use_persistent_cache
-from jaxrl.run.collection import RolloutClient
+from jaxrl.run.collection import RolloutClient, check_rewards
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
 from jaxrl.run.services import check_services, start_services
@@ -62,6 +62,7 @@ def evaluate(client: RolloutClient, tasks: list[Task], cfg: TrainConfig, version
     weights = RewardWeights(cfg.rewards)
     successes, rewards = [], []
     episodes = [t for g in groups for t in g]
+    check_rewards(episodes)
     failed = [t for t in episodes if t.finish_reason == "error"]
     for group in groups:
         scored = [weights.total(t.rewards) for t in group if t.finish_reason != "error"]

@@ -36,7 +36,7 @@ from jaxrl.run.batches import learner_batch
 from jaxrl.run.collection import Collector, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
-from jaxrl.run.rewards import RewardWeights
+from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.run_dir import RunDir, snapshot_directory
 from jaxrl.run.services import StartupError, check_services, start_services
 from jaxrl.run.tasks import TaskSource
@@ -260,11 +260,14 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
     r.logger = logger
     progress = stack.enter_context(Progress(cfg.steps, initial=r.step)) if cfg.log.progress else None
     seen = (compiles(), _bridge_compiles(r.client))
+    signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
     while r.step < cfg.steps and not stop.requested:
         t0 = time.perf_counter()
         result = collector.collect(r.step, r.version)
         if r.step + 1 < cfg.steps:
             collector.prefetch_next(r.step + 1, r.version)
+        signal_metrics = signal_watch.observe(r.step + 1, result.groups, result.counts["episodes_unscored"],
+                                              result.counts["episodes_scored"])
         batch = _step_batch(result, cfg, r.pad_id)
         t1 = time.perf_counter()
         metrics = learner.update(batch)
@@ -273,7 +276,7 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
         sync_s = 0.0
         if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stop.requested:
             sync_s = _publish(r, learner, r.step + 1)
-        metrics.update(rollout_metrics(result, cfg))
+        metrics.update(rollout_metrics(result, cfg) | signal_metrics)
         metrics.update({"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
                         "time/env_s": result.env_s, "time/learn_s": learn_s, "time/sync_s": sync_s,
                         "time/step_s": time.perf_counter() - t0, "version": float(r.version)})

@@ -4,3 +4,13 @@
 def short(completions, **task_fields):
     """1 for a completion of at most 12 characters: a second, cheaper signal beside the environment's."""
     return [float(len(c) <= 12) for c in completions]
+
+
+def nan(completions, **task_fields):
+    """A broken reward function: NaN for every completion."""
+    return [float("nan")] * len(completions)
+
+
+def nothing(completions, **task_fields):
+    """A reward function that applies to nothing: the run has no score at all."""
+    return [None] * len(completions)
