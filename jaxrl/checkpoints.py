@@ -1,12 +1,14 @@
 """Train checkpoints for exact resume: the whole TrainState plus run metadata, through Orbax.
 
 Saves are asynchronous; Orbax writes `<step>.orbax-checkpoint-tmp` and renames it on commit, so a
-process killed mid-save leaves the previous checkpoints intact. Restores take the target's
+process killed mid-save leaves the previous checkpoints intact; a save that fails (a full disk)
+has its temporary directory removed once the failure surfaces. Restores take the target's
 shardings, so a run can resume on a different mesh than the one that saved it.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +71,15 @@ class TrainCheckpointer:
         """Starts saving (returns at once when async); `meta` must be JSON (config, RNG, data position)."""
         if not force and step % self.every:
             return False
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+        try:
+            return self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        except BaseException:
+            self._discard_unfinished()
+            raise
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
         """Restores `step` (default: latest) onto `target`'s shapes and shardings."""
@@ -107,8 +113,18 @@ class TrainCheckpointer:
             )
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except BaseException:
+            self._discard_unfinished()
+            raise
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
+
+    def _discard_unfinished(self) -> None:
+        """A failed save (a full disk) leaves its temporary directory behind: remove it, so that only
+        finished checkpoints are visible. Called once the failure surfaced, when no save is running."""
+        for path in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(path, ignore_errors=True)

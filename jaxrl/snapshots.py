@@ -357,7 +357,11 @@ def copy_snapshot(source: str | Path, version: int, directory: str | Path, keep:
     directory.mkdir(parents=True, exist_ok=True)
     tmp, final = directory / f"{version}{TMP_SUFFIX}", directory / str(version)
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source / str(version), tmp)
+    try:
+        shutil.copytree(source / str(version), tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-copied stays visible (a full disk)
+        raise
     _commit(tmp, final)
     for doomed in _prune(directory, keep) if keep is not None else ():
         shutil.rmtree(doomed, ignore_errors=True)

@@ -285,6 +285,66 @@ def test_a_run_on_rewards_that_are_not_numbers_stops_in_one_line(model_dir, tmp_
     assert "Traceback" in (run_dir / "logs" / "train_error.log").read_text()
 
 
+def test_a_run_whose_bridge_dies_keeps_every_step_it_took_and_resumes_contiguously(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
+                          checkpoint_every=1000)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.2)
+        [bridge] = [c for c in _children_of(proc.pid)  # python -m bridge serve|env ...
+                    if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
+        os.kill(bridge, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    lines = [line for line in err.strip().splitlines() if "no learning signal" not in line]
+    assert len(lines) == 1 and lines[0].startswith("jaxrl train: error: bridge at ") and "unavailable" in lines[0], err
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    checkpoints = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
+    assert steps == list(range(1, steps[-1] + 1)) and checkpoints == [steps[-1]]  # every step taken, kept
+
+    summary = summary_of(jaxrl("train", config, "--resume", "--set", f"steps={steps[-1] + 2}"))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps[-1] + 3)) and summary["steps"] == steps[-1] + 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB file system: room for the run's config, logs and two checkpoints of the tiny model."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_last_finished_checkpoint(model_dir, tmp_path, small_disk):
+    run_dir = small_disk / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=200, eval={"episodes": 0},
+                          checkpoint_every=1, keep_checkpoints=2)
+    proc = jaxrl("train", config)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.strip().splitlines() if "no learning signal" not in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"jaxrl train: error: disk full: no space left on the file system of {run_dir}"), proc.stderr
+    checkpoints = run_dir / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir() if not p.name.isdigit()] == []  # nothing half-written
+    assert [p.name for p in (run_dir / "snapshots").iterdir() if not p.name.isdigit()] == []
+    newest = max(int(p.name) for p in checkpoints.iterdir())
+    exported = jaxrl("export", run_dir, "--checkpoint-step", newest, "--out", tmp_path / "export")
+    assert exported.returncode == 0, exported.stderr  # the newest checkpoint restores
+    assert read_metrics(run_dir)[-1]["step"] >= newest
+
+
 def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_dir, tmp_path):
     server = subprocess.Popen([sys.executable, str(WORKER), "reverse"], stdout=subprocess.PIPE, text=True)
     run_dir = tmp_path / "run"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import json
 import os
 import signal
@@ -37,8 +36,12 @@ def _train(args) -> int:
         return 2
     import logging
 
-    # Warnings one line each, named; libraries may have configured the root logger already.
+    # Our warnings one line each on stderr; libraries' (Orbax logs every failed write thread with
+    # its traceback) only in RUN/logs/train.log. Libraries may have configured the root logger already.
     logging.basicConfig(level=logging.WARNING, format="jaxrl train: %(levelname)s: %(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
+    logging.raiseExceptions = False  # a log file on a full disk must not print its own tracebacks
     from jaxrl.run.services import StartupError
     from jaxrl.run.train import Interrupted, train
 
@@ -54,7 +57,7 @@ def _train(args) -> int:
         print("jaxrl train: stopped", file=sys.stderr)
         return 130
     except Exception as e:
-        print(f"jaxrl train: error: {_failure_line(e)} (traceback: {_save_traceback(e, cfg.run_dir)})",
+        print(f"jaxrl train: error: {_failure_line(e, cfg.run_dir)} (traceback: {_save_traceback(e, cfg.run_dir)})",
               file=sys.stderr)
         return 1
     print(json.dumps(summary), flush=True)
@@ -62,24 +65,24 @@ def _train(args) -> int:
     return 128 + signal.Signals[stopped] if stopped else 0
 
 
-def _failure_line(e: BaseException) -> str:
+def _failure_line(e: BaseException, run_dir: str) -> str:
     """What went wrong, in one line: a full disk by name, the run layer's own errors as they are
     worded, anything else with its type."""
+    from bridge.client import BridgeError
     from bridge.envs.spec import RewardError
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
     from jaxrl.run.processes import ChildStartError
     from jaxrl.run.rewards import NothingScored
+    from jaxrl.run.run_dir import disk_full
     from jaxrl.run.tasks import TaskError
     from jaxrl.run.warm_start import WarmStartError
 
-    cause: BaseException | None = e
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            where = f" writing {cause.filename}" if cause.filename else ""
-            return f"disk full{where}: free space (or move run_dir), then --resume from the last checkpoint"
-        cause = cause.__cause__ or cause.__context__
-    ours = (ChildStartError, EnvironmentsDown, EvaluationFailed, NothingScored, RewardError, TaskError, WarmStartError)
+    if disk_full(e):
+        return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
+                "--resume from its last checkpoint")
+    ours = (BridgeError, ChildStartError, EnvironmentsDown, EvaluationFailed, NothingScored, RewardError, TaskError,
+            WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     lines = text.strip().splitlines() or [type(e).__name__]
     return lines[0] + (" ..." if len(lines) > 1 else "")

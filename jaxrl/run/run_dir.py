@@ -8,6 +8,8 @@ RUN/
   snapshots/       weight snapshots for the bridge (jaxrl.snapshots.SnapshotWriter), or only the
                    last one served when they live in memory while the run trains
   tokenizer/       the run's tokenizer, written with `tokenizer.save_pretrained`
+  logs/            the children's logs, train.log (the trainer's warnings and library errors) and
+                   train_error.log (the traceback of a run that failed)
 ```
 
 While a run trains, its snapshots live where `snapshot_directory` says: by default, when the run
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -42,7 +45,7 @@ class RunDir:
     def create(cls, path: str | Path) -> RunDir:
         """The run directory at `path`, with its subdirectories made (existing ones are kept)."""
         run = cls(path)
-        for directory in (run.checkpoints, run.snapshots, run.tokenizer):
+        for directory in (run.checkpoints, run.snapshots, run.tokenizer, run.logs):
             directory.mkdir(parents=True, exist_ok=True)
         return run
 
@@ -65,6 +68,21 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` (or an exception it came from) is a full disk; TensorStore's write errors are
+    not OSErrors, but they carry the OS error's text."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ RUN/
 ```
 
 metrics.jsonl is the record the reports read: always valid JSON lines (NaN and inf are null),
-flushed at every step so a killed run keeps everything it logged.
+on disk (fsync) at every step, before the step's checkpoint, so a killed run keeps everything it logged.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class MetricsLogger:
         row = {"step": int(step), "time": round(time.time(), 3)}
         row |= {key: value if math.isfinite(value) else None for key, value in values.items()}
         self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
-        self._metrics.flush()
+        _sync(self._metrics)
         if self._tensorboard is not None:
             for key, value in values.items():
                 self._tensorboard.add_scalar(key, value, int(step))
@@ -73,7 +73,7 @@ class MetricsLogger:
         for sample in rows:
             record = {"step": int(step), **_jsonable(dict(sample))}
             self._samples.write(json.dumps(record, allow_nan=False, default=str) + "\n")
-        self._samples.flush()
+        _sync(self._samples)
 
     def close(self) -> None:
         for f in (self._metrics, self._samples):
@@ -89,6 +89,12 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _sync(f) -> None:
+    """On disk before the step's checkpoint: a checkpoint never gets ahead of its metrics."""
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -37,7 +37,7 @@ from jaxrl.run.collection import Collector, RolloutClient, StepRollouts, rollout
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
 from jaxrl.run.rewards import RewardWeights, SignalWatch
-from jaxrl.run.run_dir import RunDir, snapshot_directory
+from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, check_services, start_services
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
@@ -133,6 +133,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     with _Stop() as stop, contextlib.ExitStack() as stack:
+        stack.enter_context(_log_file(run.logs / "train.log"))
         stack.callback(ckpt.close)
         # Entered before the bridges start, so that a memory directory goes after they stop. Room
         # for the snapshots kept and the one being written, each about the model's own weights.
@@ -248,7 +249,8 @@ def _close_writer(r: _Run) -> None:
         try:
             copy_snapshot(r.snapshots, r.version, r.run.snapshots, keep=r.writer.keep)
         except OSError as e:
-            log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
+            if not disk_full(e):  # when it is, the run's own error says so
+                log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
 
 
 def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -> None:
@@ -273,24 +275,33 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
         metrics = learner.update(batch)
         learn_s = time.perf_counter() - t1
         r.step += 1
-        sync_s = 0.0
-        if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stop.requested:
-            sync_s = _publish(r, learner, r.step + 1)
         metrics.update(rollout_metrics(result, cfg) | signal_metrics)
+        # The update is done: a bridge failing from here on (publish, stats, evaluation) must not lose
+        # the step's metrics and samples, which are written before the run stops, and before its checkpoint.
+        failure = None
+        try:
+            sync_s = 0.0
+            if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stop.requested:
+                sync_s = _publish(r, learner, r.step + 1)
+            metrics.update({"time/sync_s": sync_s})
+            now = (compiles(), _bridge_compiles(r.client))  # after step 1, a compile is a shape the config missed
+            metrics.update({"compiles/learner": float(now[0] - seen[0]), "compiles/bridge": float(now[1] - seen[1])})
+            if r.step > 1:
+                r.summary["compiles_after_step_1"] = r.summary.get("compiles_after_step_1", 0) + sum(now) - sum(seen)
+            seen = now
+            if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps:
+                metrics.update(r.evaluate().metrics())
+        except Exception as e:
+            failure = e
         metrics.update({"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
-                        "time/env_s": result.env_s, "time/learn_s": learn_s, "time/sync_s": sync_s,
+                        "time/env_s": result.env_s, "time/learn_s": learn_s,
                         "time/step_s": time.perf_counter() - t0, "version": float(r.version)})
-        now = (compiles(), _bridge_compiles(r.client))  # after step 1, a compile is a shape the config missed
-        metrics.update({"compiles/learner": float(now[0] - seen[0]), "compiles/bridge": float(now[1] - seen[1])})
-        if r.step > 1:
-            r.summary["compiles_after_step_1"] = r.summary.get("compiles_after_step_1", 0) + sum(now) - sum(seen)
-        seen = now
-        if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps:
-            metrics.update(r.evaluate().metrics())
-        r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
         logger.log(r.step, metrics)
         if cfg.log.samples_per_step:
             logger.samples(r.step, _sample_rows(result, r.tokenizer, cfg.log.samples_per_step))
+        if failure is not None:
+            raise failure  # the step's checkpoint is written on the way out (_keep_steps)
+        r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
         if progress is not None:
             progress.update(r.step, metrics)
 
@@ -326,7 +337,23 @@ def _keep_steps(r: _Run, learner: Learner) -> None:
             r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
             r.ckpt.wait()
         except Exception as e:
-            log.warning("final checkpoint at step %d failed: %s", r.step, e)
+            if not disk_full(e):  # a full disk is what stopped the run, and its error says so
+                log.warning("final checkpoint at step %d failed: %s", r.step, e)
+
+
+@contextlib.contextmanager
+def _log_file(path: Path):
+    """Every warning and error logged while the run trains, libraries' too, with tracebacks, in `path`."""
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def _sample_rows(result: StepRollouts, tokenizer, k: int) -> list[dict[str, Any]]:
