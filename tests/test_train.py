@@ -268,7 +268,7 @@ def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_di
             assert time.monotonic() < deadline
             time.sleep(0.2)
         config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
-                              envs=[{"name": "reverse", "url": url, "max_retries": 1, "retry_backoff_s": 0.1}])
+                              envs=[{"name": "reverse", "url": url, "retry_budget_s": 1.0, "retry_backoff_s": 0.1}])
         proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):

@@ -30,7 +30,7 @@ def _train(args) -> int:
         return 2
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
-    from jaxrl.run.processes import ChildStartError
+    from jaxrl.run.processes import ChildStartError, EnvServerDown
     from jaxrl.run.services import StartupError
     from jaxrl.run.tasks import TaskError
     from jaxrl.run.train import train
@@ -38,7 +38,8 @@ def _train(args) -> int:
 
     try:
         summary = train(cfg, resume=args.resume)
-    except (StartupError, ChildStartError, EnvironmentsDown, EvaluationFailed, TaskError, WarmStartError) as e:
+    except (StartupError, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, TaskError,
+            WarmStartError) as e:
         print(f"jaxrl train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
