@@ -111,8 +111,10 @@ class EnvSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EnvSpec:
         data = dict(data)
-        for old in set(data) & set(cls.RENAMED):
-            raise EnvConfigError(f"environment {data.get('name', '?')!r}: {old} is gone; set {cls.RENAMED[old]} instead")
+        old = next((k for k in data if k in cls.RENAMED), None)
+        if old is not None:
+            raise EnvConfigError(f"environment {data.get('name', '?')!r}: {old} is gone; set {cls.RENAMED[old]} "
+                                 "instead")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
