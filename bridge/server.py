@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import itertools
 import logging
 import os
 import signal
@@ -61,7 +62,8 @@ class _Invalid(Exception):
 class BridgeServicer(pb_grpc.BridgeServicer):
     """`envs` (an EnvRuntime) serves named environments; `episode_hook_factory` is the bare hook
     interface (tests, custom loops). With `envs`, an episode whose session is lost is replayed
-    from the start up to its environment's `max_retries`, then dropped and counted."""
+    from the start, with growing waits, until its environment's `retry_budget_s` has passed
+    since the first loss; then it is dropped (finish_reason "error") and counted."""
 
     def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
                  on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None):
@@ -157,9 +159,9 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self.counters["episodes_in_flight"] += 1
         prompt = [int(t) for t in group.prompt_ids]
         spec = self.envs.specs.get(group.env) if self.envs is not None else None
-        retries = spec.max_retries if spec is not None else 0
+        first_lost = None
         try:
-            for attempt in range(retries + 1):
+            for attempt in itertools.count():
                 hook = None
                 if self.episode_hook_factory is not None and policy != "solver":
                     try:
@@ -190,17 +192,22 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                     return traj
                 except RETRYABLE as e:
                     lost = f"{type(e).__name__}: {e}"
-                    if attempt == retries:
+                    if first_lost is None:
+                        first_lost = time.monotonic()
+                    wait = spec.retry_wait_s(attempt, time.monotonic() - first_lost) if spec is not None else None
+                    if wait is None:
                         break
                     self.counters["episodes_retried"] += 1
-                    log.warning("episode %s/%d lost its %s session (%s); replaying it from reset (retry %d/%d)",
-                                group.group_id, index, group.env, lost, attempt + 1, retries)
-                    await asyncio.sleep(spec.retry_backoff_s * 2**attempt)
+                    log.warning("episode %s/%d lost its %s session (%s); replaying it from reset in %.1f s "
+                                "(retry %d)", group.group_id, index, group.env, lost, wait, attempt + 1)
+                    await asyncio.sleep(wait)
             self.counters["episodes_dropped"] += 1
             traj = Trajectory(group.group_id, index, prompt, env=group.env)
             traj.finish_reason = "error"
-            traj.error = f"dropped after {retries} retries: {lost}"
-            traj.metrics["retries"] = float(retries)
+            budget = f"retry_budget_s={spec.retry_budget_s:g}" if spec is not None else "no environment spec"
+            traj.error = (f"dropped after {attempt} retries over {time.monotonic() - first_lost:.0f} s "
+                          f"({budget}): {lost}")
+            traj.metrics["retries"] = float(attempt)
             return traj
         finally:
             self.counters["episodes_in_flight"] -= 1

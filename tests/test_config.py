@@ -31,6 +31,9 @@ def test_shipped_configs_load(path):
     ({"rollout": {"groups_per_step": 3}, "learner": {"group_size": 2, "grad_accum": 4}}, "divisible"),
     ({"sft": {"envs": ["wordle"]}}, "sft.envs names unknown"),
     ({"envs": [{"name": "x", "url": "http://a", "env_class": "m:C"}]}, "exactly one of bundled, url, env_class"),
+    ({"envs": [{"name": "e", "bundled": "echo", "max_retries": 2}]},
+     "config key 'envs.0.max_retries' is gone: set 'envs.0.retry_budget_s' instead"),
+    ({"bridge": {"request_timeout_s": 900}}, r"request_timeout_s=900 is shorter than an episode may take .*1920 s"),
 ])
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -53,6 +56,13 @@ def test_the_learner_config_takes_the_values_the_run_derives(tmp_path):
         load_config(bad)
     saved = dump_yaml(cfg, tmp_path / "saved.yaml")
     assert "total_steps" not in saved.read_text() and load_config(saved) == cfg
+
+
+def test_rollout_requests_outlast_their_episodes_replays():
+    assert from_dict(TrainConfig, BASE).rollout_timeout_s == 2 * 900 + 120 + 60
+    unbounded = {**BASE, "envs": [{"name": "echo", "bundled": "echo", "episode_timeout_s": None}]}
+    assert from_dict(TrainConfig, unbounded).rollout_timeout_s is None
+    assert from_dict(TrainConfig, {**BASE, "bridge": {"request_timeout_s": 3000}}).rollout_timeout_s == 3000
 
 
 def test_warm_start_needs_environments_with_solvers():

@@ -200,8 +200,8 @@ def test_test_only_text_environment_through_the_url_path():
 # -- faults ------------------------------------------------------------------------------------------
 
 
-def fault_runtime(tok, url, max_retries=3, **session):
-    spec = {"name": "guess", "url": url, "max_retries": max_retries, "retry_backoff_s": 0.5,
+def fault_runtime(tok, url, retry_budget_s=4.0, **session):
+    spec = {"name": "guess", "url": url, "retry_budget_s": retry_budget_s, "retry_backoff_s": 0.5,
             "session": {"connect_timeout_s": 2.0, "step_timeout_s": 2.0, "breaker_failures": 3,
                         "breaker_window_s": 30.0, "breaker_cooldown_s": 1.0, **session}}
     return runtime_from_dict({"envs": [spec]}, tok)
@@ -211,7 +211,7 @@ def test_server_killed_mid_rollout_episodes_are_replayed_on_fresh_sessions():
     tok = build_tokenizer()
     server = EnvServerProcess.start("guess_number", max_concurrent_envs=64)
     port = server.port
-    runtime = fault_runtime(tok, server.url, max_retries=6)  # backoffs span a restart: 0.5 .. 16 s
+    runtime = fault_runtime(tok, server.url, retry_budget_s=60.0)  # spans a restart
     engine = ScriptedEngine(tok, guess_number_policy, delay_s=0.3)  # episodes span several seconds
     replacement = None
     try:
@@ -278,7 +278,8 @@ def test_frozen_server_times_out_opens_the_breaker_and_recovers():
             stats = client.stats()
     print(f"frozen server: {len(frozen)} episodes dropped after {waited:.1f} s; breaker opened "
           f"{endpoint.metrics['breaker_opens']:.0f}x, then {len(after)} episodes succeeded")
-    assert all(t.finish_reason == "error" and "dropped after 3 retries" in t.error for t in frozen)
+    assert all(t.finish_reason == "error" and "retry_budget_s=4)" in t.error for t in frozen)
+    assert all(t.metrics["retries"] >= 2 for t in frozen)  # replayed while the breaker decided
     assert waited < 60  # timeouts and the breaker end it; nothing hangs
     assert stats["episodes_dropped"] == 4
     assert all(t.rewards == {"env": 1.0} for t in after) and endpoint.breaker_state == "closed"

@@ -13,7 +13,7 @@ import pytest
 from bridge.envs.bundled import get
 from jaxrl.run.processes import EnvServerProcess
 from bridge.envs.session import (
-    Endpoint, EndpointUnavailable, EnvServerError, SessionConfig, SessionLost,
+    Endpoint, EndpointUnavailable, EnvServerError, SessionConfig, SessionLost, backoff_s,
 )
 
 SOLVE = get("guess_number").solve  # imports OpenEnv now, not inside a timed event loop
@@ -193,22 +193,24 @@ def test_a_frozen_server_times_out_opens_the_breaker_and_recovers(freezable):
             assert "no reply to step within 0.5 s" in str(lost[0])
             assert time.monotonic() - start < 1.5
             assert endpoint.breaker_state == "open" and endpoint.metrics["breaker_opens"] == 1
+            # Open: nothing is attempted until the cooldown has passed; then one trial session goes
+            # (and fails: still frozen), and a caller waiting for it shares its outcome.
             start = time.monotonic()
-            with pytest.raises(EndpointUnavailable, match="circuit breaker open"):
-                await endpoint.open()
-            assert time.monotonic() - start < 0.2  # refused at once, nothing attempted
-
-            await asyncio.sleep(config.breaker_cooldown_s)
-            assert endpoint.breaker_state == "half_open"
-            with pytest.raises(EndpointUnavailable, match="no answer within 0.5 s"):
-                await endpoint.open()  # the trial fails while still frozen: open again
-            assert endpoint.breaker_state == "open"
-        await asyncio.sleep(config.breaker_cooldown_s)
-        assert endpoint.breaker_state == "half_open"
-        async with endpoint.session() as env:  # the trial
-            assert endpoint.breaker_state == "closed"
+            failed = await asyncio.gather(endpoint.open(), endpoint.open(), return_exceptions=True)
+            waited = time.monotonic() - start
+            assert all(isinstance(e, EndpointUnavailable) for e in failed), failed
+            trial, waiter = sorted(map(str, failed), key=lambda m: "trial session failed" in m)
+            assert "cannot connect" in trial and "no answer within 0.5 s" in trial
+            assert "circuit breaker open" in waiter and "the trial session failed too" in waiter
+            assert config.breaker_cooldown_s - 0.1 < waited < config.breaker_cooldown_s + 1.0
+            assert endpoint.breaker_state == "open" and endpoint.metrics["timeouts"] == 4
+        # Thawed: the next trial succeeds after the cooldown and the caller waiting for it goes ahead.
+        sessions = await asyncio.gather(endpoint.open(), endpoint.open())
+        assert endpoint.breaker_state == "closed" and endpoint.metrics["breaker_opens"] == 1
+        for env in sessions:
             await env.reset(seed=2)
             assert (await env.step({"message": "x"}))["done"] is True
+            await env.close()
         assert idle(endpoint) and endpoint.metrics["sessions_lost"] == 3
         assert endpoint.metrics["timeouts"] == 4
 
@@ -278,6 +280,13 @@ def test_check_fails_fast_on_an_unreachable_server(echo):
         assert time.monotonic() - start < 2.0 and idle(endpoint)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("attempt, full", [(0, 0.5), (1, 1.0), (3, 4.0), (4, 5.0), (10_000, 5.0)])
+def test_backoff_doubles_up_to_its_cap_with_jitter_of_half_to_all_of_it(attempt, full):
+    waits = [backoff_s(attempt, 0.5, 5.0) for _ in range(200)]
+    assert all(full / 2 <= w <= full for w in waits)
+    assert max(waits) - min(waits) > full / 4  # spread: callers failing together retry apart
 
 
 @pytest.mark.parametrize("field, value, allowed", [

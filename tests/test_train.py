@@ -155,6 +155,56 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir,
     assert snapshot_versions(run_dir / "snapshots") == [summary["steps"] + 1]
 
 
+def _logged_steps(proc: subprocess.Popen, run_dir: Path, more_than: int, within_s: float = 300) -> int:
+    """Waits until the running `jaxrl train` has logged a step past `more_than`; the last one logged."""
+    deadline = time.monotonic() + within_s
+    while True:
+        steps = [r["step"] for r in read_metrics(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
+        if steps and steps[-1] > more_than:
+            return steps[-1]
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no step after {more_than} logged"
+        time.sleep(0.05)
+
+
+def test_a_stalled_then_killed_environment_server_costs_replays_and_a_restart_not_the_run(model_dir, tmp_path):
+    """Default retry settings. Steps take ~0.1 s here, and none can pass a frozen or dead server: both
+    faults land mid-run."""
+    run_dir, steps = tmp_path / "run", 12
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=steps, eval={"episodes": 0},
+                          checkpoint_every=1000)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stalled_at = _logged_steps(proc, run_dir, 0)
+        [server] = [c for c in _children_of(proc.pid) if b"env" in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")]
+        os.kill(server, signal.SIGSTOP)  # hangs: it takes connections (the kernel does) and answers nothing
+        try:
+            # Past 30 s: a session opened just before the stall is lost to its keepalive pings (10 s + 20 s),
+            # not answered late.
+            time.sleep(31)
+        finally:
+            os.kill(server, signal.SIGCONT)
+        killed_at = _logged_steps(proc, run_dir, stalled_at, within_s=60)  # the stall cost no step
+        assert killed_at <= steps - 3
+        os.kill(server, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == steps
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    retried = sum(r["rollout/episodes_retried"] for r in rows)
+    assert retried >= 8 and any(r.get("env/echo/retries", 0) > 0 for r in rows)  # replayed, then trained on
+    assert sum(r["rollout/episodes_failed"] for r in rows) == 0  # none lost for good
+    restarts = [r["env/echo/restarts"] for r in rows]
+    assert restarts[0] == 0 and restarts[-1] == 1  # the kill, not the stall
+    assert "exited with code -9; restarting it on port" in err
+    print(f"stalled after step {stalled_at}, killed after step {killed_at}: {retried:.0f} episodes replayed")
+
+
 def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_path):
     server = subprocess.Popen([sys.executable, str(WORKER), "reverse"], stdout=subprocess.PIPE, text=True)
     try:
@@ -355,7 +405,7 @@ def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_di
             assert time.monotonic() < deadline
             time.sleep(0.2)
         config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
-                              envs=[{"name": "reverse", "url": url, "max_retries": 1, "retry_backoff_s": 0.1}])
+                              envs=[{"name": "reverse", "url": url, "retry_budget_s": 1.0, "retry_backoff_s": 0.1}])
         proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):

@@ -21,8 +21,11 @@ What openenv-core 0.3.0's server does, and how this module meets it:
   episode restarts from `reset()` on a new session, never on a silently re-created one.
 
 Per endpoint, `breaker_failures` failures in a row (connect errors, unconfirmed or lost
-sessions; not capacity, not error replies) open a circuit breaker: `open()` is refused at once
-until a cooldown has passed, then one trial session decides whether it closes again.
+sessions; not capacity, not error replies) open a circuit breaker: nothing is attempted until a
+cooldown has passed, then one trial session decides whether it closes again. `open()` waits for
+that trial rather than being refused: its callers (episodes, replayed when lost) would only
+retry, and a refusal would burn their retries on a breaker that is about to decide; when the
+trial fails they all get EndpointUnavailable at once.
 
     endpoint = Endpoint(server.url, SessionConfig(max_sessions=64))
     async with endpoint.session() as env:
@@ -36,6 +39,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -97,6 +101,12 @@ class SessionConfig:
         if self.capacity_backoff_max_s < self.capacity_backoff_s:
             _bad("capacity_backoff_max_s", self.capacity_backoff_max_s,
                  f"at least capacity_backoff_s ({self.capacity_backoff_s})")
+
+
+def backoff_s(attempt: int, first_s: float, max_s: float) -> float:
+    """The wait before retry `attempt` (0 for the first): `first_s` doubling up to `max_s`, with
+    jitter (half to all of it), so that many callers failing together do not retry together."""
+    return min(first_s * 2.0 ** min(attempt, 64), max_s) * random.uniform(0.5, 1.0)
 
 
 def _bad(name: str, value: Any, allowed: str):
@@ -255,6 +265,7 @@ class Endpoint:
         self._failures: collections.deque[float] = collections.deque()
         self._opened_at: float | None = None   # the breaker is open (or half-open) since then
         self._trial = False                    # a half-open trial session is being opened
+        self._trial_over = asyncio.Event()     # set when that trial has decided (or given up)
         self._schema: dict[str, Any] | None = None
         self._closed = False
 
@@ -292,10 +303,9 @@ class Endpoint:
     async def _connect_accepted(self) -> ClientConnection:
         cfg = self.config
         deadline = time.monotonic() + cfg.capacity_wait_s
-        backoff = cfg.capacity_backoff_s
-        trial = self._enter_breaker()
+        trial = await self._enter_breaker()
         try:
-            while True:
+            for waits in itertools.count():
                 ws = await self._connect(trial)
                 reply = await self._confirm(ws, trial)
                 code = reply["data"].get("code") if reply["type"] == "error" else None
@@ -316,11 +326,12 @@ class Endpoint:
                         f"{self} stayed at capacity ({reply['data'].get('max_sessions', '?')} "
                         f"sessions) for {cfg.capacity_wait_s:g} s; other clients hold its slots: "
                         "raise the server's max_concurrent_envs or lower SessionConfig.max_sessions")
-                await self._wait_for_free_slot(min(backoff * random.uniform(0.5, 1.0), left))
-                backoff = min(2 * backoff, cfg.capacity_backoff_max_s)
+                await self._wait_for_free_slot(
+                    min(backoff_s(waits, cfg.capacity_backoff_s, cfg.capacity_backoff_max_s), left))
         finally:
             if trial:
                 self._trial = False
+                self._trial_over.set()
 
     async def _connect(self, trial: bool) -> ClientConnection:
         cfg = self.config
@@ -390,24 +401,34 @@ class Endpoint:
             return "open"
         return "half_open"
 
-    def _enter_breaker(self) -> bool:
-        """EndpointUnavailable unless a session may be tried now; True for the half-open trial."""
-        state = self.breaker_state
-        if state == "closed":
-            return False
-        if state == "half_open" and not self._trial:
-            self._trial = True
-            return True
-        wait = self._opened_at + self.config.breaker_cooldown_s - time.monotonic()
-        why = ("a trial session is being opened" if state == "half_open" else
-               f"it failed {self.config.breaker_failures} times in a row; a trial in {wait:.1f} s")
-        raise EndpointUnavailable(f"{self}: circuit breaker {state} ({why}); retry later")
+    async def _enter_breaker(self) -> bool:
+        """Waits while the breaker is open, and while another call's trial session decides; True
+        when this call is the half-open trial. EndpointUnavailable when the trial waited for failed."""
+        while True:
+            state = self.breaker_state
+            if state == "closed":
+                return False
+            if state == "open":
+                await asyncio.sleep(self._opened_at + self.config.breaker_cooldown_s - time.monotonic())
+            elif not self._trial:
+                self._trial = True
+                self._trial_over = asyncio.Event()
+                return True
+            else:
+                opened_at, over = self._opened_at, self._trial_over
+                await over.wait()
+                if self._opened_at is not None and self._opened_at != opened_at:
+                    raise EndpointUnavailable(
+                        f"{self}: circuit breaker open (it failed {self.config.breaker_failures} times in a "
+                        f"row and the trial session failed too; the next trial in "
+                        f"{self.config.breaker_cooldown_s:g} s); retry later")
 
     def _breaker_failure(self, trial: bool = False) -> None:
         now = time.monotonic()
         if self._opened_at is not None:
             if trial:
                 self._opened_at = now  # the trial failed: open again for a full cooldown
+                self._trial_over.set()
             return
         self._failures.append(now)
         while self._failures[0] < now - self.config.breaker_window_s:
@@ -421,6 +442,7 @@ class Endpoint:
         """The server accepted or refused a new session: it is alive, the breaker closes."""
         self._failures.clear()
         self._opened_at = None
+        self._trial_over.set()  # callers waiting for a trial go ahead
 
     # -- HTTP -----------------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import dataclasses
 import importlib
 import math
 import numbers
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
-from bridge.envs.session import SessionConfig
+from bridge.envs.session import SessionConfig, backoff_s
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
 ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]
@@ -56,10 +56,13 @@ class EnvSpec:
     max_concurrent_envs: int = dataclasses.field(
         default=64, metadata={"help": "sessions at once (bundled servers are started with this capacity)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "bundled server seed (resets without a seed)"})
-    max_retries: int = dataclasses.field(
-        default=2, metadata={"help": "an episode whose session is lost is replayed from reset() this many "
-                                     "times, then dropped and counted"})
-    retry_backoff_s: float = dataclasses.field(default=0.5, metadata={"help": "first wait before a retry; doubles"})
+    retry_budget_s: float = dataclasses.field(
+        default=120.0, metadata={"help": "an episode whose session is lost (server killed, frozen, restarting) "
+                                         "is replayed from reset() until this many seconds have passed since "
+                                         "it was first lost, then dropped and counted"})
+    retry_backoff_s: float = dataclasses.field(
+        default=0.5, metadata={"help": "first wait before a replay; it doubles (with jitter) up to twice "
+                                       "session.breaker_cooldown_s, so late replays find the breaker half-open"})
     episode_timeout_s: float | None = dataclasses.field(
         default=900.0, metadata={"help": "an episode (all its turns, generation included) that takes longer "
                                          "ends as an error; null: no limit"})
@@ -94,13 +97,26 @@ class EnvSpec:
         if self.solver is not None and self.solver not in BUNDLED_NAMES:
             raise EnvConfigError(f"environment {self.name!r}: solver {self.solver!r} is not a bundled environment "
                                  f"({', '.join(BUNDLED_NAMES)})")
-        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_concurrent_envs < 1:
-            raise EnvConfigError(f"environment {self.name!r}: max_retries and retry_backoff_s must be >= 0 "
+        if not (self.retry_budget_s >= 0 and self.retry_backoff_s > 0) or self.max_concurrent_envs < 1:
+            raise EnvConfigError(f"environment {self.name!r}: retry_budget_s must be >= 0, retry_backoff_s > 0 "
                                  "and max_concurrent_envs >= 1")
+
+    def retry_wait_s(self, attempt: int, lost_for_s: float) -> float | None:
+        """The wait before replaying an episode lost `attempt + 1` times, the first loss `lost_for_s`
+        seconds ago; None once the replay would start past `retry_budget_s`."""
+        wait = backoff_s(attempt, self.retry_backoff_s, max(self.retry_backoff_s, 2 * self.session.breaker_cooldown_s))
+        return wait if lost_for_s + wait <= self.retry_budget_s else None
+
+    # Keys of earlier versions -> the key that replaced them (the config loaders name it).
+    RENAMED: ClassVar[dict[str, str]] = {"max_retries": "retry_budget_s"}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EnvSpec:
         data = dict(data)
+        old = next((k for k in data if k in cls.RENAMED), None)
+        if old is not None:
+            raise EnvConfigError(f"environment {data.get('name', '?')!r}: {old} is gone; set {cls.RENAMED[old]} "
+                                 "instead")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -72,7 +72,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     from bridge.envs.spec import RewardError
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
-    from jaxrl.run.processes import ChildStartError
+    from jaxrl.run.processes import ChildStartError, EnvServerDown
     from jaxrl.run.rewards import NothingScored
     from jaxrl.run.run_dir import disk_full
     from jaxrl.run.tasks import TaskError
@@ -81,8 +81,8 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     if disk_full(e):
         return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
                 "--resume from its last checkpoint")
-    ours = (BridgeError, ChildStartError, EnvironmentsDown, EvaluationFailed, NothingScored, RewardError, TaskError,
-            WarmStartError)
+    ours = (BridgeError, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
+            RewardError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     lines = text.strip().splitlines() or [type(e).__name__]
     return lines[0] + (" ..." if len(lines) > 1 else "")

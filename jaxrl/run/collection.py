@@ -62,7 +62,7 @@ class RolloutClient:
             groups = [PromptGroup(np.zeros(0, np.int32), group_ids[i], tasks[i][0], tasks[i][1]) for i in idx]
             return list(client.rollout(groups, group_size, params, min_policy_version=min_version,
                                        max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                       timeout_s=self.cfg.bridge.request_timeout_s, policy=policy))
+                                       timeout_s=self.cfg.rollout_timeout_s, policy=policy))
 
         futures = [self.pool.submit(run, c, idx) for c, idx in zip(self.clients, shards) if idx]
         by_group: dict[str, Group] = {g: [] for g in group_ids}
@@ -143,6 +143,7 @@ class Collector:
             failed = [t for t in episodes if t.finish_reason == "error"]
             counts["episodes"] += len(episodes)
             counts["episodes_failed"] += len(failed)
+            counts["episodes_retried"] += sum(t.metrics.get("retries", 0.0) > 0 for t in episodes)
             if len(episodes) - len(failed) < r.min_success_fraction * len(episodes):
                 worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
                 raise EnvironmentsDown(

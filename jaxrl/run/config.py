@@ -52,7 +52,10 @@ class BridgeConfig:
                                           default_factory=dict)
     max_batch: int | None = _help("most sequences the engine generates together", default=None)
     start_timeout_s: float = _help("how long a started bridge may take to serve", default=300.0)
-    request_timeout_s: float = _help("a rollout request that takes longer is an error", default=900.0)
+    request_timeout_s: float | None = _help(
+        "a rollout request that takes longer is an error; null: as long as an episode may take with its "
+        "replays (twice envs[].episode_timeout_s plus retry_budget_s, the longest of them) and a minute; no "
+        "limit when an environment has no episode_timeout_s", default=None)
     tool_parser: str = _help("tool-call format of the model family (qwen, hermes)", default="qwen")
     chat_template_kwargs: dict[str, Any] = _help("extra chat-template arguments, e.g. enable_thinking: false",
                                                  default_factory=dict)
@@ -222,7 +225,27 @@ class TrainConfig:
         if self.sft.steps and not self.sft.envs and not any(e.solver for e in self.envs):
             raise ValueError("sft.steps > 0 but no environment has a solver to play demonstrations; bundled "
                              "environments have one (or set an environment's solver:)")
+        longest, timeout = self.longest_episode_s, self.bridge.request_timeout_s
+        if timeout is not None and longest is not None and timeout < longest:
+            raise ValueError(f"bridge.request_timeout_s={timeout:g} is shorter than an episode may take with its "
+                             f"replays ({longest:g} s: twice envs[].episode_timeout_s, plus retry_budget_s); "
+                             "raise it, or leave it null")
         self.learner_config()  # the derived values must make a valid learner config
+
+    @property
+    def longest_episode_s(self) -> float | None:
+        """The longest an episode may take with its replays: its first attempt and a last replay started
+        within retry_budget_s of the first loss, each bounded by episode_timeout_s; None when one is not."""
+        bounds = [None if e.episode_timeout_s is None else 2 * e.episode_timeout_s + e.retry_budget_s
+                  for e in self.envs]
+        return None if None in bounds else max(bounds)
+
+    @property
+    def rollout_timeout_s(self) -> float | None:
+        """The deadline of a rollout request: bridge.request_timeout_s, or a minute past longest_episode_s."""
+        if self.bridge.request_timeout_s is not None:
+            return self.bridge.request_timeout_s
+        return None if self.longest_episode_s is None else self.longest_episode_s + 60.0
 
     @property
     def groups_per_step_rows(self) -> int:

@@ -94,7 +94,7 @@ def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, local_files_only=True)
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     with contextlib.ExitStack() as stack:
-        client = RolloutClient(start_services(cfg, Path(cfg.model.dir), logs, stack, bridge_env), cfg)
+        client = RolloutClient(start_services(cfg, Path(cfg.model.dir), logs, stack, bridge_env).addresses, cfg)
         stack.callback(client.close)
         version = 0
         if snapshot is not None:

@@ -9,6 +9,9 @@ out (normal return, exception or `sys.exit`).
 
     with EnvServerProcess.start("wordle", max_concurrent_envs=16) as server:
         ...  # sessions over server.ws_url
+
+A run's bundled environment servers are kept running by `EnvServers`: one that exits is started
+again on its port, so the URL the bridge was given stays valid.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import atexit
 import collections
 import ipaddress
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -34,6 +38,7 @@ from bridge.client import BridgeClient, BridgeError
 from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local servers
+log = logging.getLogger(__name__)
 
 
 class ChildStartError(RuntimeError):
@@ -266,11 +271,16 @@ class BridgeProcess(ChildHandle):
         return code
 
 
+class EnvServerDown(RuntimeError):
+    """A bundled environment server kept exiting: it is not restarted again."""
+
+
 class EnvServerProcess(ChildHandle):
-    def __init__(self, child: ChildServer, name: str):
+    def __init__(self, child: ChildServer, name: str, start_kwargs: dict):
         self.child = child
         self.proc = child.proc
         self.name = name
+        self.start_kwargs = start_kwargs  # what `restart` starts it again with
 
     @classmethod
     def start(
@@ -296,7 +306,8 @@ class EnvServerProcess(ChildHandle):
                                    "--max-concurrent-envs", str(max_concurrent_envs), "--seed", str(seed),
                                    *extra_args)
         child = ChildServer(args, f"environment server {name!r}", ENV_LISTENING, EnvServerStartError, env, log_path)
-        server = cls(child, name)
+        server = cls(child, name, dict(host=host, max_concurrent_envs=max_concurrent_envs, seed=seed, timeout=timeout,
+                                       env=env, extra_args=extra_args, log_path=log_path, python=python))
         try:
             server._wait_ready(timeout)
         except BaseException:
@@ -353,6 +364,102 @@ class EnvServerProcess(ChildHandle):
         """Stops the server: SIGTERM, then SIGKILL to its process group; returns its exit code."""
         return self.child.terminate(term_s)
 
+    def restart(self) -> EnvServerProcess:
+        """This (exited) server started again as it was, on the port it listened on; the old one's
+        process group is stopped first. Raises EnvServerStartError like `start`."""
+        port = self.port
+        self.stop(term_s=1.0)
+        return EnvServerProcess.start(self.name, port=port, **self.start_kwargs)
+
     def __repr__(self) -> str:
         state = "running" if self.alive else f"exited {self.proc.returncode}"
         return f"EnvServerProcess({self.name!r}, url={self.listening_url!r}, pid={self.pid}, {state})"
+
+
+class EnvServers:
+    """A run's bundled environment servers, kept running by a watcher thread: a server that exits
+    (killed, crashed) is restarted on its port within `poll_s` and counted in `restarts`. One that
+    exits more than `max_restarts` times within `window_s` is a real failure: it is left down,
+    and `check()` raises EnvServerDown naming it and its log. A context manager: leaving it stops
+    the watcher, then every server.
+    """
+
+    def __init__(self, max_restarts: int = 3, window_s: float = 600.0, poll_s: float = 0.2):
+        self.max_restarts, self.window_s, self.poll_s = max_restarts, window_s, poll_s
+        self.servers: dict[str, EnvServerProcess] = {}
+        self.restarts: collections.Counter[str] = collections.Counter()
+        self.error: str | None = None
+        self._exits: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self._down: set[str] = set()  # left down: they kept exiting
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="env-servers")
+
+    def start(self, key: str, name: str, **kwargs) -> EnvServerProcess:
+        """Starts bundled environment `name` (EnvServerProcess.start arguments) and watches it as `key`."""
+        server = EnvServerProcess.start(name, **kwargs)
+        with self._lock:
+            self.servers[key] = server
+        if not self._watcher.is_alive():
+            self._watcher.start()
+        return server
+
+    def check(self) -> None:
+        """Raises EnvServerDown if a server kept exiting and was left down."""
+        if self.error is not None:
+            raise EnvServerDown(self.error)
+
+    def metrics(self) -> dict[str, float]:
+        """`env/<key>/restarts`: how many times each server was restarted so far."""
+        return {f"env/{key}/restarts": float(self.restarts[key]) for key in self.servers}
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for key, server in list(self.servers.items()):
+                if not server.alive and key not in self._down:
+                    self._restart(key, server)
+
+    def _restart(self, key: str, server: EnvServerProcess) -> None:
+        now = time.monotonic()
+        exits = self._exits[key]
+        exits.append(now)
+        while exits[0] < now - self.window_s:
+            exits.popleft()
+        code, log_path = server.proc.returncode, server.start_kwargs["log_path"]
+        if len(exits) > self.max_restarts:
+            self._down.add(key)
+            self.error = (f"environment server {key!r} (pid {server.pid}) exited {len(exits)} times within "
+                          f"{self.window_s:g} s (last exit code {code}); it is not restarted again: see its log "
+                          f"{log_path or '(none kept)'}")
+            log.error("%s", self.error)
+            return
+        log.warning("environment server %r (pid %d) exited with code %s; restarting it on port %d (log: %s)",
+                    key, server.pid, code, server.port, log_path)
+        try:
+            fresh = server.restart()
+        except EnvServerStartError as e:
+            log.warning("restarting environment server %r failed: %s", key, str(e).splitlines()[0])
+            return  # still down: the next poll tries again, counted as another exit
+        with self._lock:
+            if self._stopping.is_set():
+                fresh.stop(term_s=1.0)
+                return
+            self.servers[key] = fresh
+            self.restarts[key] += 1
+        log.warning("environment server %r restarted (pid %d, restart %d)", key, fresh.pid, self.restarts[key])
+
+    def __enter__(self) -> EnvServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stops the watcher (a restart under way is given a few seconds), then every server."""
+        self._stopping.set()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=5.0)
+        with self._lock:
+            servers = list(self.servers.values())
+        for server in servers:
+            server.stop()

@@ -1,5 +1,6 @@
-"""The processes a run talks to: its bundled environment servers and a bridge serving them (or
-the running bridges at `bridge.addresses`), checked before anything heavy and stopped with the run.
+"""The processes a run talks to: its bundled environment servers (restarted when they die) and a
+bridge serving them (or the running bridges at `bridge.addresses`), checked before anything heavy
+and stopped with the run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from bridge.client import BridgeClient, BridgeError
 from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
 from jaxrl.compilation import bucket
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.processes import BridgeProcess, EnvServerProcess
+from jaxrl.run.processes import BridgeProcess, EnvServers
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -85,20 +86,29 @@ def _check_health(url: str, timeout_s: float) -> None:
         raise OSError(f"{url}/health answers {body!r}, not healthy")
 
 
+@dataclasses.dataclass
+class Services:
+    """What `start_services` started: the bridges to request from, and the bundled environment
+    servers it keeps running (their `check()` and `metrics()` for the train loop)."""
+
+    addresses: list[str]
+    env_servers: EnvServers
+
+
 def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack,
-                   bridge_env: dict[str, str] | None = None) -> list[str]:
+                   bridge_env: dict[str, str] | None = None) -> Services:
     """Starts the run's bundled environment servers and a bridge serving every environment (with
     `bridge_env` added to its environment), unless `bridge.addresses` names running bridges (which
-    serve their own `--envs`). Each child is stopped when `stack` closes. Returns the bridge addresses."""
+    serve their own `--envs`). Each child is stopped when `stack` closes."""
+    env_servers = stack.enter_context(EnvServers())
     if cfg.bridge.addresses:
-        return list(cfg.bridge.addresses)
+        return Services(list(cfg.bridge.addresses), env_servers)
     logs.mkdir(parents=True, exist_ok=True)
     specs = []
     for spec in cfg.envs:
         if spec.bundled:
-            server = stack.enter_context(EnvServerProcess.start(
-                spec.bundled, max_concurrent_envs=spec.max_concurrent_envs, seed=spec.seed,
-                log_path=logs / f"env-{spec.name}.log"))
+            server = env_servers.start(spec.name, spec.bundled, max_concurrent_envs=spec.max_concurrent_envs,
+                                       seed=spec.seed, log_path=logs / f"env-{spec.name}.log")
             spec = spec.served_at(server.url)
         specs.append(spec.to_dict())
     envs_file = logs / "bridge_envs.json"
@@ -110,7 +120,7 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
         model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
         engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
         env=bridge_env, log_path=logs / "bridge.log"))
-    return [bridge.address]
+    return Services([bridge.address], env_servers)
 
 
 def _episodes_per_step(cfg: TrainConfig) -> int:

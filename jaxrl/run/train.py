@@ -33,9 +33,10 @@ from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
 from jaxrl.run.batches import learner_batch
-from jaxrl.run.collection import Collector, RolloutClient, StepRollouts, rollout_metrics
+from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
+from jaxrl.run.processes import EnvServers
 from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, check_services, start_services
@@ -99,6 +100,7 @@ class _Run:
     out: Any
     summary: dict[str, Any]
     snapshots: Path  # where snapshots are published and the bridges read them (see snapshot_directory)
+    env_servers: EnvServers  # the bundled environment servers, restarted when they die
     step: int = 0
     version: int = 0  # the weights the bridges serve
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
@@ -144,14 +146,15 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         # The children start (seconds: imports, model load, compiles) while this process loads the tokenizer.
         services = stack.enter_context(contextlib.ExitStack())
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
-            addresses = pool.submit(start_services, cfg, model_dir, run.path / "logs", services, bridge_env)
+            started = pool.submit(start_services, cfg, model_dir, run.path / "logs", services, bridge_env)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             tokenizer.save_pretrained(run.tokenizer)
-            client = RolloutClient(addresses.result(), cfg)
+            client = RolloutClient(started.result().addresses, cfg)
         stack.callback(client.close)
-        r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots)
+        r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
+                 started.result().env_servers)
         if start_step is None:
             _evaluate_base(r, model_dir)
         learner = _make_learner(r, model_dir, start_step, stack)
@@ -265,7 +268,12 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
     signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
     while r.step < cfg.steps and not stop.requested:
         t0 = time.perf_counter()
-        result = collector.collect(r.step, r.version)
+        r.env_servers.check()  # a bundled environment server that keeps dying stops the run
+        try:
+            result = collector.collect(r.step, r.version)
+        except EnvironmentsDown:
+            r.env_servers.check()  # ... and is why the step's episodes failed
+            raise
         if r.step + 1 < cfg.steps:
             collector.prefetch_next(r.step + 1, r.version)
         signal_metrics = signal_watch.observe(r.step + 1, result.groups, result.counts["episodes_unscored"],
@@ -275,7 +283,7 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
         metrics = learner.update(batch)
         learn_s = time.perf_counter() - t1
         r.step += 1
-        metrics.update(rollout_metrics(result, cfg) | signal_metrics)
+        metrics.update(rollout_metrics(result, cfg) | signal_metrics | r.env_servers.metrics())
         # The update is done: a bridge failing from here on (publish, stats, evaluation) must not lose
         # the step's metrics and samples, which are written before the run stops, and before its checkpoint.
         failure = None

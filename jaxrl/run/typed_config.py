@@ -73,7 +73,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key: str = "") -> T:
     hints = typing.get_type_hints(cls)
     for name in data:
         if name not in fields:
-            raise ConfigError(_unknown_key(key, name, list(fields)))
+            raise ConfigError(_unknown_key(key, name, list(fields), getattr(cls, "RENAMED", {})))
     kwargs = {}
     for name, field in fields.items():
         sub = _join(key, name)
@@ -184,7 +184,10 @@ def _mismatch(tp, value, key: str) -> ConfigError:
     return ConfigError(f"{_where(key)}: expected {_expected(tp)}, got {_show(value)}")
 
 
-def _unknown_key(section: str, name, known: list[str]) -> str:
+def _unknown_key(section: str, name, known: list[str], renamed: Mapping[str, str]) -> str:
+    """`renamed` (a dataclass's `RENAMED`): keys of earlier versions -> the key that replaced them."""
+    if name in renamed:
+        return f"config key '{_join(section, name)}' is gone: set '{_join(section, renamed[name])}' instead"
     close = difflib.get_close_matches(str(name), known, n=1)
     hint = f"did you mean '{_join(section, close[0])}'? " if close else ""
     where = f"known keys under '{section}'" if section else "known top-level keys"
