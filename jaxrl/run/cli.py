@@ -25,7 +25,7 @@ def _load_train_config(args, prog: str):
 
 def _train(args) -> int:
     """Trains against environments; the last stdout line is a JSON summary of the run."""
-    cfg = _load_train_config(args, "jaxrl train")
+    cfg = _replay_config(args) if args.replay is not None else _load_train_config(args, "jaxrl train")
     if cfg is None:
         return 2
     from jaxrl.run.collection import EnvironmentsDown
@@ -44,8 +44,45 @@ def _train(args) -> int:
     except KeyboardInterrupt:
         print("jaxrl train: stopped", file=sys.stderr)
         return 130
+    if args.replay is not None:
+        return _compare_replay(args.replay, cfg, summary)
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def _replay_config(args):
+    """`--replay RUN`: RUN's config into a fresh run directory (`jaxrl.run.replay`); warns about
+    versions the run did not record; None after an error."""
+    from jaxrl.run.record import differences
+    from jaxrl.run.replay import ReplayError, replay_config
+    from jaxrl.run.run_dir import RunDir
+    from jaxrl.run.typed_config import ConfigError
+
+    if args.resume:
+        print("jaxrl train: error: --replay starts a fresh run directory; --resume does not apply", file=sys.stderr)
+        return None
+    try:
+        cfg = replay_config(args.replay, args.set or [])
+    except (ConfigError, ReplayError) as e:
+        print(f"jaxrl train: error: {e}", file=sys.stderr)
+        return None
+    changed = differences(RunDir(args.replay))
+    if changed:
+        print(f"jaxrl train: warning: the replay runs on what {args.replay} did not record, which can explain a "
+              f"difference: {'; '.join(changed)}", file=sys.stderr)
+    return cfg
+
+
+def _compare_replay(run_dir: str, cfg, summary: dict) -> int:
+    """Prints whether the replay matched the run step by step, then the summary; 0 if it did."""
+    from jaxrl.run.replay import compare
+    from jaxrl.run.tracking import read_metrics
+
+    result = compare(read_metrics(run_dir), read_metrics(cfg.run_dir))
+    print(result.line(), flush=True)
+    summary["replay"] = {"matched": result.matched, "steps": result.steps}
+    print(json.dumps(summary), flush=True)
+    return 0 if result.matched else 1
 
 
 # `jaxrl eval` flag -> the config key it overrides
@@ -206,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("train", help="train a model against environments (the main job)")
-    tr.add_argument("config", help="YAML training config (see `jaxrl config`)")
+    what = tr.add_mutually_exclusive_group(required=True)
+    what.add_argument("config", nargs="?", help="YAML training config (see `jaxrl config`)")
+    what.add_argument("--replay", metavar="RUN_DIR",
+                      help="rerun a run from its config.yaml into RUN_DIR/replay (--set run_dir=... elsewhere) and "
+                           "compare its metrics step by step with the run's (timings excepted); exit 1 if they differ")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
     tr.set_defaults(func=_train)
