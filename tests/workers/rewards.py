@@ -4,3 +4,9 @@
 def short(completions, **task_fields):
     """1 for a completion of at most 12 characters: a second, cheaper signal beside the environment's."""
     return [float(len(c) <= 12) for c in completions]
+
+
+def even_length(completions, **task_fields):
+    """1 for a completion of an even number of characters: a signal an untrained model gets about half
+    the time, so that its groups have advantages and its updates move the weights."""
+    return [float(len(c) % 2 == 0) for c in completions]
