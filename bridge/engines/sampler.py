@@ -10,6 +10,13 @@ different settings share one compiled program and one batch. The logprob reporte
 token is `log_softmax(logits / temperature)` over the whole vocabulary, the quantity the learner
 recomputes; top-p / top-k only restrict what can be sampled. At temperature 0 (greedy) it is
 `log_softmax(logits)`.
+
+A row samples from its own key stream (its seed folded with the decode step), so what it samples
+does not depend on the rows beside it. Its numbers may, in the last bits: XLA:CPU picks kernels by
+the whole operand's shape (YNNPACK fusions of dots and row reductions change summation order with
+the batch's size; Eigen's dots with the contraction length's blocking), and a prefix-cached row's
+keys were computed by decode steps, a fresh one's by a prefill. Logprobs then move by ~1e-6, and a
+sampled token only where two candidates tie within that.
 """
 
 from __future__ import annotations
