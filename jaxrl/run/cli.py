@@ -67,9 +67,12 @@ def _replay_config(args):
         print(f"jaxrl train: error: {e}", file=sys.stderr)
         return None
     changed = differences(RunDir(args.replay))
-    if changed:
-        print(f"jaxrl train: warning: the replay runs on what {args.replay} did not record, which can explain a "
-              f"difference: {'; '.join(changed)}", file=sys.stderr)
+    if changed is None:
+        print(f"jaxrl train: warning: {args.replay} has no run.json: the versions it ran on are unknown",
+              file=sys.stderr)
+    elif changed:
+        print(f"jaxrl train: warning: the replay runs on other versions than {args.replay} recorded, which can "
+              f"explain a difference: {'; '.join(changed)}", file=sys.stderr)
     return cfg
 
 

@@ -71,11 +71,11 @@ def record_session(run: RunDir, cfg: TrainConfig, start_step: int | None) -> Non
     os.replace(tmp, path)
 
 
-def differences(run: RunDir) -> list[str]:
+def differences(run: RunDir) -> list[str] | None:
     """What this process runs on that no session of the run recorded ("jax 0.10.2 (recorded
-    0.10.1)"), or why it cannot tell."""
+    0.10.1)"); None without a record."""
     if not run.record.is_file():
-        return [f"{run.record} is missing: the versions the run used are unknown"]
+        return None
     recorded = [_flat(s) for s in json.loads(run.record.read_text()).get("sessions", [])]
     out = []
     for key, value in _flat(environment()).items():
