@@ -32,12 +32,14 @@ def test_a_run_killed_and_resumed_is_what_its_replay_trains(model_dir, tmp_path)
                           rewards=[{"fn": "env"}, {"fn": "tests.workers.rewards:even_length"}],
                           eval={"episodes": 4, "temperature": 1.0, "before": False},  # sampled: seeded too
                           log={"progress": False, "tensorboard": False})
-    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = tmp_path / "killed.stderr"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:  # killed once it logged a step past its last checkpoint: the resumed run trains that step again
         deadline = time.monotonic() + 300
         while not _logged_past_a_checkpoint(run_dir):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert proc.poll() is None, stderr.read_text()[-3000:]
             assert time.monotonic() < deadline, "no step logged past a checkpoint"
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
@@ -107,3 +109,8 @@ def test_what_cannot_be_replayed_is_refused(model_dir, tmp_path):
     cfg = replay_config(run_dir, ["steps=2"])
     assert (cfg.run_dir, cfg.steps) == (str(run_dir / "replay"), 2)
     assert replay_config(run_dir, [f"run_dir={tmp_path / 'elsewhere'}"]).run_dir == str(tmp_path / "elsewhere")
+    (run_dir / "replay").mkdir()
+    replay_config(run_dir, [])  # an empty directory is no earlier replay
+    (run_dir / "replay" / "metrics.jsonl").write_text("")
+    with pytest.raises(ReplayError, match="holds an earlier replay"):
+        replay_config(run_dir, [])

@@ -25,7 +25,7 @@ ABSENT = "(absent)"
 
 
 class ReplayError(ValueError):
-    """RUN cannot be replayed (not a run directory, nothing logged, an earlier replay in the way)."""
+    """RUN cannot be replayed (not a run directory, nothing logged, something in the replay's way)."""
 
 
 def compared(key: str) -> bool:
@@ -81,7 +81,7 @@ def replay_config(run_dir: str | Path, overrides: list[str]) -> TrainConfig:
     if not run.metrics.is_file() or not read_metrics(run.path):
         raise ReplayError(f"--replay {run_dir}: the run logged no step, there is nothing to compare")
     cfg = load_config(run.config, [("run_dir", str(run.path / "replay")), *overrides])
-    target = RunDir(cfg.run_dir)
-    if target.checkpoints.is_dir() and any(target.checkpoints.iterdir()):
-        raise ReplayError(f"{target.path} holds an earlier replay: remove it, or --set run_dir=ANOTHER_DIR")
+    target = Path(cfg.run_dir)
+    if target.is_dir() and any(target.iterdir()):
+        raise ReplayError(f"{target} holds an earlier replay: remove it, or --set run_dir=ANOTHER_DIR")
     return cfg
