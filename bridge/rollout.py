@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Protocol
 
-from bridge.engines.base import Engine, SamplingParams
+from bridge.engines.base import Engine, SamplingParams, derive_seed
 
 ENV_VERSION = -1  # token_versions entry of tokens the environment wrote
 
@@ -83,7 +83,8 @@ async def run_episode(
     """One episode; failures of the environment end it with finish_reason 'error', never raise.
 
     Except `retry_on` exceptions (a lost environment session): those propagate, the hook closed,
-    for the caller to replay the episode from the start.
+    for the caller to replay the episode from the start. A seeded episode's turn k samples with
+    derive_seed(params.seed, k): every turn its own stream, the same ones when replayed.
     """
     start = time.perf_counter()
     traj = Trajectory(group_id, index, list(prompt_ids), env=env)
@@ -95,7 +96,9 @@ async def run_episode(
             traj.env_s += time.perf_counter() - t0
         while True:
             remaining = budget - len(traj.completion_ids)
-            turn_params = dataclasses.replace(params, n=1, max_tokens=min(params.max_tokens, remaining))
+            turn_params = dataclasses.replace(
+                params, n=1, max_tokens=min(params.max_tokens, remaining),
+                seed=None if params.seed is None else derive_seed(params.seed, traj.num_turns))
             t0 = time.perf_counter()
             [[completion]] = await engine.generate([traj.prompt_ids + traj.completion_ids], turn_params)
             traj.generate_s += time.perf_counter() - t0

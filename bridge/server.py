@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from bridge import wire
-from bridge.engines.base import Engine, SnapshotRefused
+from bridge.engines.base import Engine, SnapshotRefused, derive_seed
 from bridge.envs.session import EndpointUnavailable, SessionLost
 from bridge.envs.solver import solver_episode
 from bridge.proto import bridge_pb2 as pb
@@ -224,14 +224,12 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         max_turns = max(request.max_turns, 1)
         max_total = request.max_total_tokens or None
         tasks = []
-        for g, group in enumerate(groups):
+        for group in groups:
             for j in range(request.group_size):
-                episode_params = params
-                if params.seed is not None:
-                    i = g * request.group_size + j
-                    episode_params = dataclasses.replace(params, seed=params.seed + i)
-                tasks.append(asyncio.create_task(
-                    self._episode(group, j, episode_params, max_turns, max_total, request.policy)))
+                # The episode's identity, not its place in this request: see PromptGroup.seed.
+                seed = None if group.seed is None else derive_seed(group.seed, j)
+                tasks.append(asyncio.create_task(self._episode(
+                    group, j, dataclasses.replace(params, seed=seed), max_turns, max_total, request.policy)))
         finished = False
         try:
             for next_done in asyncio.as_completed(tasks):

@@ -11,6 +11,10 @@ and the trainer receives `TrajectoryData` (numpy arrays).
 SamplingParams on the wire has no `n` (the request's `group_size` is the number of samples per
 prompt) and proto3 scalars have no "unset": `top_p = 0` (never valid) reads as 1.0, no top-p.
 Every other field is taken as sent, so a request must set `max_tokens`; `temperature = 0` is greedy.
+
+Seeds travel per group: a request built with a seeded SamplingParams seeds each group that has
+no seed of its own with derive_seed(sampling seed, group id). A group's episodes then sample the
+same tokens whichever request, position or bridge it is sent in (see PromptGroup.seed in the proto).
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from bridge.engines.base import SamplingParams
+from bridge.engines.base import SamplingParams, derive_seed
 from bridge.proto import bridge_pb2 as pb
 from bridge.rollout import Trajectory
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: seeds per group (PromptGroup.seed), none per request
 
 # The process contract: a bridge (`python -m bridge serve`) prints BRIDGE_LISTENING host:port and an
 # environment server (`python -m bridge env serve`) ENV_LISTENING http://host:port once they serve.
@@ -85,7 +89,8 @@ def decode_ids(buf: bytes, field: str) -> np.ndarray:
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
+    """Everything but `n` and `seed` (seeds go per group: see `rollout_request`)."""
+    return pb.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -93,13 +98,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=encode_ids(list(params.stop_token_ids)),
         stop=list(params.stop),
     )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
-    """Engine SamplingParams; raises WireError (bad bytes) or ValueError (bad values)."""
+    """Engine SamplingParams, unseeded; raises WireError (bad bytes) or ValueError (bad values)."""
     return SamplingParams(
         n=n,
         temperature=float(msg.temperature),
@@ -108,7 +110,6 @@ def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
         max_tokens=int(msg.max_tokens),
         stop_token_ids=tuple(int(t) for t in decode_ids(msg.stop_token_ids, "sampling.stop_token_ids")),
         stop=tuple(msg.stop),
-        seed=int(msg.seed) if msg.HasField("seed") else None,
     )
 
 
@@ -126,6 +127,7 @@ class PromptGroup:
     group_id: str = ""
     env: str = ""  # environment name; empty: plain single-turn generation
     task: dict | None = None  # task fields for the environment / reward functions
+    seed: int | None = None  # episode j samples with derive_seed(seed, j); None: unseeded
 
 
 def group_to_proto(group: PromptGroup) -> pb.PromptGroup:
@@ -134,6 +136,7 @@ def group_to_proto(group: PromptGroup) -> pb.PromptGroup:
         prompt_ids=encode_ids(group.prompt_ids),
         env=group.env,
         task_json=json.dumps(group.task) if group.task is not None else "",
+        seed=group.seed,
     )
 
 
@@ -149,6 +152,7 @@ def group_from_proto(msg: pb.PromptGroup) -> PromptGroup:
         group_id=msg.group_id,
         env=msg.env,
         task=task,
+        seed=msg.seed if msg.HasField("seed") else None,
     )
 
 
@@ -173,9 +177,15 @@ def rollout_request(
     max_total_tokens: int = 0,
     policy: str = "",
 ) -> pb.RolloutRequest:
+    """The request; with `sampling.seed`, each group without a seed gets derive_seed(sampling.seed,
+    group id): its identity, not its position in this request."""
+    groups = as_groups(groups)
+    if sampling.seed is not None:
+        groups = [g if g.seed is not None else dataclasses.replace(g, seed=derive_seed(sampling.seed, g.group_id))
+                  for g in groups]
     return pb.RolloutRequest(
         protocol_version=PROTOCOL_VERSION,
-        groups=[group_to_proto(g) for g in as_groups(groups)],
+        groups=[group_to_proto(g) for g in groups],
         group_size=group_size,
         sampling=sampling_to_proto(sampling),
         min_policy_version=min_policy_version,

@@ -83,8 +83,8 @@ def test_streams_every_group_with_shapes_masks_and_versions(client):
         assert t.loss_mask.tolist() == [1] * 6 and t.token_versions.tolist() == [0] * 6
         assert np.all(t.sampler_logprobs <= 0) and np.all(np.isfinite(t.sampler_logprobs))
         assert t.num_turns == 1 and t.generate_s > 0
-    # Seeded episodes are reproducible; episode i of the request has seed 11 + i, so a group's
-    # samples differ from each other.
+    # Seeded episodes are reproducible; each episode has its own seed (from the group's and its
+    # index), so a group's samples differ from each other.
     again = list(client.rollout(PROMPTS, 4, SamplingParams(temperature=1.0, max_tokens=6, seed=11)))
     key = lambda t: (t.group_id, t.index_in_group)  # noqa: E731
     for a, b in zip(sorted(trajs, key=key), sorted(again, key=key)):

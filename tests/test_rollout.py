@@ -1,10 +1,11 @@
 """Episodes over the real JAX engine: token-in/token-out turns, masks, and how episodes end."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
-from bridge.engines.base import SamplingParams
+from bridge.engines.base import SamplingParams, derive_seed
 from bridge.engines.jax_engine import JaxEngine
 from bridge.rollout import ENV_VERSION, TurnResult, run_episode
 from jaxrl.tiny import build_tiny_model
@@ -45,7 +46,7 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
 
 def test_single_turn_episode_is_the_engine_completion(engine):
     traj = asyncio.run(run_episode(engine, "g", 0, [1, 2, 3], PARAMS))
-    [[direct]] = asyncio.run(engine.generate([[1, 2, 3]], PARAMS))
+    [[direct]] = asyncio.run(engine.generate([[1, 2, 3]], dataclasses.replace(PARAMS, seed=derive_seed(0, 0))))
     assert traj.completion_ids == direct.token_ids
     assert traj.sampler_logprobs == direct.logprobs
     assert traj.loss_mask == [1] * len(direct.token_ids)
@@ -72,6 +73,18 @@ def test_tool_tokens_are_context_with_mask_zero(engine):
             assert traj.sampler_logprobs[pos:pos + 3] == [0.0] * 3
             pos += 3
     assert pos == len(traj.completion_ids) == len(traj.loss_mask) == len(traj.sampler_logprobs)
+
+
+def test_each_turn_samples_with_a_seed_of_its_own(engine):
+    hook = ToolHook(done_after=3)
+    asyncio.run(run_episode(engine, "g", 0, [1, 2], PARAMS, hook, max_turns=5, max_total_tokens=100))
+    seeds = [derive_seed(PARAMS.seed, k) for k in range(3)]  # turn k's: distinct streams
+    assert len(set(seeds)) == 3
+    context = [1, 2, 3, 3]
+    for turn, seed in zip(hook.turns, seeds, strict=True):
+        [[direct]] = asyncio.run(engine.generate([context], dataclasses.replace(PARAMS, seed=seed)))
+        assert direct.token_ids == turn
+        context += turn + TOOL_RESULT
 
 
 def test_episodes_end_at_max_turns_and_at_the_token_budget(engine):

@@ -18,6 +18,7 @@ def test_layout_names_every_part(tmp_path):
     assert run.tokenizer == tmp_path / "run" / "tokenizer"
     assert run.config == tmp_path / "run" / "config.yaml"
     assert run.metrics == tmp_path / "run" / "metrics.jsonl"
+    assert run.record == tmp_path / "run" / "run.json"
     assert not run.path.exists()  # naming the layout creates nothing
 
 

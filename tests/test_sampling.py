@@ -147,3 +147,35 @@ def test_a_continuation_prefills_only_its_new_tokens_and_samples_what_a_fresh_pr
     np.testing.assert_allclose(np.concatenate(second.logprobs), np.concatenate(fresh.logprobs), atol=1e-5)
     for prompt, toks, logps in zip(nxt, second.tokens, second.logprobs):
         np.testing.assert_allclose(logps, _full_logp(model, prompt, toks, 1.0)[1], atol=1e-5)
+
+
+def test_a_row_samples_the_same_tokens_alone_batched_or_from_the_prefix_cache(model):
+    """A row's random stream is its own, so neither batch nor cache changes what it samples. Its
+    logprobs may move in the last bits: XLA:CPU picks kernels (and reduction orders) by the whole
+    batch's shape, and a cached prefix's keys were computed by decode steps, not a prefill."""
+    graphdef, params = nnx.split(model)
+    shapes = SHAPES  # the programs the other tests compiled
+
+    def rows(seeds, max_tokens=8):
+        n = len(seeds)
+        return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
+                         np.full(n, max_tokens, np.int32), np.asarray(seeds, np.uint64), [()] * n)
+
+    def same(out, ref, i=-1):
+        assert out.tokens[i] == ref.tokens[0]
+        np.testing.assert_allclose(out.logprobs[i], ref.logprobs[0], atol=1e-5)
+
+    target, seed = [5, 6, 7, 8, 9, 10, 11, 12, 13], 2**63 + 11
+    alone = generate_rows(graphdef, params, [target], rows([seed]), shapes, PrefixCache(model.cfg, shapes, 0))
+    others = [[1, 2], list(range(1, 21)), [4, 5, 6]]
+    for n in (1, 2, 3):  # batches of 2 and 4 rows, the target last
+        same(generate_rows(graphdef, params, others[:n] + [target], rows([1, 2, 3][:n] + [seed]), shapes,
+                           PrefixCache(model.cfg, shapes, 0)), alone)
+
+    cache = PrefixCache(model.cfg, shapes, rows=4)
+    first = generate_rows(graphdef, params, [target[:4]], rows([7], 5), shapes, cache)
+    turn = target[:4] + first.tokens[0] + [20, 21]  # an episode's next turn
+    fresh = generate_rows(graphdef, params, [turn], rows([seed]), shapes, PrefixCache(model.cfg, shapes, 0))
+    cached = generate_rows(graphdef, params, [others[1], turn], rows([1, seed]), shapes, cache)
+    assert cache.stats["cached_tokens"] == len(target[:4]) + len(first.tokens[0]) - 1
+    same(cached, fresh)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from bridge import wire
 from bridge.client import BridgeClient, BridgeRequestError
-from bridge.engines.base import Completion, SamplingParams
+from bridge.engines.base import Completion, SamplingParams, derive_seed
 from bridge.engines.jax_engine import JaxEngine
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
@@ -112,7 +112,7 @@ def test_streams_every_episode_with_its_tokens(bridge):
     prompts, group_size = [[1, 2], [10]], 3
     params = _params(temperature=1.0, seed=20)
     # What each episode samples without a stop token (its seed: see the next test) ...
-    free = bridge.direct([(prompts[g], dataclasses.replace(params, seed=20 + g * group_size + j))
+    free = bridge.direct([(prompts[g], first_turn(params, derive_seed(20, str(g)), j))
                           for g in range(2) for j in range(group_size)])
     # ... and a stop token that ends group 1's first episode after two tokens.
     stop = free[group_size].token_ids[1]
@@ -137,22 +137,33 @@ def test_streams_every_episode_with_its_tokens(bridge):
     assert "stop" in reasons and "length" in reasons
 
 
-def test_episode_seeds_count_up_from_the_request_seed(bridge):
+def first_turn(params: SamplingParams, group_seed: int, j: int) -> SamplingParams:
+    """The params of episode j's first turn in a group seeded `group_seed` (see PromptGroup.seed)."""
+    return dataclasses.replace(params, seed=derive_seed(derive_seed(group_seed, j), 0))
+
+
+def test_episodes_sample_by_their_group_seed_whatever_request_they_travel_in(bridge):
     client = bridge.client
-    prompts, group_size = [[1], [2, 3]], 3
-    params = _params(temperature=1.0, max_tokens=6, seed=100)
-    trajs = list(client.rollout(prompts, group_size, params))
-    # Episode j of group g has seed 100 + g * group_size + j: replay each with exactly that seed.
-    expected = bridge.direct([(prompts[g], dataclasses.replace(params, seed=100 + g * group_size + j))
-                              for g in range(len(prompts)) for j in range(group_size)])
-    assert len(trajs) == len(expected)
-    for t in trajs:
-        ref = expected[int(t.group_id) * group_size + t.index_in_group]
-        assert t.completion_ids.tolist() == ref.token_ids, (t.group_id, t.index_in_group)
-        np.testing.assert_allclose(t.sampler_logprobs, ref.logprobs, atol=1e-5)
-    for g in "01":
-        assert len({tuple(t.completion_ids.tolist()) for t in trajs if t.group_id == g}) == group_size
-    # Without a request seed every episode draws its own.
+    group_size = 3
+    a, b = wire.PromptGroup([1], group_id="4-0"), wire.PromptGroup([2, 3], group_id="4-1", seed=2**63 + 1)
+    params = _params(temperature=1.0, max_tokens=6, seed=100)  # seeds the groups without one: a
+    seeds = {"4-0": derive_seed(100, "4-0"), "4-1": 2**63 + 1}
+
+    def tokens(groups):
+        return {(t.group_id, t.index_in_group): t.completion_ids.tolist()
+                for t in client.rollout(groups, group_size, params)}
+
+    both = tokens([a, b])
+    # Alone, second, or first in the request (so batched with other episodes, or not): the same.
+    assert tokens([b]) == {k: v for k, v in both.items() if k[0] == "4-1"}
+    assert tokens([b, a]) == both
+    # Episode j of a group samples with derive_seed(group seed, j) (its first turn: see test_rollout).
+    expected = bridge.direct([(g.prompt_ids, first_turn(params, seeds[g.group_id], j))
+                              for g in (a, b) for j in range(group_size)])
+    assert [both[(g.group_id, j)] for g in (a, b) for j in range(group_size)] == [c.token_ids for c in expected]
+    for g in ("4-0", "4-1"):
+        assert len({tuple(v) for k, v in both.items() if k[0] == g}) == group_size
+    # Without a seed every episode draws its own.
     unseeded = list(client.rollout([[1]], 4, dataclasses.replace(params, seed=None)))
     assert len({tuple(t.completion_ids.tolist()) for t in unseeded}) == 4
 
@@ -187,10 +198,10 @@ def test_bad_sampling_params_are_invalid_argument_with_the_message(bridge):
 def test_protocol_mismatch_is_failed_precondition(bridge):
     stub = pb_grpc.BridgeStub(bridge.client._channel)
     request = wire.rollout_request([[1]], 1, _params())
-    request.protocol_version = 2
+    request.protocol_version = 1  # the version before seeds per group
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Rollout(request, timeout=10))
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "protocol version 2" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "protocol version 1" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         stub.Stats(pb.StatsRequest(protocol_version=0), timeout=10)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -359,9 +370,12 @@ def test_episode_hook_factory_runs_multi_turn_episodes(model_dir, snapshots):
                   wire.PromptGroup([9], group_id="b", env="broken")]
         stream = b.client.rollout(groups, 1, params, max_turns=4, max_total_tokens=10)
         trajs = {t.group_id: t for t in stream}
-        # Replay episode "a" (episode 0: seed 40) turn by turn, token in / token out, and "1" (seed 41).
-        [turn1, plain_ref] = b.direct([([5, 90], params), ([7], dataclasses.replace(params, seed=41))])
-        [turn2] = b.direct([([5, 90, *turn1.token_ids, 70, 71], params)])
+        # Replay episode "a" turn by turn, token in / token out (turn k with derive_seed(episode seed,
+        # k)), and group "1".
+        episode = derive_seed(derive_seed(40, "a"), 0)
+        [turn1, plain_ref] = b.direct([([5, 90], dataclasses.replace(params, seed=derive_seed(episode, 0))),
+                                       ([7], first_turn(params, derive_seed(40, "1"), 0))])
+        [turn2] = b.direct([([5, 90, *turn1.token_ids, 70, 71], dataclasses.replace(params, seed=derive_seed(episode, 1)))])
         assert b.client.health().status == "serving"
     a, plain, broken = trajs["a"], trajs["1"], trajs["b"]
     assert broken.finish_reason == "error" and "environment server is down" in broken.error

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bridge import wire
-from bridge.engines.base import SamplingParams
+from bridge.engines.base import SamplingParams, derive_seed
 from bridge.proto import bridge_pb2 as pb
 from bridge.rollout import Trajectory
 
@@ -42,7 +42,7 @@ def test_arrays_are_little_endian_bytes():
     assert msg.completion_ids == np.array([5, 6, 7, 40, 41, 8], "<i4").tobytes()
     assert msg.token_versions == np.array([3, 3, 3, -1, -1, 4], "<i8").tobytes()
     assert msg.loss_mask == bytes([1, 1, 1, 0, 0, 1])
-    assert msg.protocol_version == wire.PROTOCOL_VERSION == 1
+    assert msg.protocol_version == wire.PROTOCOL_VERSION == 2
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -61,22 +61,42 @@ def test_bad_byte_lengths_are_refused(field, value, message):
 
 def test_another_protocol_version_is_refused():
     msg = wire.trajectory_to_proto(_trajectory())
-    msg.protocol_version = 2
-    with pytest.raises(wire.WireError, match="protocol version 2"):
+    msg.protocol_version = 1
+    with pytest.raises(wire.WireError, match="protocol version 1"):
         wire.trajectory_from_proto(msg)
 
 
-def test_sampling_params_round_trip():
+def test_sampling_params_round_trip_without_their_seed():
     params = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=33,
                             stop_token_ids=(2, 9), stop=("</answer>",), seed=123)
     back = wire.sampling_from_proto(pb.SamplingParams.FromString(
         wire.sampling_to_proto(params).SerializeToString()), n=4)
     assert back.temperature == pytest.approx(0.7) and back.top_p == pytest.approx(0.9)
     assert (back.n, back.top_k, back.max_tokens, back.stop_token_ids, back.stop, back.seed) == (
-        4, 20, 33, (2, 9), ("</answer>",), 123)
-    unseeded = wire.sampling_from_proto(wire.sampling_to_proto(SamplingParams(max_tokens=5)))
-    assert unseeded.seed is None and unseeded.top_p == 1.0
-    assert wire.sampling_from_proto(pb.SamplingParams(max_tokens=5, seed=0)).seed == 0
+        4, 20, 33, (2, 9), ("</answer>",), None)  # seeds travel per group
+    assert wire.sampling_from_proto(wire.sampling_to_proto(SamplingParams(max_tokens=5))).top_p == 1.0
+
+
+def test_a_groups_seed_is_its_identity_not_its_position():
+    params = SamplingParams(max_tokens=4, seed=7)
+
+    def seeds(groups):
+        request = wire.rollout_request(groups, group_size=2, sampling=params)
+        return {g.group_id: wire.group_from_proto(g).seed for g in request.groups}
+
+    a, b = wire.PromptGroup([1], group_id="3-0"), wire.PromptGroup([1], group_id="3-1")
+    both = seeds([a, b])
+    assert seeds([b, a]) == both and seeds([b]) == {"3-1": both["3-1"]}
+    assert both["3-0"] == derive_seed(7, "3-0") and both["3-0"] != both["3-1"]
+    assert seeds([wire.PromptGroup([1], group_id="own", seed=2**64 - 1)]) == {"own": 2**64 - 1}  # kept
+    unseeded = wire.rollout_request([a], 2, SamplingParams(max_tokens=4))
+    assert wire.group_from_proto(unseeded.groups[0]).seed is None
+
+
+def test_derived_seeds_are_hashes_not_offsets():
+    seeds = {derive_seed(s, i) for s in range(100) for i in range(100)}
+    assert len(seeds) == 100 * 100 and all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(1, 0) != derive_seed(0, 1) and derive_seed(5, "0-1") != derive_seed(5, "0-1", 0)
 
 
 def test_unset_top_p_reads_as_no_top_p_and_bad_values_raise():

@@ -7,7 +7,15 @@ vocabulary, the quantity the learner recomputes (top-p / top-k truncation only s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Protocol
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that is a hash of `parts` (BLAKE2b of their repr), so that seeds derived from
+    neighbouring parts (group 3 and 4, turn 0 and 1) share no random streams, as `seed + i` would."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class EngineError(RuntimeError):
@@ -27,6 +35,8 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    # The same seed and prompts sample the same completions (the jax engine: completion r of a
+    # call, prompt-major, with derive_seed(seed, r)); None: the engine draws one.
     seed: int | None = None
 
     def __post_init__(self):

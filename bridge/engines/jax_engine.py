@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
+from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused, derive_seed
 from bridge.engines.sampler import Generation, PrefixCache, RowParams, Shapes, generate_rows
 from jaxrl.compilation import compiles
 from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
@@ -106,8 +106,8 @@ class JaxEngine:
             self._queue = asyncio.Queue()
             self._worker = asyncio.create_task(self._batch_loop())
         rows = len(prompts) * params.n
-        base = self._rng.integers(0, 2**31) if params.seed is None else params.seed
-        seeds = (np.uint64(base) + np.arange(rows, dtype=np.uint64)).astype(np.uint32)
+        base = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
+        seeds = np.array([derive_seed(base, r) for r in range(rows)], np.uint64)
         future = asyncio.get_running_loop().create_future()
         await self._queue.put(_Request(prompts, params, seeds, future))
         return await future

@@ -10,6 +10,13 @@ different settings share one compiled program and one batch. The logprob reporte
 token is `log_softmax(logits / temperature)` over the whole vocabulary, the quantity the learner
 recomputes; top-p / top-k only restrict what can be sampled. At temperature 0 (greedy) it is
 `log_softmax(logits)`.
+
+A row samples from its own key stream (its seed folded with the decode step), so what it samples
+does not depend on the rows beside it. Its numbers may, in the last bits: XLA:CPU picks kernels by
+the whole operand's shape (YNNPACK fusions of dots and row reductions change summation order with
+the batch's size; Eigen's dots with the contraction length's blocking), and a prefix-cached row's
+keys were computed by decode steps, a fresh one's by a prefill. Logprobs then move by ~1e-6, and a
+sampled token only where two candidates tie within that.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ class RowParams:
     top_p: np.ndarray
     top_k: np.ndarray  # 0: no top-k
     max_tokens: np.ndarray
-    seed: np.ndarray
+    seed: np.ndarray  # up to 64 bits: the row's random key
     stop_ids: list[tuple[int, ...]]  # token ids that end each row
 
     def slice(self, lo: int, hi: int) -> RowParams:
@@ -78,7 +85,7 @@ def _sample(logits_BxV, key_B, temperature_B, top_p_B, top_k_B):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("pool",))
 def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B, tokens_BxW, prompt_len_B,
-              stop_ids_BxS, temperature_B, top_p_B, top_k_B, max_tokens_B, seed_B, chunk: int):
+              stop_ids_BxS, temperature_B, top_p_B, top_k_B, max_tokens_B, seed_lo_B, seed_hi_B, chunk: int):
     """Row b starts from pool row src_B[b], whose first cached_B[b] slots hold its prompt's first
     tokens; prefills the rest `chunk` tokens at a time (a row whose leader_B[b] is another row
     has the same prompt and copies that row's prefill); decodes until every row stops or reaches
@@ -109,7 +116,8 @@ def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B,
     cache, logits_BxV = jax.lax.while_loop(
         lambda carry: jnp.any(carry[0].length_B < prompt_len_B), prefill_body, (cache, logits_BxV))
     cache, logits_BxV = jax.tree.map(lambda x: x[leader_B], (cache, logits_BxV))
-    base_keys = jax.vmap(jax.random.key)(seed_B)
+    # Both halves of a 64-bit seed (a key takes 32 bits): distinct seeds give distinct streams.
+    base_keys = jax.vmap(lambda lo, hi: jax.random.fold_in(jax.random.key(lo), hi))(seed_lo_B, seed_hi_B)
 
     def body(carry):
         t, logits_BxV, cache, done_B, out_tokens, out_logp = carry
@@ -247,12 +255,13 @@ def generate_rows(graphdef, params, prompts: list[list[int]], rows: RowParams, s
     stops = np.full((B, bucket(max(len(s) for s in rows.stop_ids), 4)), -2, np.int32)
     for b, ids in enumerate(rows.stop_ids):
         stops[b, :len(ids)] = ids
+    seed = pad(rows.seed.astype(np.uint64), 0)
     src, dst, cached, leader = prefix.plan(prompts, B)
     out_tokens, out_logp, prefix.pool = _generate(
         params, graphdef, prefix.pool, src, dst, cached, leader, tokens, prompt_len, stops,
         pad(rows.temperature.astype(np.float32), 0.0), pad(rows.top_p.astype(np.float32), 1.0),
         pad(rows.top_k.astype(np.int32), 0), pad(rows.max_tokens.astype(np.int32), 0),
-        pad(rows.seed.astype(np.uint32), 0), chunk=shapes.chunk,
+        (seed & 0xFFFFFFFF).astype(np.uint32), (seed >> 32).astype(np.uint32), chunk=shapes.chunk,
     )
     out_tokens, out_logp = jax.device_get((out_tokens, out_logp))
     result = Generation([], [], [])

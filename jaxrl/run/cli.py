@@ -29,9 +29,10 @@ def _train(args) -> int:
 
     Exit codes: 0 the run finished its steps; 2 it could not start (nothing was started); 1 it
     failed while running (one line here, the traceback in RUN/logs/); 128 + the signal's number
-    when a signal stopped it (after its checkpoint).
+    when a signal stopped it (after its checkpoint). `--replay RUN` reruns RUN and exits 1 when its
+    metrics differ.
     """
-    cfg = _load_train_config(args, "jaxrl train")
+    cfg = _replay_config(args) if args.replay is not None else _load_train_config(args, "jaxrl train")
     if cfg is None:
         return 2
     import logging
@@ -60,8 +61,10 @@ def _train(args) -> int:
         print(f"jaxrl train: error: {_failure_line(e, cfg.run_dir)} (traceback: {_save_traceback(e, cfg.run_dir)})",
               file=sys.stderr)
         return 1
-    print(json.dumps(summary), flush=True)
     stopped = summary.get("stopped")
+    if args.replay is not None and not stopped:
+        return _compare_replay(args.replay, cfg, summary)
+    print(json.dumps(summary), flush=True)
     return 128 + signal.Signals[stopped] if stopped else 0
 
 
@@ -106,6 +109,44 @@ def _save_traceback(e: BaseException, run_dir: str) -> str:
         with tempfile.NamedTemporaryFile("w", prefix="jaxrl-train-error-", suffix=".log", delete=False) as f:
             f.write(text)
         return f.name
+
+
+def _replay_config(args):
+    """`--replay RUN`: RUN's config into a fresh run directory (`jaxrl.run.replay`); warns about
+    versions the run did not record; None after an error."""
+    from jaxrl.run.record import differences
+    from jaxrl.run.replay import ReplayError, replay_config
+    from jaxrl.run.run_dir import RunDir
+    from jaxrl.run.typed_config import ConfigError
+
+    if args.resume:
+        print("jaxrl train: error: --replay starts a fresh run directory; --resume does not apply", file=sys.stderr)
+        return None
+    try:
+        cfg = replay_config(args.replay, args.set or [])
+    except (ConfigError, ReplayError) as e:
+        print(f"jaxrl train: error: {e}", file=sys.stderr)
+        return None
+    changed = differences(RunDir(args.replay))
+    if changed is None:
+        print(f"jaxrl train: warning: {args.replay} has no run.json: the versions it ran on are unknown",
+              file=sys.stderr)
+    elif changed:
+        print(f"jaxrl train: warning: the replay runs on other versions than {args.replay} recorded, which can "
+              f"explain a difference: {'; '.join(changed)}", file=sys.stderr)
+    return cfg
+
+
+def _compare_replay(run_dir: str, cfg, summary: dict) -> int:
+    """Prints whether the replay matched the run step by step, then the summary; 0 if it did."""
+    from jaxrl.run.replay import compare
+    from jaxrl.run.tracking import read_metrics
+
+    result = compare(read_metrics(run_dir), read_metrics(cfg.run_dir))
+    print(result.line(), flush=True)
+    summary["replay"] = {"matched": result.matched, "steps": result.steps}
+    print(json.dumps(summary), flush=True)
+    return 0 if result.matched else 1
 
 
 # `jaxrl eval` flag -> the config key it overrides
@@ -267,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("train", help="train a model against environments (the main job)")
-    tr.add_argument("config", help="YAML training config (see `jaxrl config`)")
+    what = tr.add_mutually_exclusive_group(required=True)
+    what.add_argument("config", nargs="?", help="YAML training config (see `jaxrl config`)")
+    what.add_argument("--replay", metavar="RUN_DIR",
+                      help="rerun a run from its config.yaml into RUN_DIR/replay (--set run_dir=... elsewhere) and "
+                           "compare its metrics step by step with the run's (timings excepted); exit 1 if they differ")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
     tr.set_defaults(func=_train)

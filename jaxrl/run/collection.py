@@ -94,8 +94,9 @@ class Collector:
         self.tasks = tasks
         self.rewards = RewardWeights(cfg.rewards)
         r = cfg.rollout
+        # Seeds each group by the run seed and its id (step-slot): the same episodes on every rerun.
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                     stop_token_ids=stop_ids, seed=None)
+                                     stop_token_ids=stop_ids, seed=cfg.seed)
         self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending: tuple[int, concurrent.futures.Future] | None = None
 

@@ -137,7 +137,9 @@ class TrainConfig:
     model: ModelConfig = _help("the policy model")
     envs: list[EnvSpec] = _help("environments (name + one of bundled / url / env_class); see bridge.envs.spec")
     steps: int = _help("training steps (one batch each)", default=100)
-    seed: int = _help("sampling and data seed", default=0)
+    seed: int = _help("the run's seed: every episode samples with seeds derived from it and the episode's step, "
+                      "group and index; it also picks demonstrations and orders the warm start (tasks: data.seed)",
+                      default=0)
     rewards: list[RewardSpec] = _help(
         "reward functions fn(completions, environments, **task_fields) -> list[float | None], or 'env' "
         "(the environment's own reward), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])

@@ -3,6 +3,7 @@
 ```
 RUN/
   config.yaml      the resolved run config
+  run.json         its seeds, and the versions and devices each session ran on (jaxrl.run.record)
   metrics.jsonl    one JSON object per logged step
   checkpoints/     train checkpoints (jaxrl.checkpoints.TrainCheckpointer)
   snapshots/       weight snapshots for the bridge (jaxrl.snapshots.SnapshotWriter), or only the
@@ -72,6 +73,10 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.path / "logs"
+
+    @property
+    def record(self) -> Path:
+        return self.path / "run.json"
 
 
 def disk_full(e: BaseException) -> bool:

@@ -37,6 +37,7 @@ from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, Ste
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
 from jaxrl.run.processes import EnvServers
+from jaxrl.run.record import record_session
 from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, check_services, start_services
@@ -132,6 +133,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = _start_step(run, ckpt, resume)
     dump_yaml(cfg, run.config)
+    record_session(run, cfg, start_step)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     with _Stop() as stop, contextlib.ExitStack() as stack:

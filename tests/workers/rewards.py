@@ -14,3 +14,9 @@ def nan(completions, **task_fields):
 def nothing(completions, **task_fields):
     """A reward function that applies to nothing: the run has no score at all."""
     return [None] * len(completions)
+
+
+def even_length(completions, **task_fields):
+    """1 for a completion of an even number of characters: a signal an untrained model gets about half
+    the time, so that its groups have advantages and its updates move the weights."""
+    return [float(len(c) % 2 == 0) for c in completions]

@@ -1,0 +1,89 @@
+"""RUN/run.json: what a rerun of the run needs besides its config, the seeds, and for each session
+(the first start, then every `--resume`) the Python, platform, devices and package versions it ran
+on: other versions may compile other kernels and round differently (see `jaxrl train --replay`).
+
+```
+{"seeds": {"seed": 0, "data.seed": 0, "model.tiny.seed": 0, "envs.echo.seed": 0, "sampling": "..."},
+ "sessions": [{"started": "2026-11-22T20:01:02+00:00", "start_step": 0, "python": "3.11.7",
+               "platform": "Linux x86_64", "devices": "cpu x8", "packages": {"jax": "0.10.2", ...}}]}
+```
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Any
+
+import jax
+
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.run_dir import RunDir
+
+# What a run's numbers depend on; `openenv-core` serves the environments.
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
+            "grpcio", "protobuf", "openenv-core")
+# How a run's sampling seeds derive from its seed (bridge.wire, bridge.rollout).
+SAMPLING = ("group: derive_seed(seed, group id), group ids STEP-SLOT (training) and eval-VERSION-I; "
+            "episode j: derive_seed(group seed, j); turn k: derive_seed(episode seed, k)")
+
+
+def environment() -> dict[str, Any]:
+    """This process's Python, platform, devices and package versions (None: not installed)."""
+    kinds = collections.Counter(d.device_kind for d in jax.devices())
+    packages = {}
+    for name in PACKAGES:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
+            "devices": ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items())), "packages": packages}
+
+
+def seeds(cfg: TrainConfig) -> dict[str, Any]:
+    """Every seed the config sets, and how the sampling seeds derive from them."""
+    out: dict[str, Any] = {"seed": cfg.seed, "data.seed": cfg.data.seed}
+    if cfg.model.tiny is not None:
+        out["model.tiny.seed"] = cfg.model.tiny.seed
+    out.update({f"envs.{e.name}.seed": e.seed for e in cfg.envs if e.bundled})
+    out["sampling"] = SAMPLING
+    return out
+
+
+def record_session(run: RunDir, cfg: TrainConfig, start_step: int | None) -> None:
+    """Starts RUN/run.json for a fresh run (`start_step` None), or adds a resumed session to it."""
+    if jax.process_index() != 0:
+        return
+    path = run.record
+    record = {"seeds": seeds(cfg), "sessions": []}
+    if start_step is not None and path.is_file():
+        record = json.loads(path.read_text())
+    record["sessions"].append({
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "start_step": start_step or 0, **environment()})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def differences(run: RunDir) -> list[str] | None:
+    """What this process runs on that no session of the run recorded ("jax 0.10.2 (recorded
+    0.10.1)"); None without a record."""
+    if not run.record.is_file():
+        return None
+    recorded = [_flat(s) for s in json.loads(run.record.read_text()).get("sessions", [])]
+    out = []
+    for key, value in _flat(environment()).items():
+        seen = sorted({str(r.get(key)) for r in recorded})
+        if str(value) not in seen:
+            out.append(f"{key} {value} (recorded {' / '.join(seen)})")
+    return out
+
+
+def _flat(env: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: v for k, v in env.items() if k != "packages"}, **env.get("packages", {})}

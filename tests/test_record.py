@@ -1,0 +1,43 @@
+"""RUN/run.json: the seeds, and the versions and devices each session of a run ran on."""
+
+import importlib.metadata
+import json
+
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.record import differences, record_session
+from jaxrl.run.run_dir import RunDir
+from jaxrl.run.typed_config import from_dict
+
+
+def config(**extra) -> TrainConfig:
+    return from_dict(TrainConfig, {"run_dir": "r", "model": {"dir": "m", "tiny": {"seed": 3}}, "seed": 7,
+                                   "envs": [{"name": "echo", "bundled": "echo", "seed": 5}], **extra})
+
+
+def test_a_fresh_run_starts_the_record_and_a_resume_adds_a_session(tmp_path):
+    run = RunDir.create(tmp_path / "run")
+    record_session(run, config(), None)
+    record_session(run, config(), 4)
+    record = json.loads(run.record.read_text())
+    assert {k: v for k, v in record["seeds"].items() if k != "sampling"} == {
+        "seed": 7, "data.seed": 0, "model.tiny.seed": 3, "envs.echo.seed": 5}
+    assert "derive_seed(seed, group id)" in record["seeds"]["sampling"]
+    assert [s["start_step"] for s in record["sessions"]] == [0, 4]
+    session = record["sessions"][0]
+    assert session["packages"]["jax"] == importlib.metadata.version("jax") and session["python"]
+    assert session["devices"].startswith("cpu x")
+    record_session(run, config(), None)  # started over: a new record
+    assert len(json.loads(run.record.read_text())["sessions"]) == 1
+    assert differences(run) == []
+
+
+def test_differences_name_what_no_session_recorded(tmp_path):
+    run = RunDir.create(tmp_path / "run")
+    assert differences(run) is None  # no record
+    record_session(run, config(), None)
+    record = json.loads(run.record.read_text())
+    record["sessions"][0]["packages"]["jax"] = "0.0.1"
+    record["sessions"][0]["devices"] = "TPU v5 lite x4"
+    run.record.write_text(json.dumps(record))
+    now = importlib.metadata.version("jax")
+    assert differences(run) == ["devices cpu x8 (recorded TPU v5 lite x4)", f"jax {now} (recorded 0.0.1)"]
