@@ -6,8 +6,49 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import secrets
 import sys
+from pathlib import Path
+
+from bridge import wire
+
+
+def _token(token_file: str | None) -> str:
+    """The bridge's token: from `token_file` (written with a fresh token when it does not exist, so
+    that trainer and bridge can name the same file from the start), else from $JAXRL_BRIDGE_TOKEN.
+    A bridge with neither does not start: an open bridge lets any local user load weights into it."""
+    if token_file is not None:
+        path = Path(token_file).expanduser()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # only its owner reads it
+        except FileExistsError:
+            return wire.read_token_file(path)
+        except OSError as e:
+            raise ValueError(f"cannot write a new token to {path}: {e.strerror or e}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        print(f"jaxrl bridge: wrote a new token to {path} (give trainers bridge.token_file={path})",
+              file=sys.stderr, flush=True)
+        return wire.read_token_file(path)
+    token = os.environ.get(wire.TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"the bridge needs a token: pass --token-file FILE (a new token is written there if FILE "
+                         f"does not exist) or set {wire.TOKEN_ENV}")
+    return token
+
+
+def _tls(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
+    if (cert is None) != (key is None):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    if cert is None:
+        return None
+    try:
+        return Path(key).read_bytes(), Path(cert).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {e.filename}: {e.strerror}") from None
 
 
 def _serve(args) -> int:
@@ -26,9 +67,17 @@ def _serve(args) -> int:
         print(f"jaxrl bridge: error: --engine-kwargs must be a JSON object, got {args.engine_kwargs!r}",
               file=sys.stderr)
         return 2
+    try:
+        limits = wire.Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(wire.Limits)})
+        tls = _tls(args.tls_cert, args.tls_key)
+        token = _token(args.token_file)
+    except ValueError as e:
+        print(f"jaxrl bridge: error: {e}", file=sys.stderr)
+        return 2
     return run_bridge(args.engine, args.model, dtype=args.dtype, host=args.host, port=args.port,
                       max_batch=args.max_batch, seed=args.seed, parent_pid=args.parent_pid,
-                      engine_kwargs=engine_kwargs, envs_file=args.envs)
+                      engine_kwargs=engine_kwargs, envs_file=args.envs, token=token, tls=tls,
+                      insecure=args.insecure, snapshot_roots=args.snapshot_root, limits=limits)
 
 
 def _env_serve(args) -> int:
@@ -66,7 +115,8 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     br.add_argument("--engine", default="jax", help="jax (CPU/TPU, default) or vllm (GPU)")
     br.add_argument("--model", required=True, help="Hugging Face model directory")
     br.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's")
-    br.add_argument("--host", default="127.0.0.1")
+    br.add_argument("--host", default="127.0.0.1",
+                    help="beyond loopback (e.g. 0.0.0.0) the bridge needs --tls-cert/--tls-key or --insecure")
     br.add_argument("--port", type=int, default=0, help="0: a free port (printed as BRIDGE_LISTENING host:port)")
     br.add_argument("--max-batch", type=int, help="most sequences generated together")
     br.add_argument("--seed", type=int, default=0, help="sampling seed for requests without one")
@@ -75,6 +125,21 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     br.add_argument("--envs", help="JSON file of the environments and reward functions to serve: "
                                    '{"envs": [EnvSpec...], "rewards": [RewardSpec...], "tool_parser": "qwen", '
                                    '"chat_template_kwargs": {}}')
+    br.add_argument("--token-file", help="file holding the token every call must carry (created with a new "
+                                         f"token if it does not exist); default: ${wire.TOKEN_ENV}")
+    br.add_argument("--tls-cert", help="PEM certificate (chain) to serve TLS with; clients verify it (bridge.tls_ca)")
+    br.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    br.add_argument("--insecure", action="store_true",
+                    help="listen beyond loopback without TLS (the token travels in clear text)")
+    br.add_argument("--snapshot-root", action="append", default=[], metavar="DIR",
+                    help="LoadSnapshot reads only under these directories (repeatable); none: the model only")
+    limits = wire.Limits()
+    for f, what in (("max_group_size", "most samples per group of a request"),
+                    ("max_groups", "most groups per request"),
+                    ("max_tokens", "most tokens per model turn, and per episode (max_total_tokens), of a request"),
+                    ("max_episodes_in_flight", "most episodes under way over all requests")):
+        br.add_argument(wire.Limits.flag(f), dest=f, type=int, default=getattr(limits, f),
+                        help=f"{what} (default %(default)s)")
     br.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this parent is gone
     br.set_defaults(func=_serve)
 

@@ -4,13 +4,20 @@
 typed: `BridgeUnavailable` when the bridge is gone, unreachable or past its deadline (a killed
 bridge is noticed at once through its closed connection, a silent one through keepalive pings
 within `timeout_s`), `BridgeRequestError` (with the gRPC code and message) when the bridge
-refused a request, `BridgeProtocolError` when a reply cannot be decoded.
+refused a request (`BridgeUnauthenticated` when it refused the token), `BridgeProtocolError`
+when a reply cannot be decoded.
+
+Every call carries `token` (the bridge's: its `--token-file` or $JAXRL_BRIDGE_TOKEN). With
+`tls_ca` (a PEM file of the certificate authority, or of the bridge's self-signed certificate)
+the connection is TLS and the bridge must present a certificate it vouches for, under the host
+name or IP of `address`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -31,10 +38,11 @@ class BridgeError(RuntimeError):
 class BridgeUnavailable(BridgeError):
     """The bridge process is gone, unreachable, or did not answer within the deadline."""
 
-    def __init__(self, address: str, what: str, code: grpc.StatusCode | None = None, details: str = ""):
+    def __init__(self, address: str, what: str, code: grpc.StatusCode | None = None, details: str = "",
+                 hint: str = ""):
         self.address, self.code, self.details = address, code, details
         why = f"{code.name}: {details}" if code is not None else details
-        super().__init__(f"bridge at {address} unavailable during {what} ({why})")
+        super().__init__(f"bridge at {address} unavailable during {what} ({why})" + (f"; {hint}" if hint else ""))
 
 
 class BridgeRequestError(BridgeError):
@@ -43,6 +51,17 @@ class BridgeRequestError(BridgeError):
     def __init__(self, address: str, what: str, code: grpc.StatusCode, details: str):
         self.address, self.code, self.details = address, code, details
         super().__init__(f"bridge at {address} refused {what}: {code.name}: {details}")
+
+
+class BridgeUnauthenticated(BridgeRequestError):
+    """The bridge refused the call's token: none was sent, or not the bridge's own."""
+
+    def __init__(self, address: str, what: str, details: str, sent: bool):
+        self.address, self.code, self.details = address, grpc.StatusCode.UNAUTHENTICATED, details
+        problem = "is not the bridge's" if sent else "was not given (BridgeClient token=)"
+        BridgeError.__init__(self, (
+            f"bridge at {address} refused {what}: the token {problem}; a bridge's token is its --token-file or "
+            f"${wire.TOKEN_ENV}, and `jaxrl train` reads it from bridge.token_file or ${wire.TOKEN_ENV}"))
 
 
 class BridgeProtocolError(BridgeError):
@@ -63,17 +82,22 @@ class SnapshotLoaded:
 
 
 class BridgeClient:
-    """A connection to one bridge at `address` ("host:port").
+    """A connection to one bridge at `address` ("host:port") whose token is `token`.
 
     `timeout_s` is the deadline of every unary call and the bound on noticing a dead bridge while
     a rollout streams. A rollout itself has no deadline unless given one (generation can be long).
+    `tls_ca`: connect over TLS, trusting the certificates in this PEM file.
     """
 
-    def __init__(self, address: str, timeout_s: float = 60.0):
+    def __init__(self, address: str, timeout_s: float = 60.0, token: str | None = None,
+                 tls_ca: str | Path | None = None):
         self.address = address
         self.timeout_s = timeout_s
+        self.tls_ca = tls_ca
+        self._metadata = ((wire.AUTH_METADATA, wire.BEARER + token),) if token else ()
+        self._answered = False  # whether the bridge ever answered: a failure before that may be TLS
         ping_ms = max(int(timeout_s * 1000) // 2, 1000)
-        self._channel = grpc.insecure_channel(address, options=[
+        options = [
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", ping_ms),
@@ -81,22 +105,42 @@ class BridgeClient:
             ("grpc.http2.ping_timeout_ms", ping_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-        ])
+        ]
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            try:
+                ca = Path(tls_ca).read_bytes()
+            except OSError as e:
+                raise BridgeError(f"cannot read the bridge's TLS certificate authority {tls_ca}: {e.strerror}") from None
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options)
         self._stub = pb_grpc.BridgeStub(self._channel)
 
     # -- errors ---------------------------------------------------------------------------------
 
     def _error(self, e: grpc.RpcError, what: str) -> BridgeError:
         code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return BridgeUnauthenticated(self.address, what, details, sent=bool(self._metadata))
         if code in _UNAVAILABLE:
-            return BridgeUnavailable(self.address, what, code, details)
+            return BridgeUnavailable(self.address, what, code, details, self._tls_hint(details))
         return BridgeRequestError(self.address, what, code, details)
+
+    def _tls_hint(self, details: str) -> str:
+        """What a failure to connect says about TLS: gRPC's own words are about sockets and handshakes."""
+        if self.tls_ca is not None and "handshake failed" in details.lower():
+            return (f"TLS: the bridge's certificate is not one {self.tls_ca} vouches for (for this host name), "
+                    "or the bridge does not serve TLS")
+        if self.tls_ca is None and not self._answered and "socket closed" in details.lower():
+            return "if the bridge serves TLS, give its certificate authority (tls_ca=, bridge.tls_ca)"
+        return ""
 
     def _call(self, method, request, what: str, timeout_s: float | None = None):
         try:
-            reply = method(request, timeout=timeout_s or self.timeout_s)
+            reply = method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(e, what) from None
+        self._answered = True
         try:
             wire.check_version(reply, f"{what} reply")
         except wire.WireError as e:
@@ -128,7 +172,7 @@ class BridgeClient:
         return self._stream(request, expected, timeout_s)
 
     def _stream(self, request: pb.RolloutRequest, expected: int, timeout_s: float | None):
-        call = self._stub.Rollout(request, timeout=timeout_s)
+        call = self._stub.Rollout(request, timeout=timeout_s, metadata=self._metadata)
         received = 0
         try:
             for msg in call:
@@ -137,6 +181,7 @@ class BridgeClient:
                 except wire.WireError as e:
                     raise BridgeProtocolError(str(e)) from None
                 received += 1
+                self._answered = True
                 yield traj
         except grpc.RpcError as e:
             raise self._error(e, f"rollout (after {received} of {expected} trajectories)") from None

@@ -5,19 +5,26 @@ and streams each trajectory the moment its episode finishes; a client that goes 
 episodes. Engine work runs in threads, so `Health` and `Stats` answer at once while rollouts and
 snapshot loads run. A bad request gets a status code and a message; nothing a client sends stops
 the server, except `Shutdown`.
+
+Locked: every call must carry the bridge's token (`TokenCheck`, UNAUTHENTICATED otherwise), even
+on loopback, where any local user could connect; snapshots load only from under the roots the
+bridge was started with and never go back to an older version; requests are bounded by the
+bridge's `wire.Limits`. Beyond loopback the bridge serves TLS (see `serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import inspect
+import ipaddress
 import itertools
 import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,21 +60,62 @@ RETRYABLE = (SessionLost, EndpointUnavailable)  # the environment went away: rep
 HookFactory = Callable[[wire.PromptGroup], "EpisodeHook | None | Awaitable[EpisodeHook | None]"]
 
 
+class StartupError(Exception):
+    """The bridge cannot start: unknown engine, no model, an engine that fails to load, no token."""
+
+
 class _Invalid(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
 
 
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not carry `token` (compared in constant time) with
+    UNAUTHENTICATED, before its request is decoded or reaches the servicer."""
+
+    def __init__(self, token: str, counters: dict[str, int]):
+        self._expected = (wire.BEARER + token).encode()
+        self._counters = counters
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get(wire.AUTH_METADATA)
+        if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
+            return handler
+        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED
+            return None
+        self._counters["unauthenticated"] += 1
+        why = "no token" if sent is None else "a wrong token"
+        log.warning("refused %s: the call carried %s", details.method, why)
+        message = f"this bridge requires its token and the call carried {why}"
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # never reached: makes this a stream handler
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(refuse_stream, None, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+
+
 class BridgeServicer(pb_grpc.BridgeServicer):
     """`envs` (an EnvRuntime) serves named environments; `episode_hook_factory` is the bare hook
     interface (tests, custom loops). With `envs`, an episode whose session is lost is replayed
     from the start, with growing waits, until its environment's `retry_budget_s` has passed
-    since the first loss; then it is dropped (finish_reason "error") and counted."""
+    since the first loss; then it is dropped (finish_reason "error") and counted.
+    `snapshot_roots`: the directories LoadSnapshot may read under (none: the model only)."""
 
     def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
-                 on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None):
+                 on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None,
+                 snapshot_roots: Sequence[str | Path] = (), limits: wire.Limits = wire.Limits()):
         self.engine = engine
+        self.snapshot_roots = [Path(r).resolve() for r in snapshot_roots]
+        self.limits = limits
+        self._admitted = 0  # episodes of the requests under way (their limit: limits.max_episodes_in_flight)
         self.envs = envs
         if envs is not None and episode_hook_factory is None:
             episode_hook_factory = lambda g: envs.hook(g.env, g.task or {}) if g.env else None  # noqa: E731
@@ -88,6 +136,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             "episodes_retried": 0,
             "episodes_dropped": 0,
             "episodes_timed_out": 0,
+            "unauthenticated": 0,
         }
 
     # -- helpers ------------------------------------------------------------------------------
@@ -120,6 +169,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         if request.max_total_tokens < 0:
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                            f"max_total_tokens={request.max_total_tokens} must be >= 0")
+        self._check_limit("group_size", request.group_size, "max_group_size")
+        self._check_limit("groups", len(request.groups), "max_groups")
+        self._check_limit("max_total_tokens", request.max_total_tokens, "max_tokens")
+        self._check_limit("sampling.max_tokens", request.sampling.max_tokens, "max_tokens")
+        self._check_limit("groups x group_size", len(request.groups) * request.group_size, "max_episodes_in_flight")
         if not request.HasField("sampling"):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no sampling params")
         try:
@@ -152,7 +206,19 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             raise _Invalid(grpc.StatusCode.FAILED_PRECONDITION,
                            f"min_policy_version={request.min_policy_version} but the engine serves "
                            f"version {self.engine.policy_version}; load that snapshot first")
+        episodes, limit = len(groups) * request.group_size, self.limits.max_episodes_in_flight
+        if self._admitted + episodes > limit:
+            raise _Invalid(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{episodes} more episodes would make {self._admitted + episodes} in flight, over this "
+                           f"bridge's limit of {limit} ({wire.Limits.flag('max_episodes_in_flight')}); retry "
+                           "when fewer run")
         return params, groups
+
+    def _check_limit(self, what: str, value: int, limit_name: str) -> None:
+        limit = getattr(self.limits, limit_name)
+        if value > limit:
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}={value} is over this bridge's limit of {limit} ({wire.Limits.flag(limit_name)})")
 
     async def _episode(self, group: wire.PromptGroup, index: int, params, max_turns: int,
                        max_total_tokens: int | None, policy: str = "") -> Trajectory:
@@ -220,6 +286,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         except _Invalid as e:
             await self._fail(context, e.code, str(e))
             return
+        episodes = len(groups) * request.group_size
+        self._admitted += episodes  # no await since the check in _parse_rollout: nothing came between
         self.counters["rollouts"] += 1
         max_turns = max(request.max_turns, 1)
         max_total = request.max_total_tokens or None
@@ -241,6 +309,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                 yield wire.trajectory_to_proto(traj)
             finished = True
         finally:
+            self._admitted -= episodes
             if not finished:
                 self.counters["rollouts_cancelled"] += 1
             for t in tasks:
@@ -251,11 +320,27 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         await self._check_unary(request, context)
         if not request.path:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "LoadSnapshot needs a path")
-        if not Path(request.path).exists():
+        try:
+            path = Path(request.path).resolve()  # symlinks and `..` resolved before the check
+        except (OSError, RuntimeError) as e:  # a symlink loop
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"{request.path}: {e}")
+        if not any(path == root or root in path.parents for root in self.snapshot_roots):
+            roots = ", ".join(map(str, self.snapshot_roots)) or "none"
+            await self._fail(context, grpc.StatusCode.PERMISSION_DENIED,
+                             f"{request.path} is not under this bridge's snapshot roots ({roots}); start the "
+                             "bridge with --snapshot-root DIR for the trainer's snapshot directory")
+        if not path.exists():
             await self._fail(context, grpc.StatusCode.NOT_FOUND, f"{request.path}: does not exist")
         async with self._load_lock:  # one load at a time: versions land in request order
+            served = self.engine.policy_version
+            if request.version < served:
+                self.counters["snapshot_refusals"] += 1
+                await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"version {request.version} is older than the version {served} this bridge "
+                                 "serves: versions only go forward (a new run needs a bridge of its own)")
             try:
-                load_s = await self.engine.load_snapshot(request.path, request.version)
+                # The resolved path: a symlink swapped after the check cannot redirect the load.
+                load_s = await self.engine.load_snapshot(str(path), request.version)
             except SnapshotRefused as e:
                 self.counters["snapshot_refusals"] += 1
                 await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -280,6 +365,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         counters = {k: float(v) for k, v in self.counters.items()}
         counters["policy_version"] = float(self.engine.policy_version)
         counters["uptime_s"] = time.monotonic() - self.started
+        counters.update({f"limit.{k}": float(v) for k, v in dataclasses.asdict(self.limits).items()})
         if self.envs is not None:
             counters.update(self.envs.metrics())
         for k, v in (getattr(self.engine, "stats", None) or {}).items():
@@ -305,21 +391,37 @@ async def serve(
     parent_pid: int | None = None,
     handle_signals: bool = True,
     envs: EnvRuntime | None = None,
+    *,
+    token: str,
+    tls: tuple[bytes, bytes] | None = None,
+    insecure: bool = False,
+    snapshot_roots: Sequence[str | Path] = (),
+    limits: wire.Limits = wire.Limits(),
 ) -> None:
     """Serves `engine` until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the parent's exit.
 
     `on_listening(host:port)` is called once the server accepts calls. `envs` is started (every
     environment checked) before that. The engine and the environments are closed on the way out.
+    Every call must carry `token`. `tls` (private key PEM, certificate chain PEM) serves TLS; see
+    `check_exposure` for listening beyond loopback without it. LoadSnapshot reads only under
+    `snapshot_roots`; requests are bounded by `limits`.
     """
+    check_exposure(host, tls is not None, insecure)
+    if not token:
+        raise StartupError("the bridge needs a token")
     stop = asyncio.Event()
     if envs is not None:
         await envs.start()
-    servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs,
+                              snapshot_roots=snapshot_roots, limits=limits)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(token, servicer.counters)])
     pb_grpc.add_BridgeServicer_to_server(servicer, server)
     target_host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
     try:
-        bound = server.add_insecure_port(f"{target_host}:{port}")
+        if tls is not None:
+            bound = server.add_secure_port(f"{target_host}:{port}", grpc.ssl_server_credentials([tls]))
+        else:
+            bound = server.add_insecure_port(f"{target_host}:{port}")
     except RuntimeError as e:  # grpc's bind failure (address in use, bad host)
         raise OSError(f"cannot listen on {host}:{port}: {e}") from None
     if bound == 0:
@@ -352,6 +454,22 @@ async def serve(
                 loop.remove_signal_handler(sig)
 
 
+def check_exposure(host: str, tls: bool, insecure: bool) -> None:
+    """Listening beyond loopback needs TLS, or `insecure` said out loud: without TLS the token
+    crosses the network in clear text, and whoever reads it there can drive the bridge (within
+    its snapshot roots and limits). A wildcard host (0.0.0.0, ::) is beyond loopback. Raises
+    StartupError."""
+    if tls or insecure or host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return
+    except ValueError:  # a host name other than localhost: assume it is reachable from elsewhere
+        pass
+    raise StartupError(f"--host {host} listens beyond loopback, where the token would travel in clear text: "
+                       "give --tls-cert and --tls-key, or pass --insecure on a network you trust")
+
+
 async def _watch_parent(parent_pid: int, stop: asyncio.Event, every_s: float = 1.0) -> None:
     """Stops the server once the process that started it is gone (re-parented: no orphan bridges)."""
     while os.getppid() == parent_pid:
@@ -364,10 +482,6 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event, every_s: float = 1
 # The `jaxrl bridge` process
 
 ENGINES = ("jax", "vllm")
-
-
-class StartupError(Exception):
-    """The bridge cannot start: unknown engine, no model, an engine that fails to load."""
 
 
 class _FastTokenizer:
@@ -424,11 +538,13 @@ def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int 
 def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host: str = "127.0.0.1",
                port: int = 0, max_batch: int | None = None, seed: int = 0,
                parent_pid: int | None = None, engine_kwargs: dict | None = None,
-               envs_file: str | None = None) -> int:
+               envs_file: str | None = None, *, token: str, tls: tuple[bytes, bytes] | None = None,
+               insecure: bool = False, snapshot_roots: Sequence[str | Path] = (),
+               limits: wire.Limits = wire.Limits()) -> int:
     """Builds the engine, serves it, prints `BRIDGE_LISTENING host:port` once serving; exit code.
 
     `envs_file` (JSON, see `bridge.envs.runtime_from_file`) names the environments and reward
-    functions to serve; they are checked before the engine loads.
+    functions to serve; they are checked before the engine loads. The rest: see `serve`.
     """
     import sys
 
@@ -440,6 +556,7 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
 
     async def main() -> None:
         envs = None
+        check_exposure(host, tls is not None, insecure)  # before minutes of loading, not after
         if not (Path(model_dir) / "config.json").is_file():
             raise StartupError(f"{model_dir}: not a model directory (no config.json)")
         if envs_file is not None:
@@ -449,7 +566,8 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
             await envs.start()  # unreachable environments fail before the model loads
         # Built inside the loop: an engine may create loop-bound objects.
         engine = build_engine(engine_name, model_dir, dtype, max_batch, seed, engine_kwargs)
-        await serve(engine, host, port, on_listening=announce, parent_pid=parent_pid, envs=envs)
+        await serve(engine, host, port, on_listening=announce, parent_pid=parent_pid, envs=envs, token=token,
+                    tls=tls, insecure=insecure, snapshot_roots=snapshot_roots, limits=limits)
 
     from bridge.envs.spec import EnvConfigError
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +39,45 @@ ENV_LISTENING = "ENV_LISTENING "
 
 # Both peers raise gRPC's 4 MiB message limit: many groups of long prompts make one big request.
 MAX_MESSAGE_BYTES = 512 << 20
+
+# Every call carries the bridge's token as `authorization: Bearer TOKEN` metadata. A bridge takes
+# its token from `--token-file` or this environment variable (never argv: `ps` shows argv).
+TOKEN_ENV = "JAXRL_BRIDGE_TOKEN"
+AUTH_METADATA = "authorization"
+BEARER = "Bearer "
+
+
+def read_token_file(path) -> str:
+    """The token in the file at `path` (surrounding whitespace dropped); ValueError naming the
+    file when it is missing, unreadable or empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the bridge token file {path}: {e.strerror or e}") from None
+    if not token:
+        raise ValueError(f"the bridge token file {path} is empty")
+    return token
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The most one bridge accepts: per request (group size, groups, tokens per turn and per
+    episode) and episodes in flight over all requests. Each is a `python -m bridge serve` flag
+    (`flag`); a bridge's Stats report them as `limit.NAME`."""
+
+    max_group_size: int = 256
+    max_groups: int = 4096
+    max_tokens: int = 65536
+    max_episodes_in_flight: int = 16384
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{self.flag(f.name)} must be at least 1, got {getattr(self, f.name)}")
+
+    @staticmethod
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
 
 IDS = np.dtype("<i4")
 LOGPROBS = np.dtype("<f4")

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from bridge.engines.base import Completion, SamplingParams
 
+TOKEN = "scripted-bridge-token"  # what `in_process_bridge` bridges require
+
 
 class ScriptedEngine:
     name = "scripted"
@@ -77,7 +79,8 @@ def segments(traj):
 
 @contextlib.contextmanager
 def in_process_bridge(engine, envs: dict, tokenizer):
-    """A real gRPC bridge over `engine` serving `envs` (an environments-file dict), in a thread."""
+    """A real gRPC bridge over `engine` serving `envs` (an environments-file dict), in a thread;
+    it requires TOKEN."""
     import threading
 
     from bridge.client import BridgeClient
@@ -92,13 +95,14 @@ def in_process_bridge(engine, envs: dict, tokenizer):
         ready.set()
 
     thread = threading.Thread(target=lambda: asyncio.run(
-        serve(engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime)),
+        serve(engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime,
+              token=TOKEN)),
         daemon=True)
     thread.start()
     assert ready.wait(60), "the in-process bridge did not start"
     try:
         yield box["address"]
     finally:
-        with BridgeClient(box["address"]) as c:
+        with BridgeClient(box["address"], token=TOKEN) as c:
             c.shutdown()
         thread.join(10)

@@ -33,9 +33,14 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bridge(model_dir):
+def snapshot_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("snapshots")
+
+
+@pytest.fixture(scope="module")
+def bridge(model_dir, snapshot_root):
     with BridgeProcess.start(model_dir, dtype="float32", env=CHILD_ENV, timeout=120,
-                             client_timeout_s=30) as process:
+                             client_timeout_s=30, snapshot_roots=[snapshot_root]) as process:
         yield process
 
 
@@ -183,18 +188,18 @@ def test_health_answers_at_once_while_a_long_rollout_runs(client):
           f"median {sorted(latencies)[len(latencies) // 2] * 1e3:.1f} ms")
 
 
-def test_snapshots_swap_weights_and_a_different_shape_is_refused(client, model_dir, tmp_path):
+def test_snapshots_swap_weights_and_a_different_shape_is_refused(client, model_dir, snapshot_root):
     # Version 1: the served model's params, perturbed, published as a trainer would.
     perturbed = load_pretrained(model_dir, param_dtype="float32", dtype="float32")
     state = nnx.state(perturbed, nnx.Param)
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(state))))
     state = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), state)
     nnx.update(perturbed, state)
-    writer = SnapshotWriter(tmp_path / "snapshots", perturbed.cfg)
+    writer = SnapshotWriter(snapshot_root / "snapshots", perturbed.cfg)
     writer.publish(state, 1)
     writer.close()
 
-    loaded = client.load_snapshot(tmp_path / "snapshots", 1)
+    loaded = client.load_snapshot(snapshot_root / "snapshots", 1)
     assert loaded.version == 1 and loaded.load_s > 0
     assert client.health().policy_version == 1
     params = SamplingParams(temperature=0.9, max_tokens=10, seed=5)
@@ -208,11 +213,11 @@ def test_snapshots_swap_weights_and_a_different_shape_is_refused(client, model_d
 
     # Version 2 of another model shape is refused; version 1 keeps serving.
     other_cfg = tiny_config("qwen3", vocab_size=perturbed.cfg.vocab_size, num_layers=3)
-    other = SnapshotWriter(tmp_path / "other", other_cfg)
+    other = SnapshotWriter(snapshot_root / "other", other_cfg)
     other.publish(nnx.state(Decoder(other_cfg, nnx.Rngs(1)), nnx.Param), 2)
     other.close()
     with pytest.raises(BridgeRequestError) as e:
-        client.load_snapshot(tmp_path / "other", 2)
+        client.load_snapshot(snapshot_root / "other", 2)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "num_layers" in e.value.details
     assert client.health().policy_version == 1
     trajs = list(client.rollout(PROMPTS, 2, params, min_policy_version=1))
@@ -223,6 +228,6 @@ def test_snapshots_swap_weights_and_a_different_shape_is_refused(client, model_d
 
 
 def test_a_second_client_sees_the_same_bridge(bridge):
-    with BridgeClient(bridge.address, timeout_s=5) as other:
+    with BridgeClient(bridge.address, timeout_s=5, token=bridge.token) as other:
         health = other.health()
     assert health.engine == "jax" and health.status == "serving"

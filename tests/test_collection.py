@@ -16,7 +16,7 @@ from jaxrl.run.config import TrainConfig
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.typed_config import from_dict
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine, in_process_bridge, tool_call
+from scripted_engine import TOKEN, ScriptedEngine, in_process_bridge, tool_call
 
 
 def config(**extra) -> TrainConfig:
@@ -75,7 +75,7 @@ def bridges():
 
 def test_requests_are_spread_over_bridges_and_returned_in_task_order(bridges):
     cfg = config(rollout={"groups_per_step": 6})
-    client = RolloutClient([a for a, _ in bridges], cfg)
+    client = RolloutClient([a for a, _ in bridges], cfg, TOKEN)
     try:
         calls = [e.calls for _, e in bridges]
         tasks = [("coin", {"seed": s}) for s in range(6)]
@@ -92,7 +92,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(bridges):
     # Every Coin group has zero variance (the reward is fixed by the task): all dropped, refilled
     # up to max_refills, then the step trains on padding.
     cfg = config(rollout={"dynamic_sampling": True, "max_refills": 2})
-    client = RolloutClient([bridges[0][0]], cfg)
+    client = RolloutClient([bridges[0][0]], cfg, TOKEN)
     try:
         result = Collector(cfg, client, TaskSource(cfg), (0,)).collect(0, 0)
     finally:

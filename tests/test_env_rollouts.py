@@ -28,7 +28,7 @@ from bridge.server import serve
 from bridge.wire import PromptGroup
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine, guess_number_policy, tool_call
+from scripted_engine import TOKEN, ScriptedEngine, guess_number_policy, tool_call
 
 WORKER = Path(__file__).parent / "workers" / "custom_env_server.py"
 
@@ -139,10 +139,11 @@ def bridge_thread(engine, runtime):
         ready.set()
 
     thread = threading.Thread(target=lambda: asyncio.run(serve(
-        engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime)), daemon=True)
+        engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime, token=TOKEN)),
+        daemon=True)
     thread.start()
     assert ready.wait(60), "bridge did not start"
-    client = BridgeClient(box["address"], timeout_s=60)
+    client = BridgeClient(box["address"], timeout_s=60, token=TOKEN)
     try:
         yield client
     finally:

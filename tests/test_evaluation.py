@@ -15,7 +15,7 @@ from jaxrl.run.evaluation import EvaluationFailed, evaluate
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.typed_config import from_dict
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine, in_process_bridge
+from scripted_engine import TOKEN, ScriptedEngine, in_process_bridge
 
 ECHO = {"name": "echo", "env_class": "bridge.envs.bundled.echo:EchoEnvironment",
         "action_class": "bridge.envs.bundled.echo:EchoAction"}
@@ -60,7 +60,7 @@ def config(envs=(ECHO,), **extra) -> TrainConfig:
 def run(tok, policy, cfg, engine_cls=ScriptedEngine):
     envs = {"envs": [e.to_dict() for e in cfg.envs], "rewards": [r.__dict__ for r in cfg.rewards]}
     with in_process_bridge(engine_cls(tok, policy), envs, tok) as address:
-        client = RolloutClient([address], cfg)
+        client = RolloutClient([address], cfg, TOKEN)
         try:
             return evaluate(client, TaskSource(cfg).held_out(), cfg, 0, (tok.eos_token_id,))
         finally:

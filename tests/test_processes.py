@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -138,6 +139,9 @@ def test_stop_asks_for_shutdown_and_the_bridge_exits_cleanly(model_dir, tmp_path
         assert host == "127.0.0.1" and int(port) > 0
         assert bridge.client.health().engine == "jax"
         pid = bridge.pid
+        # Its token travels in its environment, not its argv (which `ps` shows to everyone).
+        assert bridge.token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert f"JAXRL_BRIDGE_TOKEN={bridge.token}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert bridge.proc.returncode == 0
     assert gone(pid)
     text = log.read_text()
@@ -157,7 +161,7 @@ def test_sigterm_stops_the_bridge_cleanly(model_dir):
 def test_a_killed_bridge_is_unavailable_within_the_timeout(model_dir):
     bridge = _start(model_dir)
     try:
-        client = BridgeClient(bridge.address, timeout_s=5)
+        client = BridgeClient(bridge.address, timeout_s=5, token=bridge.token)
         box = {}
 
         def stream():
@@ -220,7 +224,7 @@ def test_a_frozen_bridge_is_unavailable_within_the_timeout(model_dir):
     """A bridge that stops answering (here SIGSTOP) is noticed by keepalive pings, not waited on."""
     bridge = _start(model_dir)
     try:
-        client = BridgeClient(bridge.address, timeout_s=3)
+        client = BridgeClient(bridge.address, timeout_s=3, token=bridge.token)
         assert client.health().status == "serving"  # a live connection first
         os.kill(bridge.pid, signal.SIGSTOP)
         t0 = time.monotonic()

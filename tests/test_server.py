@@ -1,5 +1,6 @@
 """The gRPC server in-process over the real JAX engine and a tiny Qwen3: validation, streaming,
-seeds, snapshots, failures, cancellation, counters and multi-turn episodes.
+seeds, snapshots, failures, cancellation, counters and multi-turn episodes; the lock (token,
+snapshot roots, versions that only go forward, request limits).
 
 Each server runs in a thread of its own event loop; `Bridge.direct` runs `engine.generate` on
 that same loop and engine, so a trajectory can be checked against the engine's own output for the
@@ -9,6 +10,8 @@ seed and tokens the episode should have used.
 import asyncio
 import contextlib
 import dataclasses
+import os
+import shutil
 import threading
 import time
 
@@ -19,18 +22,21 @@ import pytest
 from flax import nnx
 
 from bridge import wire
-from bridge.client import BridgeClient, BridgeRequestError
+from bridge.client import BridgeClient, BridgeRequestError, BridgeUnauthenticated
 from bridge.engines.base import Completion, SamplingParams, derive_seed
 from bridge.engines.jax_engine import JaxEngine
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
 from bridge.rollout import ENV_VERSION, TurnResult
-from bridge.server import serve
+from bridge.server import StartupError, serve
 from jaxrl.models import Decoder, load_pretrained
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import build_tiny_model, tiny_config
+from jaxrl.tiny_tokenizer import build_tokenizer
+from scripted_engine import ScriptedEngine
 
 SNAPSHOT_VERSION = 5
+TOKEN = "the-bridge-token"
 
 
 @dataclasses.dataclass
@@ -49,7 +55,7 @@ class Bridge:
 
 @contextlib.contextmanager
 def running(engine, **kwargs):
-    """A server on 127.0.0.1 in a thread of its own, and a client; shut down on exit."""
+    """A server on 127.0.0.1 in a thread of its own requiring TOKEN, and a client; shut down on exit."""
     ready, box = threading.Event(), {}
 
     def on_listening(address):
@@ -58,12 +64,12 @@ def running(engine, **kwargs):
 
     def run():
         asyncio.run(serve(engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0,
-                          **kwargs))
+                          token=TOKEN, **kwargs))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert ready.wait(30), "server did not start"
-    client = BridgeClient(box["address"], timeout_s=30)
+    client = BridgeClient(box["address"], timeout_s=30, token=TOKEN)
     try:
         yield Bridge(client, engine, box["loop"])
     finally:
@@ -71,7 +77,7 @@ def running(engine, **kwargs):
         thread.join(10)
         client.close()
         assert not thread.is_alive(), "server did not stop after Shutdown"
-        assert engine._worker is None, "the server did not close its engine"
+        assert getattr(engine, "_worker", None) is None, "the server did not close its engine"
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +87,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def snapshots(model_dir, tmp_path_factory):
-    """`policy/`: the served model perturbed, as version 5; `other-shape/`: another shape, version 6."""
+    """The bridges' snapshot root. `policy/`: the served model perturbed, as versions 3 and 5;
+    `other-shape/`: another shape, version 6."""
     root = tmp_path_factory.mktemp("snapshots")
     model = load_pretrained(model_dir)
     state = nnx.state(model, nnx.Param)
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(state))))
     state = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), state)
     writer = SnapshotWriter(root / "policy", model.cfg)
+    writer.publish(state, SNAPSHOT_VERSION - 2)
     writer.publish(state, SNAPSHOT_VERSION)
     writer.close()
     other_cfg = tiny_config("qwen3", vocab_size=model.cfg.vocab_size, intermediate_size=96)
@@ -98,8 +106,8 @@ def snapshots(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bridge(model_dir):
-    with running(JaxEngine(model_dir)) as b:
+def bridge(model_dir, snapshots):
+    with running(JaxEngine(model_dir), snapshot_roots=[snapshots]) as b:
         yield b
 
 
@@ -190,7 +198,7 @@ def test_bad_sampling_params_are_invalid_argument_with_the_message(bridge):
     request.sampling.temperature = -1
     stub = pb_grpc.BridgeStub(bridge.client._channel)
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Rollout(request, timeout=10))
+        list(stub.Rollout(request, timeout=10, metadata=bridge.client._metadata))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_tokens=0" in e.value.details() and "temperature=-1" in e.value.details()
 
@@ -199,17 +207,18 @@ def test_protocol_mismatch_is_failed_precondition(bridge):
     stub = pb_grpc.BridgeStub(bridge.client._channel)
     request = wire.rollout_request([[1]], 1, _params())
     request.protocol_version = 1  # the version before seeds per group
+    metadata = bridge.client._metadata
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Rollout(request, timeout=10))
+        list(stub.Rollout(request, timeout=10, metadata=metadata))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "protocol version 1" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
-        stub.Stats(pb.StatsRequest(protocol_version=0), timeout=10)
+        stub.Stats(pb.StatsRequest(protocol_version=0), timeout=10, metadata=metadata)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    # Health answers anyone, with the bridge's own version.
-    assert stub.Health(pb.HealthRequest(), timeout=10).protocol_version == wire.PROTOCOL_VERSION
+    # Health answers any protocol version (with the token), with the bridge's own.
+    assert stub.Health(pb.HealthRequest(), timeout=10, metadata=metadata).protocol_version == wire.PROTOCOL_VERSION
 
 
-def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots, tmp_path):
+def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots):
     client = bridge.client
     before = client.health().policy_version
     assert before < SNAPSHOT_VERSION
@@ -218,7 +227,7 @@ def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots, tm
         list(client.rollout([[1]], 1, _params(), min_policy_version=SNAPSHOT_VERSION))
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "load that snapshot" in e.value.details
     with pytest.raises(BridgeRequestError) as e:
-        client.load_snapshot(tmp_path / "missing", SNAPSHOT_VERSION)
+        client.load_snapshot(snapshots / "missing", SNAPSHOT_VERSION)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
 
     params = _params(temperature=1.0, max_tokens=6, seed=7)
@@ -247,6 +256,117 @@ def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots, tm
     stats = client.stats()
     assert stats["snapshot_loads"] == stats_before["snapshot_loads"] + 1
     assert stats["snapshot_refusals"] == stats_before["snapshot_refusals"] + 2
+
+
+def test_every_call_without_the_token_is_refused(bridge, snapshots):
+    client = bridge.client
+    before = client.stats()
+    for token, problem in ((None, "was not given"), (TOKEN + "x", "is not the bridge's")):
+        with BridgeClient(client.address, timeout_s=10, token=token) as intruder:
+            calls = {"rollout": lambda: list(intruder.rollout([[1]], 1, _params())),
+                     "LoadSnapshot": lambda: intruder.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION),
+                     "Health": intruder.health, "Stats": intruder.stats, "Shutdown": intruder.shutdown}
+            for name, call in calls.items():
+                with pytest.raises(BridgeUnauthenticated, match=f"refused {name}.*the token {problem}") as e:
+                    call()
+                assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+                assert "--token-file" in str(e.value) and "JAXRL_BRIDGE_TOKEN" in str(e.value)
+    stub = pb_grpc.BridgeStub(client._channel)  # the token itself, but not as a bearer token
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Health(pb.HealthRequest(protocol_version=wire.PROTOCOL_VERSION), timeout=10,
+                    metadata=(("authorization", TOKEN),))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "a wrong token" in e.value.details()
+    after = client.stats()  # nothing reached the servicer, and the bridge still serves its token's holder
+    assert after["unauthenticated"] == before["unauthenticated"] + 11
+    for key in ("rollouts", "request_errors", "snapshot_loads", "snapshot_refusals"):
+        assert after[key] == before[key], key
+    assert client.health().status == "serving"
+
+
+def test_snapshots_load_only_from_under_the_roots_and_never_go_back(bridge, snapshots, tmp_path):
+    client = bridge.client
+    assert client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION).version == SNAPSHOT_VERSION  # again: fine
+    foreign = tmp_path / "foreign"
+    shutil.copytree(snapshots / "policy", foreign)  # real snapshots of the right shape, outside the roots
+    sibling = snapshots.parent / f"{snapshots.name}-sibling"  # the root's path is a prefix of its path
+    shutil.copytree(snapshots / "policy", sibling)
+    link = snapshots / "link"
+    link.symlink_to(foreign, target_is_directory=True)
+    try:
+        before = client.stats()
+        for path in (foreign, link, snapshots / "policy" / ".." / os.path.relpath(foreign, snapshots), sibling):
+            with pytest.raises(BridgeRequestError) as e:
+                client.load_snapshot(path, SNAPSHOT_VERSION)
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, path
+            assert "not under this bridge's snapshot roots" in e.value.details
+            assert str(snapshots.resolve()) in e.value.details and "--snapshot-root" in e.value.details
+        # `..` that stays under the root is resolved, not refused.
+        inside = snapshots / "other-shape" / ".." / "policy"
+        assert client.load_snapshot(inside, SNAPSHOT_VERSION).version == SNAPSHOT_VERSION
+        with pytest.raises(BridgeRequestError) as e:
+            client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION - 2)  # a real, older snapshot
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert (f"version {SNAPSHOT_VERSION - 2} is older than the version {SNAPSHOT_VERSION} this bridge serves"
+                in e.value.details)
+        after = client.stats()
+        assert client.health().policy_version == SNAPSHOT_VERSION
+        assert after["snapshot_loads"] == before["snapshot_loads"] + 1
+        assert after["snapshot_refusals"] == before["snapshot_refusals"] + 1
+    finally:
+        link.unlink()
+
+
+def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
+    engine = ScriptedEngine(build_tokenizer(), lambda prompt: "ok", delay_s=1.0)
+    limits = wire.Limits(max_group_size=4, max_groups=3, max_tokens=16, max_episodes_in_flight=6)
+    with running(engine, limits=limits) as b:
+        client = b.client
+        for call, message in [
+            (lambda: client.rollout([[1]], 5, _params()), "group_size=5 is over this bridge's limit of 4 "
+                                                          "(--max-group-size)"),
+            (lambda: client.rollout([[1]] * 4, 1, _params()), "groups=4 is over this bridge's limit of 3 (--max-groups)"),
+            (lambda: client.rollout([[1]], 1, _params(max_tokens=17)), "sampling.max_tokens=17 is over this "
+                                                                       "bridge's limit of 16 (--max-tokens)"),
+            (lambda: client.rollout([[1]], 1, _params(), max_total_tokens=17), "max_total_tokens=17 is over"),
+            (lambda: client.rollout([[1]] * 2, 4, _params()), "groups x group_size=8 is over this bridge's limit "
+                                                              "of 6 (--max-episodes-in-flight)"),
+        ]:
+            with pytest.raises(BridgeRequestError) as e:
+                list(call())
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details
+
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(trajs=list(client.rollout([[1], [2]], 2, _params()))))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while client.stats()["episodes_in_flight"] < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(BridgeRequestError) as e:
+            list(client.rollout([[1]], 3, _params()))
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 more episodes would make 7 in flight, over this bridge's limit of 6" in e.value.details
+        assert len(list(client.rollout([[1]], 2, _params()))) == 2  # what fits runs alongside
+        thread.join(10)
+        assert len(box["trajs"]) == 4
+        assert len(list(client.rollout([[1]], 3, _params()))) == 3  # and more once they are done
+        stats = client.stats()
+        assert {k: stats[f"limit.{k}"] for k in dataclasses.asdict(limits)} == dataclasses.asdict(limits)
+        # Started without snapshot roots, it serves its model only (this engine would load anything).
+        with pytest.raises(BridgeRequestError) as e:
+            client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "snapshot roots (none)" in e.value.details
+        assert client.health().policy_version == 0
+
+
+def test_listening_beyond_loopback_needs_tls_or_insecure_and_every_bridge_a_token():
+    engine = ScriptedEngine(None, str)  # never asked to generate
+    for host in ("0.0.0.0", "10.1.2.3", "bridge.example.org"):
+        with pytest.raises(StartupError, match=f"--host {host} listens beyond loopback.*--tls-cert and --tls-key, "
+                                               "or pass --insecure"):
+            asyncio.run(serve(engine, host=host, handle_signals=False, token=TOKEN))
+    with pytest.raises(StartupError, match="needs a token"):
+        asyncio.run(serve(engine, handle_signals=False, token=""))
 
 
 def test_engine_failures_cost_the_episode_not_the_bridge(bridge):
@@ -364,7 +484,7 @@ def test_episode_hook_factory_runs_multi_turn_episodes(model_dir, snapshots):
         return hooks[-1]
 
     params = _params(temperature=1.0, max_tokens=2, seed=40)
-    with running(JaxEngine(model_dir), episode_hook_factory=factory) as b:
+    with running(JaxEngine(model_dir), episode_hook_factory=factory, snapshot_roots=[snapshots]) as b:
         assert b.client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION).version == SNAPSHOT_VERSION
         groups = [wire.PromptGroup([5], group_id="a", env="tools", task={"target": 3}), wire.PromptGroup([7]),
                   wire.PromptGroup([9], group_id="b", env="broken")]

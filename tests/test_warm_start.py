@@ -18,7 +18,7 @@ from jaxrl.run.warm_start import WarmStartError, demonstrations, warm_start, war
 from jaxrl.sharding import MeshConfig, make_mesh
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine, in_process_bridge
+from scripted_engine import TOKEN, ScriptedEngine, in_process_bridge
 
 ECHO = {"name": "echo", "env_class": "bridge.envs.bundled.echo:EchoEnvironment",
         "action_class": "bridge.envs.bundled.echo:EchoAction", "solver": "echo"}
@@ -41,7 +41,7 @@ def config(envs, **sft) -> TrainConfig:
 def play(tok, cfg, envs=None):
     envs = envs or {"envs": [e.to_dict() for e in cfg.envs]}
     with in_process_bridge(ScriptedEngine(tok, lambda p: "unused"), envs, tok) as address:
-        client = RolloutClient([address], cfg)
+        client = RolloutClient([address], cfg, TOKEN)
         try:
             return demonstrations(client, TaskSource(cfg), cfg)
         finally:

@@ -60,7 +60,7 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
         return sum(len(c.token_ids) for group in out for c in group)
 
     with BridgeProcess.start(model_dir, engine="jax", max_batch=max_batch) as proc:
-        client = BridgeClient(proc.address, timeout_s=600)
+        client = BridgeClient(proc.address, timeout_s=600, token=proc.token)
 
         def bridged():
             return sum(len(t.completion_ids) for t in client.rollout(prompts, 1, params))

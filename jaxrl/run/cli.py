@@ -214,6 +214,7 @@ def _eval(args) -> int:
         if found is None:
             return 2
         cfg, snapshot = found
+        from bridge.client import BridgeError
         from bridge.envs.spec import RewardError
         from jaxrl.run.evaluation import EvaluationFailed, evaluate_weights
         from jaxrl.run.processes import ChildStartError
@@ -222,7 +223,7 @@ def _eval(args) -> int:
         logs = Path(args.target) / "logs" / "eval" if snapshot is not None else Path(scratch) / "logs"
         try:
             result = evaluate_weights(cfg, logs, snapshot, args.env, args.split)
-        except (StartupError, ChildStartError, EvaluationFailed, RewardError) as e:
+        except (StartupError, ChildStartError, EvaluationFailed, RewardError, BridgeError) as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1
     weights = f"snapshot {snapshot[1]}" if snapshot else cfg.model.dir

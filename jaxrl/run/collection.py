@@ -44,11 +44,11 @@ class StepRollouts:
 class RolloutClient:
     """Rollout requests for tasks, spread over one or more bridges, concurrently."""
 
-    def __init__(self, addresses: list[str], cfg: TrainConfig):
+    def __init__(self, addresses: list[str], cfg: TrainConfig, token: str):
         if not addresses:
             raise ValueError("no bridge addresses")
         self.cfg = cfg
-        self.clients = [BridgeClient(a, timeout_s=60.0) for a in addresses]
+        self.clients = [BridgeClient(a, timeout_s=60.0, token=token, tls_ca=cfg.bridge.tls_ca) for a in addresses]
         self.pool = concurrent.futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout")
 
     def request(self, tasks: list[Task], group_ids: list[str], group_size: int, params: SamplingParams,

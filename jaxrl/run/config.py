@@ -45,8 +45,16 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BridgeConfig:
-    addresses: list[str] = _help("running bridges (host:port); empty: start one for this run; several: "
-                                 "requests are spread over them", default_factory=list)
+    addresses: list[str] = _help(
+        "running bridges (host:port); empty: start one for this run; several: requests are spread over them. "
+        "Each needs its token (token_file), the run's snapshot directory under its --snapshot-root, and serves a "
+        "version no newer than the run's first (versions on a bridge only go forward: a new run, a new bridge)",
+        default_factory=list)
+    token_file: str | None = _help(
+        "file holding the token of the bridges at `addresses` (their `jaxrl bridge --token-file`); null: "
+        "$JAXRL_BRIDGE_TOKEN. Bridges the run starts get a fresh token of its own", default=None)
+    tls_ca: str | None = _help("PEM certificate authority to verify the bridges at `addresses` over TLS (their "
+                               "--tls-cert, or its issuer); null: plain connections", default=None)
     engine: Literal["jax", "vllm"] = _help("generation engine of a started bridge", default="jax")
     engine_kwargs: dict[str, Any] = _help("passed to the engine (vllm.LLM arguments for vllm)",
                                           default_factory=dict)

@@ -22,7 +22,7 @@ from jaxrl.compilation import use_persistent_cache
 from jaxrl.run.collection import RolloutClient, check_rewards
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
-from jaxrl.run.services import check_services, start_services
+from jaxrl.run.services import bridge_token, check_services, start_services
 from jaxrl.run.tasks import Task, TaskSource
 
 
@@ -93,8 +93,11 @@ def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | 
     check_services(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, local_files_only=True)
     bridge_env = use_persistent_cache(cfg.compilation_cache)
+    token = bridge_token(cfg)
     with contextlib.ExitStack() as stack:
-        client = RolloutClient(start_services(cfg, Path(cfg.model.dir), logs, stack, bridge_env).addresses, cfg)
+        root = snapshot[0] if snapshot is not None else None
+        started = start_services(cfg, Path(cfg.model.dir), logs, stack, token, root, bridge_env)
+        client = RolloutClient(started.addresses, cfg, token)
         stack.callback(client.close)
         version = 0
         if snapshot is not None:

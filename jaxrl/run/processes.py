@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,8 +35,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bridge.client import BridgeClient, BridgeError
-from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING
+from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
+from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING, TOKEN_ENV, Limits
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local servers
 log = logging.getLogger(__name__)
@@ -189,9 +190,10 @@ def _bridge_module_args(python: str | None, *args: str) -> list[str]:
 
 
 class BridgeProcess(ChildHandle):
-    def __init__(self, child: ChildServer):
+    def __init__(self, child: ChildServer, token: str):
         self.child = child
         self.proc = child.proc
+        self.token = token
         self.client: BridgeClient | None = None
 
     @classmethod
@@ -212,8 +214,15 @@ class BridgeProcess(ChildHandle):
         client_timeout_s: float = 60.0,
         log_path: str | Path | None = None,
         python: str | None = None,
+        token: str | None = None,
+        snapshot_roots: Sequence[str | Path] = (),
+        limits: Mapping[str, int] | None = None,
     ) -> BridgeProcess:
         """Starts a bridge and returns once it answers Health (raises BridgeStartError otherwise).
+
+        The bridge requires `token` (default: a fresh one, `.token`), handed over in its
+        environment, never its argv (which `ps` shows). LoadSnapshot reads only under
+        `snapshot_roots`. `limits`: `bridge.wire.Limits` fields, as the bridge's flags.
 
         `engine_kwargs` go to the engine (for vllm: `vllm.LLM` arguments such as
         gpu_memory_utilization; for jax: JaxEngine arguments such as batch_window_s).
@@ -233,8 +242,14 @@ class BridgeProcess(ChildHandle):
             args += ["--engine-kwargs", json.dumps(dict(engine_kwargs))]
         if envs_file:
             args += ["--envs", str(envs_file)]
+        for root in snapshot_roots:
+            args += ["--snapshot-root", str(root)]
+        for name, value in (limits or {}).items():
+            args += [Limits.flag(name), str(value)]
         args += list(extra_args)
-        bridge = cls(ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, env, log_path))
+        token = token or secrets.token_urlsafe(32)
+        env = {**(env or {}), TOKEN_ENV: token}
+        bridge = cls(ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, env, log_path), token)
         try:
             bridge._wait_ready(timeout, client_timeout_s)
         except BaseException:
@@ -244,14 +259,17 @@ class BridgeProcess(ChildHandle):
 
     def _wait_ready(self, timeout: float, client_timeout_s: float) -> None:
         deadline = time.monotonic() + timeout
-        self.client = BridgeClient(self.child.wait_listening(deadline, timeout), timeout_s=client_timeout_s)
+        self.client = BridgeClient(self.child.wait_listening(deadline, timeout), timeout_s=client_timeout_s,
+                                   token=self.token)
         while True:
             try:
                 self.client.health(timeout_s=max(min(deadline - time.monotonic(), 5.0), 0.1))
                 return
-            except BridgeError as e:
+            except BridgeUnavailable as e:
                 self.child.check_running(deadline, f"listens on {self.address} but is not healthy ({e})")
                 time.sleep(0.1)
+            except BridgeError as e:  # it answers, but refuses: waiting will not change that
+                raise self.child.start_error(f"refuses its health check ({e})") from None
 
     @property
     def address(self) -> str | None:

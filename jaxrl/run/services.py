@@ -1,6 +1,11 @@
 """The processes a run talks to: its bundled environment servers (restarted when they die) and a
 bridge serving them (or the running bridges at `bridge.addresses`), checked before anything heavy
 and stopped with the run.
+
+Bridges are locked (see `bridge.server`): the run gives the bridges it starts a fresh token of its
+own (through their environment), its snapshot directory as their only snapshot root, and limits
+that fit its own requests (`bridge_limits`); running bridges need their token from
+`bridge.token_file` (or $JAXRL_BRIDGE_TOKEN) and limits at least as large.
 """
 
 from __future__ import annotations
@@ -9,14 +14,17 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
+import secrets
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import jax
 
-from bridge.client import BridgeClient, BridgeError
+from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
+from bridge.wire import TOKEN_ENV, Limits, read_token_file
 from jaxrl.compilation import bucket
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.processes import BridgeProcess, EnvServers
@@ -55,13 +63,54 @@ def check_services(cfg: TrainConfig) -> None:
                 import_object(reward.fn, f"reward function {reward.key!r}")
             except EnvConfigError as e:
                 raise StartupError(str(e)) from None
+    if not cfg.bridge.addresses:
+        return
+    token, needs = bridge_token(cfg), bridge_limits(cfg)
     for address in cfg.bridge.addresses:
         try:
-            with BridgeClient(address, timeout_s=10.0) as client:
-                client.health()
-        except BridgeError as e:
+            with BridgeClient(address, timeout_s=10.0, token=token, tls_ca=cfg.bridge.tls_ca) as client:
+                limits = client.stats()
+        except BridgeUnavailable as e:
             raise StartupError(f"bridge.addresses: {address} does not answer ({e}); start it with "
-                               "`jaxrl bridge --model DIR --envs FILE`, or leave bridge.addresses empty") from None
+                               "`jaxrl bridge --model DIR --envs FILE --token-file FILE --snapshot-root DIR`, or "
+                               "leave bridge.addresses empty") from None
+        except BridgeError as e:  # a refused token, an unreadable bridge.tls_ca
+            raise StartupError(f"bridge.addresses: {e}") from None
+        for name, need in needs.items():
+            limit = limits.get(f"limit.{name}", need)
+            if limit < need:
+                raise StartupError(f"bridge.addresses: {address} accepts at most {name}={limit:.0f} and this run "
+                                   f"asks for {need}; start it with {Limits.flag(name)} {need}")
+
+
+def bridge_token(cfg: TrainConfig) -> str:
+    """The token of the run's bridges: running ones' (`bridge.addresses`) from `bridge.token_file`,
+    else $JAXRL_BRIDGE_TOKEN; for the bridges the run starts, a fresh one."""
+    if not cfg.bridge.addresses:
+        return secrets.token_urlsafe(32)
+    if cfg.bridge.token_file:
+        try:
+            return read_token_file(Path(cfg.bridge.token_file).expanduser())
+        except ValueError as e:
+            raise StartupError(f"bridge.token_file: {e}") from None
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise StartupError(f"bridge.addresses: the bridges' token is needed; set bridge.token_file to the file given "
+                           f"to `jaxrl bridge --token-file`, or {TOKEN_ENV}")
+    return token
+
+
+def bridge_limits(cfg: TrainConfig) -> dict[str, int]:
+    """The most the run asks of one bridge (`bridge.wire.Limits` fields): a step's groups, an
+    evaluation, the warm start's demonstrations, and all three under way at once."""
+    r, e = cfg.rollout, cfg.eval
+    requests = [(r.groups_per_step, cfg.learner.group_size), (e.episodes, e.pass_k)]
+    if cfg.sft.steps:
+        requests.append((cfg.sft.demonstrations, 1))
+    return {"max_group_size": max(size for _, size in requests),
+            "max_groups": max(groups for groups, _ in requests),
+            "max_tokens": max(r.max_tokens, r.max_total_tokens),
+            "max_episodes_in_flight": sum(groups * size for groups, size in requests)}
 
 
 def _needed_packages(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -95,11 +144,12 @@ class Services:
     env_servers: EnvServers
 
 
-def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack,
-                   bridge_env: dict[str, str] | None = None) -> Services:
+def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack, token: str,
+                   snapshot_root: Path | None = None, bridge_env: dict[str, str] | None = None) -> Services:
     """Starts the run's bundled environment servers and a bridge serving every environment (with
     `bridge_env` added to its environment), unless `bridge.addresses` names running bridges (which
-    serve their own `--envs`). Each child is stopped when `stack` closes."""
+    serve their own `--envs`). The bridge requires `token` and loads snapshots from under
+    `snapshot_root` only (none: it serves the model). Each child is stopped when `stack` closes."""
     env_servers = stack.enter_context(EnvServers())
     if cfg.bridge.addresses:
         return Services(list(cfg.bridge.addresses), env_servers)
@@ -119,7 +169,8 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
     bridge = stack.enter_context(BridgeProcess.start(
         model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
         engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
-        env=bridge_env, log_path=logs / "bridge.log"))
+        env=bridge_env, log_path=logs / "bridge.log", token=token,
+        snapshot_roots=[snapshot_root] if snapshot_root is not None else [], limits=bridge_limits(cfg)))
     return Services([bridge.address], env_servers)
 
 

@@ -40,7 +40,7 @@ from jaxrl.run.processes import EnvServers
 from jaxrl.run.record import record_session
 from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
-from jaxrl.run.services import StartupError, check_services, start_services
+from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
 from jaxrl.run.typed_config import dump_yaml
@@ -136,6 +136,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     record_session(run, cfg, start_step)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     bridge_env = use_persistent_cache(cfg.compilation_cache)
+    token = bridge_token(cfg)
     with _Stop() as stop, contextlib.ExitStack() as stack:
         stack.enter_context(_log_file(run.logs / "train.log"))
         stack.callback(ckpt.close)
@@ -148,12 +149,13 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         # The children start (seconds: imports, model load, compiles) while this process loads the tokenizer.
         services = stack.enter_context(contextlib.ExitStack())
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
-            started = pool.submit(start_services, cfg, model_dir, run.path / "logs", services, bridge_env)
+            started = pool.submit(start_services, cfg, model_dir, run.path / "logs", services, token, snapshots,
+                                  bridge_env)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             tokenizer.save_pretrained(run.tokenizer)
-            client = RolloutClient(started.result().addresses, cfg)
+            client = RolloutClient(started.result().addresses, cfg, token)
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
                  started.result().env_servers)
