@@ -459,13 +459,16 @@ def check_exposure(host: str, tls: bool, insecure: bool) -> None:
     crosses the network in clear text, and whoever reads it there can drive the bridge (within
     its snapshot roots and limits). A wildcard host (0.0.0.0, ::) is beyond loopback. Raises
     StartupError."""
-    if tls or insecure or host == "localhost":
+    if tls or host == "localhost":
         return
     try:
         if ipaddress.ip_address(host.strip("[]")).is_loopback:
             return
     except ValueError:  # a host name other than localhost: assume it is reachable from elsewhere
         pass
+    if insecure:
+        log.warning("listening on %s without TLS (--insecure): the token travels in clear text", host)
+        return
     raise StartupError(f"--host {host} listens beyond loopback, where the token would travel in clear text: "
                        "give --tls-cert and --tls-key, or pass --insecure on a network you trust")
 

@@ -137,7 +137,7 @@ def test_stop_strings_end_a_completion_with_its_tokens_untouched(client, model_d
     assert stop in decode(got) and stop not in decode(got[:-1])
 
 
-def test_bad_requests_are_refused_and_the_bridge_keeps_serving(client, tmp_path):
+def test_bad_requests_are_refused_and_the_bridge_keeps_serving(client, snapshot_root):
     params = SamplingParams(temperature=1.0, max_tokens=4)
     with pytest.raises(BridgeRequestError) as e:
         list(client.rollout([[1, 2], []], 2, params))
@@ -146,7 +146,7 @@ def test_bad_requests_are_refused_and_the_bridge_keeps_serving(client, tmp_path)
         list(client.rollout([[1, 2]], 0, params))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "group_size=0" in e.value.details
     with pytest.raises(BridgeRequestError) as e:
-        client.load_snapshot(tmp_path / "no-such-snapshots", 1)
+        client.load_snapshot(snapshot_root / "no-such-snapshots", 1)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     with pytest.raises(BridgeRequestError) as e:
         list(client.rollout([[1, 2]], 1, params, min_policy_version=99))

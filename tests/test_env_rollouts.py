@@ -100,7 +100,8 @@ def test_bad_environment_config_fails_at_bridge_start_up(tmp_path):
     ]:
         (tmp_path / "envs.json").write_text(json.dumps({"envs": envs}))
         proc = subprocess.run([sys.executable, "-m", "jaxrl.run.cli", "bridge", "--model", str(model_dir),
-                               "--envs", str(tmp_path / "envs.json")], capture_output=True, text=True, timeout=120)
+                               "--envs", str(tmp_path / "envs.json")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "JAXRL_BRIDGE_TOKEN": "a-token"})
         assert proc.returncode == 2, proc.stderr
         assert "environment 'x'" in proc.stderr and message in proc.stderr
         assert "Traceback" not in proc.stderr and "JaxEngine" not in proc.stderr  # before any model loads

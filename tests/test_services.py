@@ -1,7 +1,10 @@
-"""What `jaxrl train` starts its bridge with."""
+"""What `jaxrl train` starts its bridge with: engine arguments, limits, token."""
 
+import pytest
+
+from bridge.wire import TOKEN_ENV, Limits
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.services import engine_kwargs
+from jaxrl.run.services import StartupError, bridge_limits, bridge_token, engine_kwargs
 from jaxrl.run.typed_config import from_dict
 
 BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
@@ -15,3 +18,31 @@ def test_a_started_jax_engine_holds_the_rollouts_sequences_and_compiles_before_s
     assert engine_kwargs(own) == {"max_seq_len": 4096, "prefill_chunk": 128, "warm_up": True}
     vllm = from_dict(TrainConfig, {**BASE, "bridge": {"engine": "vllm", "engine_kwargs": {"gpu_memory_utilization": 0.5}}})
     assert engine_kwargs(vllm) == {"gpu_memory_utilization": 0.5}
+
+
+def test_the_run_asks_its_bridges_for_what_its_requests_need():
+    cfg = from_dict(TrainConfig, {**BASE, "rollout": {"groups_per_step": 8, "max_tokens": 50, "max_total_tokens": 200},
+                                  "learner": {"group_size": 4}, "eval": {"episodes": 20, "pass_k": 3, "temperature": 1.0}})
+    assert bridge_limits(cfg) == {"max_group_size": 4, "max_groups": 20, "max_tokens": 200,
+                                  "max_episodes_in_flight": 8 * 4 + 20 * 3}
+    warm = from_dict(TrainConfig, {**BASE, "eval": {"episodes": 0}, "sft": {"steps": 1, "demonstrations": 100}})
+    assert bridge_limits(warm) == {"max_group_size": 8, "max_groups": 100, "max_tokens": 256,
+                                   "max_episodes_in_flight": 8 * 8 + 100}
+    Limits(**bridge_limits(warm))  # what the started bridge's flags accept
+
+
+def test_the_bridges_token_is_the_runs_own_or_the_running_bridges(tmp_path, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    own = from_dict(TrainConfig, BASE)
+    assert len(bridge_token(own)) >= 32 and bridge_token(own) != bridge_token(own)
+    running = {**BASE, "bridge": {"addresses": ["127.0.0.1:9"]}}
+    with pytest.raises(StartupError, match="the bridges' token is needed; set bridge.token_file"):
+        bridge_token(from_dict(TrainConfig, running))
+    monkeypatch.setenv(TOKEN_ENV, "from-the-environment")
+    assert bridge_token(from_dict(TrainConfig, running)) == "from-the-environment"
+    (tmp_path / "token").write_text("from-the-file\n")
+    with_file = {**running, "bridge": {**running["bridge"], "token_file": str(tmp_path / "token")}}
+    assert bridge_token(from_dict(TrainConfig, with_file)) == "from-the-file"
+    (tmp_path / "token").write_text("  \n")
+    with pytest.raises(StartupError, match=f"bridge.token_file: the bridge token file {tmp_path / 'token'} is empty"):
+        bridge_token(from_dict(TrainConfig, with_file))

@@ -127,12 +127,59 @@ def _children_of(pid: int) -> list[int]:
     return out
 
 
+def _foreign_snapshot(model_dir: Path, directory: Path, version: int) -> None:
+    """A real snapshot of the run's model shape, perturbed, that the run never published."""
+    import jax
+    from flax import nnx
+
+    from jaxrl.models import load_pretrained
+    from jaxrl.snapshots import SnapshotWriter
+
+    model = load_pretrained(model_dir)
+    state = jax.tree.map(lambda x: x + 1.0, nnx.state(model, nnx.Param))
+    writer = SnapshotWriter(directory, model.cfg)
+    writer.publish(state, version)
+    writer.close()
+
+
+def _probe_the_bridge(pid: int, run_dir: Path, foreign: Path) -> None:
+    """Another local client tries to make the run's bridge (`pid`) serve the foreign snapshot: without
+    the token, with a wrong one, and with the right one (read from the bridge's environment, as
+    its owner can) through the path outside its snapshot root, a `..` path, and an older version."""
+    import grpc
+
+    from bridge.client import BridgeClient, BridgeRequestError, BridgeUnauthenticated
+
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    root = Path(args[args.index(b"--snapshot-root") + 1].decode())
+    environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+    token = environ[b"JAXRL_BRIDGE_TOKEN"].decode()
+    address = next(line.split()[1] for line in (run_dir / "logs" / "bridge.log").read_text().splitlines()
+                   if line.startswith("BRIDGE_LISTENING "))
+    for wrong in (None, token[::-1]):
+        with BridgeClient(address, timeout_s=10, token=wrong) as intruder:
+            with pytest.raises(BridgeUnauthenticated):
+                intruder.load_snapshot(foreign, 999)
+    with BridgeClient(address, timeout_s=10, token=token) as insider:
+        for path, version, code in [(foreign, 999, grpc.StatusCode.PERMISSION_DENIED),
+                                    (root / os.path.relpath(foreign, root), 999, grpc.StatusCode.PERMISSION_DENIED),
+                                    (root, 0, grpc.StatusCode.FAILED_PRECONDITION)]:
+            with pytest.raises(BridgeRequestError) as e:
+                insider.load_snapshot(path, version)
+            assert e.value.code == code, e.value
+        stats = insider.stats()
+    assert stats["unauthenticated"] == 2 and stats["snapshot_refusals"] == 1 and stats["policy_version"] < 999
+
+
 def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir, tmp_path):
+    """Also the poisoning probe: while the run trains, other clients cannot make its bridge serve
+    weights the run did not publish."""
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, checkpoint_every=1000)
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        _foreign_snapshot(model_dir, tmp_path / "foreign", 999)  # while the run starts
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -140,6 +187,13 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir,
             time.sleep(0.5)
         children = _children_of(proc.pid)
         assert len(children) == 2  # the bridge and the echo server
+        [bridge] = [c for c in children if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
+        _probe_the_bridge(bridge, run_dir, tmp_path / "foreign")
+        probed = len(read_metrics(run_dir))
+        while len(read_metrics(run_dir)) < probed + 2:  # steps trained after the probe
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step logged after the probe"
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -153,6 +207,12 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir,
     assert not [c for c in children if not gone(c)]
     _assert_snapshots_lived_in_memory((run_dir / "logs" / "bridge.log").read_text())
     assert snapshot_versions(run_dir / "snapshots") == [summary["steps"] + 1]
+    # Every step trained on trajectories of the weights the run served then: the base model (0) for
+    # step 1, then the version published after the step before.
+    rows = [r for r in read_metrics(run_dir) if "rollout/oldest_version" in r]
+    assert len(rows) >= 3
+    served = [0.0] + [r["version"] for r in rows[:-1]]
+    assert [(r["rollout/oldest_version"], r["rollout/newest_version"]) for r in rows] == [(v, v) for v in served]
 
 
 def _logged_steps(proc: subprocess.Popen, run_dir: Path, more_than: int, within_s: float = 300) -> int:
@@ -240,11 +300,12 @@ def test_training_through_a_bridge_started_on_its_own(model_dir, tmp_path):
     with EnvServerProcess.start("echo", max_concurrent_envs=16) as server:
         envs = tmp_path / "envs.json"
         envs.write_text(json.dumps({"envs": [{"name": "echo", "url": server.url}]}))
-        bridge = BridgeProcess.start(model_dir, envs_file=envs)
+        bridge = BridgeProcess.start(model_dir, envs_file=envs, snapshot_roots=[tmp_path / "run" / "snapshots"])
         try:
+            (tmp_path / "token").write_text(bridge.token)
             config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run", steps=2,
                                   envs=[{"name": "echo", "url": server.url}],
-                                  bridge={"addresses": [bridge.address]})
+                                  bridge={"addresses": [bridge.address], "token_file": str(tmp_path / "token")})
             summary = summary_of(jaxrl("train", config))
             health = bridge.client.health()
         finally:
@@ -289,7 +350,8 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     (["steps=many"], "config key 'steps': expected an int"),
     (["envs=[]"], "envs: list at least one environment"),
     (["envs.0.bundled=chess"], "bundled environment 'chess'"),
-    (["bridge.addresses=[127.0.0.1:9]"], "127.0.0.1:9 does not answer"),
+    (["bridge.addresses=[127.0.0.1:9]"], "bridge.addresses: the bridges' token is needed; set bridge.token_file"),
+    (["bridge.addresses=[127.0.0.1:9]", "bridge.token_file={tmp}/token"], "127.0.0.1:9 does not answer"),
     (["envs.0.bundled=null", "envs.0.url=http://127.0.0.1:9"], "environment 'echo'"),
     (["rollout.mode=async"], "learner.loss.is_level"),
     (["model.tiny={hidden_size: 32}"], "differs from model.tiny (hidden_size: 64 != 32"),
@@ -302,7 +364,8 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
 ])
 def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")
-    args = [a for o in overrides for a in ("--set", o)]
+    (tmp_path / "token").write_text("a-token")
+    args = [a for o in overrides for a in ("--set", o.replace("{tmp}", str(tmp_path)))]
     start = time.perf_counter()
     proc = jaxrl("train", config, *args, timeout=120)
     took = time.perf_counter() - start
