@@ -207,12 +207,12 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_no_children_left(model_dir,
     assert not [c for c in children if not gone(c)]
     _assert_snapshots_lived_in_memory((run_dir / "logs" / "bridge.log").read_text())
     assert snapshot_versions(run_dir / "snapshots") == [summary["steps"] + 1]
-    # Every step trained on trajectories of the weights the run served then: the base model (0) for
-    # step 1, then the version published after the step before.
+    # Every step trained on trajectories of the weights the run served then (the base model, 0, for
+    # step 1, then the version published after the step before), and no group came back foreign or stale.
     rows = [r for r in read_metrics(run_dir) if "rollout/oldest_version" in r]
     assert len(rows) >= 3
-    served = [0.0] + [r["version"] for r in rows[:-1]]
-    assert [(r["rollout/oldest_version"], r["rollout/newest_version"]) for r in rows] == [(v, v) for v in served]
+    assert not [r for r in rows if r.get("rollout/groups_foreign_version") or r.get("rollout/groups_stale")]
+    assert [r["rollout/oldest_version"] for r in rows] == [0.0] + [r["version"] for r in rows[:-1]]
 
 
 def _logged_steps(proc: subprocess.Popen, run_dir: Path, more_than: int, within_s: float = 300) -> int:

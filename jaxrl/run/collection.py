@@ -239,5 +239,4 @@ def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
     out["completion/truncated"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
     versions = [t.policy_version for t in trajs]
     out["rollout/oldest_version"] = float(min(versions))
-    out["rollout/newest_version"] = float(max(versions))  # never newer than the run published
     return out
