@@ -1,20 +1,10 @@
 """The multi-turn engine benchmark keeps working (tiny sizes; the figures themselves are not asserted)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from benches import tiny_figures
 
 
 def test_tiny_multiturn_benchmark_prints_its_figures():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.multiturn", "--tiny"], cwd=Path(__file__).parents[1],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    figures = tiny_figures("multiturn", one_device=True)
     assert set(figures["ratios"]) == {"jax_over_hf_turn_sync", "jax_over_hf_sequential"}
     assert all(r > 0 for r in figures["ratios"].values())
     for side in ("jax", "hf_turn_sync", "hf_sequential"):

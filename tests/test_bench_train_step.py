@@ -1,19 +1,12 @@
 """The train-step benchmark runs a few tiny steps and prints the split of a step as JSON."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benches import tiny_figures
 
 
 def test_tiny_benchmark_prints_the_step_split():
-    run = subprocess.run([sys.executable, "-m", "experiments.bench.train_step", "--tiny"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    figures = tiny_figures("train_step", timeout=600)
     for key in ("step_s", "generate_s", "env_s", "learn_s", "sync_s"):
         assert isinstance(figures[key], float) and math.isfinite(figures[key]) and figures[key] >= 0, key
     assert figures["step_s"] > 0 and figures["steps_measured"] == 2

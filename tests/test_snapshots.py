@@ -243,13 +243,18 @@ def test_damaged_snapshot_is_refused_and_the_previous_one_still_loads(tmp_path, 
     _assert_exact(previous.tensors, _expected(cfg, 1))
 
 
-def test_manifest_of_another_format_is_refused(tmp_path):
+def _published_manifest(directory: Path) -> tuple[Path, dict]:
+    """Snapshot 1 of a tiny model published in `directory`: its manifest file and contents."""
     cfg = tiny_config("qwen3")
-    writer = SnapshotWriter(tmp_path, cfg)
+    writer = SnapshotWriter(directory, cfg)
     writer.publish(_params(cfg), 1)
     writer.close()
-    manifest_file = tmp_path / "1" / "manifest" / "metadata"
-    manifest = json.loads(manifest_file.read_text())
+    manifest_file = directory / "1" / "manifest" / "metadata"
+    return manifest_file, json.loads(manifest_file.read_text())
+
+
+def test_manifest_of_another_format_is_refused(tmp_path):
+    manifest_file, manifest = _published_manifest(tmp_path)
     manifest_file.write_text(json.dumps({**manifest, "format": "jaxrl-weights-v1"}))
     with pytest.raises(SnapshotError, match=f"{tmp_path / '1'}: manifest format is 'jaxrl-weights-v1'"):
         SnapshotReader(tmp_path).load()
@@ -314,12 +319,7 @@ def test_copy_commits_a_finished_snapshot_elsewhere_and_keeps_the_newest(tmp_pat
 
 
 def test_a_piece_the_manifest_names_but_the_files_lack_is_refused(tmp_path):
-    cfg = tiny_config("qwen3")
-    writer = SnapshotWriter(tmp_path, cfg)
-    writer.publish(_params(cfg), 1)
-    writer.close()
-    manifest_file = tmp_path / "1" / "manifest" / "metadata"
-    manifest = json.loads(manifest_file.read_text())
+    manifest_file, manifest = _published_manifest(tmp_path)
     manifest["tensors"]["model.extra.weight"] = {"shape": [4], "dtype": "float32", "checksum": 0, "chunk": [4]}
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(SnapshotError, match=r"1: cannot be restored \(ValueError: tensor 'model.extra.weight': "
