@@ -1,7 +1,9 @@
 """Tool-call parsers per model family, and the tool-result messages that answer them.
 
 A parser reads the TEXT of one completion (decoded from the engine's tokens, which stay the
-training tokens as they are: nothing here is tokenised back into the trajectory) and splits it
+training tokens as they are: nothing here is tokenised back into the trajectory; decoded without
+the tokenizer's special tokens but with the parser's `delimiters`, which some tokenizers mark
+special: `hidden_special_ids`) and splits it
 into what the model said and the calls it made. A malformed call is not an exception: it
 becomes an error message in `ParsedTurn.errors`, to be fed back to the model as a tool
 result, so that a broken call costs the model a turn rather than the episode.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "available_parsers",
     "format_tool_results",
     "get_parser",
+    "hidden_special_ids",
     "register_parser",
     "render_tool_results",
 ]
@@ -68,7 +71,18 @@ class ParsedTurn:
 
 
 class ToolCallParser(Protocol):
+    delimiters: tuple[str, ...]  # the strings that mark a call, kept in the text it reads
+
     def parse(self, text: str) -> ParsedTurn: ...
+
+
+def hidden_special_ids(tokenizer: Any, delimiters: Collection[str]) -> frozenset[int]:
+    """The ids to leave out of the text a parser reads: those `decode(skip_special_tokens=True)`
+    drops (end of turn, padding...), except the parser's `delimiters`, which tokenizers that mark
+    `<tool_call>` special would otherwise strip from every call."""
+    special = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special.update((i, tokenizer.convert_ids_to_tokens(i)) for i in tokenizer.all_special_ids if i not in special)
+    return frozenset(i for i, content in special.items() if content not in delimiters)
 
 
 def _snippet(text: str) -> str:
@@ -90,6 +104,7 @@ class QwenToolCallParser:
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+    delimiters = (open_tag, close_tag)
 
     def __init__(self, allow_unterminated: bool = False):
         self.allow_unterminated = allow_unterminated

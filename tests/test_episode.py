@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 
 import pytest
+from tokenizers import AddedToken
 
 from bridge.engines.base import SamplingParams
 from bridge.envs.episode import (
@@ -246,6 +248,20 @@ def test_tool_class_episode_counts_errors_and_scores(tok):
     assert traj.rewards["over_two"] == 1.0 and traj.rewards["env"] == 0.0  # 4 != 3
 
 
+def test_tool_calls_are_parsed_when_the_tokenizer_marks_their_tags_special():
+    tok = build_tokenizer()  # then marked special, as TRL's tiny test tokenizers have them
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", "</tool_call>")],
+                   special_tokens=True)
+    ids = tok.encode(tool_call("add", {"amount": 1}), add_special_tokens=False)
+    assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)  # gone from such a decode
+    runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser())
+    replies = iter([tool_call("add", {"amount": 1}), tool_call("add", {"amount": 2})])
+    traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, "counter", {})
+    assert traj.finish_reason == "env_done", traj.error
+    assert traj.metrics == {"tool_calls": 2, "tool_errors": 0, "env_steps": 2} and traj.rewards == {"env": 1.0}
+    check_masks(traj, tok)
+
+
 def test_answer_without_tool_call_ends_the_episode(tok):
     runtime = EnvRuntime([EnvSpec("counter", env_class="test_episode:Counter")], tok, get_parser())
     traj = run(ScriptedEngine(tok, lambda prompt: "The answer is 3."), runtime, "counter", {})
@@ -309,3 +325,82 @@ def inf(completions, environments, **kwargs):
 
 def text(completions, environments, **kwargs):
     return ["1.5"]
+
+
+# -- TRL's environment_factory, reward functions and dataset rows, unchanged ---------------------
+
+
+class Vault:
+    """TRL's `environment_factory` shape: reset(**row) returns what TRL appends to the row's prompt."""
+
+    def reset(self, **row) -> str:
+        self.code, self.tries, self.opened = row["code"], 0, False
+        return f"The lock has {len(str(row['code']))} digits."
+
+    def try_code(self, code: int) -> str:
+        """Try a code on the lock.
+
+        Args:
+            code: The code to try.
+
+        Returns:
+            "open", or "wrong".
+        """
+        self.tries += 1
+        self.opened = self.opened or code == self.code
+        return "open" if code == self.code else "wrong"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+SEEN_BY_REWARD: list[dict] = []
+
+
+def opened_quickly(prompts, completions, environments, level, **kwargs):
+    """A TRL reward function: its environments' state and the row's columns."""
+    SEEN_BY_REWARD.append({"prompts": prompts, "completions": completions, "level": level, **kwargs})
+    return [1.0 / env.tries if env.opened else 0.0 for env in environments]
+
+
+def trl_first_prompt_ids(tok, env_factory, row) -> list[int]:
+    """The first prompt TRL 1.16's GRPOTrainer renders for a dataset row, following its code
+    (`_generate_and_score_completions`: reset and the append; `_tokenize_prompts`: the template)."""
+    env = env_factory()
+    prompt = row["prompt"]
+    observation = env.reset(**row)
+    prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+    tools = [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+             if name not in ("reset", "get_reward") and not name.startswith("_")]
+    return tok.apply_chat_template(conversation=[prompt], tools=tools or None, add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"][0]
+
+
+def test_a_trl_dataset_environment_factory_and_reward_function_work_unchanged(tok, tmp_path):
+    from jaxrl.run.tasks import read_task_file
+
+    row = {"prompt": [{"role": "system", "content": "You open locks."},
+                      {"role": "user", "content": "Open the vault. "}],
+           "code": 4321, "level": "easy"}
+    dataset = tmp_path / "vault.jsonl"
+    dataset.write_text(json.dumps(row) + "\n")
+    [(env, task)] = read_task_file(dataset, ["vault"])
+    runtime = EnvRuntime([EnvSpec(env, env_class="test_episode:Vault")], tok, get_parser(),
+                         [RewardSpec("env"), RewardSpec("test_episode:opened_quickly")])
+    replies = iter([tool_call("try_code", {"code": 1234}), tool_call("try_code", {"code": 4321}), "Opened."])
+    SEEN_BY_REWARD.clear()
+    traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, env, task)
+    assert traj.finish_reason == "stop", traj.error
+    assert traj.prompt_ids == trl_first_prompt_ids(tok, Vault, row)
+    assert "Open the vault. The lock has 4 digits.<|im_end|>" in tok.decode(traj.prompt_ids)
+    assert traj.rewards == {"env": 1.0, "opened_quickly": 0.5}  # get_reward() is the environment's own
+    [seen] = SEEN_BY_REWARD
+    assert seen["prompts"] == [row["prompt"][:1] + [{"role": "user",
+                                                     "content": "Open the vault. The lock has 4 digits."}]]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "try_code", "arguments": {"code": 1234}}}]}
+    assert seen["completions"][0][:2] == [call, {"role": "tool", "name": "try_code", "content": "wrong"}]
+    assert seen["completions"][0][3:] == [{"role": "tool", "name": "try_code", "content": "open"},
+                                          {"role": "assistant", "content": "Opened."}]
+    assert seen["level"] == ["easy"] and seen["code"] == [4321] and "prompt" not in seen
+    assert seen["completion_ids"] == [traj.completion_ids]

@@ -61,3 +61,25 @@ def test_task_files(tmp_path):
         TaskSource(config(data={"train_file": str(bad)}))
     with pytest.raises(TaskError, match="no-such.jsonl"):
         TaskSource(config(data={"train_file": str(tmp_path / "no-such.jsonl")}))
+
+
+def test_trl_dataset_rows(tmp_path):
+    """A TRL dataset's rows as they are: prompt (chat messages or a string) plus columns, no env."""
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Guess: "}],
+             "secret": 3},
+            {"prompt": "Guess: ", "secret": 5}]
+    train = tmp_path / "trl.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one = {"envs": [{"name": "guess", "env_class": "m:Guess"}]}
+    source = TaskSource(config(**one, data={"train_file": str(train), "eval_file": str(train)}))
+    assert source.held_out() == [("guess", rows[0]), ("guess", rows[1])]  # every column kept, prompt included
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text(json.dumps({"prompt": "p", "environment": "rev"}) + "\n")
+    assert TaskSource(config(data={"eval_file": str(routed)})).held_out() == [("rev", {"prompt": "p"})]
+    with pytest.raises(TaskError, match='trl.jsonl line 1: needs "env" \\(or TRL\'s "environment"\\) naming one '
+                                        "of \\['echo', 'rev'\\], got None"):
+        TaskSource(config(data={"train_file": str(train)}))  # two environments: a row must say which
+    train.write_text(json.dumps({"prompt": [{"content": "no role"}]}) + "\n")
+    with pytest.raises(TaskError, match="trl.jsonl line 1: task field 'prompt' must be a string or a non-empty list "
+                                        "of chat messages"):
+        TaskSource(config(**one, data={"train_file": str(train)}))

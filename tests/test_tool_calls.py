@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import AddedToken
 
 from bridge.tool_calls import (
     ParsedTurn,
@@ -11,6 +12,7 @@ from bridge.tool_calls import (
     available_parsers,
     format_tool_results,
     get_parser,
+    hidden_special_ids,
     render_tool_results,
 )
 from jaxrl.tiny_tokenizer import build_tokenizer
@@ -184,3 +186,16 @@ def test_parse_round_trips_the_template_rendering(tok, parser):
     text = tok.apply_chat_template([{"role": "user", "content": "q"}, message], tokenize=False)
     body = text.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
     assert parser.parse(body) == ParsedTurn("Checking.", calls, [])
+
+
+def test_the_parser_reads_its_delimiters_even_where_the_tokenizer_marks_them_special(parser):
+    tok = build_tokenizer()
+    control = {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    assert hidden_special_ids(tok, parser.delimiters) == control
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", "</tool_call>", "<think>")],
+                   special_tokens=True)
+    hidden = hidden_special_ids(tok, parser.delimiters)
+    assert hidden == control | {tok.convert_tokens_to_ids("<think>")}  # special, and not the parser's
+    ids = tok.encode("<think>hm</think>" + block('{"name": "f", "arguments": {}}') + "<|im_end|>",
+                     add_special_tokens=False)
+    assert parser.parse(tok.decode([i for i in ids if i not in hidden])) == ParsedTurn("hm</think>", [ToolCall("f", {})])

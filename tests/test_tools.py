@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Literal, Optional
 
@@ -66,11 +67,12 @@ def test_schema_shape_literal_default_bool():
                 "type": "object",
                 "properties": {
                     "direction": {"type": "string", "enum": ["up", "down"], "description": "Where to go."},
-                    "steps": {"type": "integer", "description": "How many squares, at most 3.", "default": 1},
-                    "run": {"type": "boolean", "description": "Whether to run.", "default": False},
+                    "steps": {"type": "integer", "description": "How many squares, at most 3."},
+                    "run": {"type": "boolean", "description": "Whether to run."},
                 },
                 "required": ["direction"],
             },
+            "return": {"type": "string", "description": "What the player sees."},
         },
     }
 
@@ -85,7 +87,6 @@ def test_schema_lists_floats_optional():
         "type": "string",
         "nullable": True,
         "description": "A label, or nothing.",
-        "default": None,
     }
 
 
@@ -94,7 +95,7 @@ def test_schema_nested_dict_tuple():
     assert p["words"]["items"] == {"type": "string"}
     assert p["counts"]["additionalProperties"] == {"type": "array", "items": {"type": "integer"}}
     assert p["pair"]["prefixItems"] == [{"type": "integer"}, {"type": "string"}]
-    assert p["pair"]["default"] == [1, "a"]
+    assert "default" not in p["pair"]  # TRL's schema (get_json_schema) shows no defaults
 
 
 def test_schema_no_parameters_and_method():
@@ -105,6 +106,42 @@ def test_schema_no_parameters_and_method():
     schema = tool_schema(Env().look)
     assert schema["function"]["name"] == "look"
     assert schema["function"]["parameters"] == {"type": "object", "properties": {}}
+
+
+class Vault:
+    """A TRL `environment_factory` class whose tools document what they return."""
+
+    def reset(self, **row) -> str:
+        return "Open the vault."
+
+    def try_code(self, code: int, hint: Literal["digits", "sum"] | None = None) -> str:
+        """Try a code on the lock.
+
+        Args:
+            code: A four-digit code.
+            hint: Which hint to get back when the code is wrong.
+
+        Returns:
+            "open", or the hint asked for.
+        """
+
+    def inspect_lock(self) -> dict[str, int]:
+        """Look at the lock.
+
+        Returns:
+            The lock's digits and how many tries are left.
+        """
+
+
+def test_tool_schemas_are_trls_byte_for_byte():
+    from transformers.utils import get_json_schema
+
+    vault = Vault()
+    tools = ToolEnvironment(vault).tools
+    # TRL renders `getattr(env, name)` for the class's public functions in `inspect.getmembers` order.
+    trl = [get_json_schema(getattr(vault, n)) for n in ("inspect_lock", "try_code")]
+    assert [json.dumps(t) for t in tools] == [json.dumps(t) for t in trl]
+    assert tools[1]["function"]["return"] == {"type": "string", "description": '"open", or the hint asked for.'}
 
 
 def _undocumented_param(a: int, b: int):
@@ -283,7 +320,7 @@ class Game(Base):
 
 def test_discovery_rules():
     env = ToolEnvironment(Game())
-    assert env.tool_names == ["inherited", "guess", "weigh", "slow", "raises_timeout", "help"]
+    assert env.tool_names == ["guess", "help", "inherited", "raises_timeout", "slow", "weigh"]  # TRL's order
     assert env.skipped == {
         "reset": "lifecycle method",
         "close": "lifecycle method",
@@ -314,7 +351,7 @@ def test_discovery_refuses_a_broken_documented_method():
 def test_tools_property_is_a_copy():
     env = ToolEnvironment(Game())
     env.tools[0]["function"]["name"] = "changed"
-    assert env.tools[0]["function"]["name"] == "inherited"
+    assert env.tools[0]["function"]["name"] == "guess"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +391,7 @@ def test_successful_calls_and_coercion():
 @pytest.mark.parametrize(
     "name, arguments, kind, needles",
     [
-        ("nope", {}, "unknown_tool", ["unknown tool 'nope'", "Available tools: inherited, guess, weigh"]),
+        ("nope", {}, "unknown_tool", ["unknown tool 'nope'", "Available tools: guess, help, inherited"]),
         ("reset", {}, "unknown_tool", ["unknown tool 'reset'"]),
         ("guess", {}, "missing_arguments", ["missing required argument 'n'", "Expected: guess(n: int)"]),
         ("guess", {"n": 1, "m": 2}, "unexpected_arguments", ["unexpected argument 'm'", "guess(n: int)"]),

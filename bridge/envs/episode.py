@@ -17,7 +17,11 @@ How a model turn becomes actions (`EnvSpec.action`, `auto` picks from the action
 - `mcp`: OpenEnv MCP environments: tools from `ListToolsAction`, calls as `CallToolAction`;
 - `tool`: the whole action is one tool whose parameters are the action's fields.
 
-In the tool modes a turn without a tool call is the model's final answer. Malformed calls,
+The first prompt is reset's observation as the user message, or, for a task in TRL's dataset
+format (a `prompt` field), that prompt with the observation appended to its last message
+(`first_prompt`). In the tool modes the parser reads the reply decoded without special tokens
+but with its tool-call delimiters, which some tokenizers mark special (`hidden_special_ids`); a
+turn without a tool call is the model's final answer. Malformed calls,
 unknown tools, bad arguments and tools that raise come back to the model as `Error: ...` tool
 results (counted in the episode's `tool_errors`), never as a crash. Everything the environment
 says is rendered with the model's chat template and appended with loss mask 0.
@@ -36,12 +40,16 @@ from typing import Any
 
 from bridge.envs.session import Endpoint, EnvServerError
 from bridge.envs.spec import (ENV_REWARD, EnvConfigError, EnvSpec, RewardError, RewardSpec, import_object,
-                              reward_value)
+                              reward_value, task_prompt)
 from bridge.envs.tools import ToolEnvironment
 from bridge.rollout import TurnResult
-from bridge.tool_calls import ToolCallParser, format_tool_results, render_tool_results
+from bridge.tool_calls import ToolCallParser, format_tool_results, hidden_special_ids, render_tool_results
 
 OBSERVATION_TEXT_FIELDS = ("text", "prompt", "message", "content")
+# What reward functions get from the episode, never from task fields of the same name (TRL: the
+# row's `prompt` reaches them as `prompts`).
+_CALL_ARGUMENTS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids", "environments",
+                             "env"})
 _NOT_SHOWN = {"reward", "done", "metadata", "tools"}
 
 
@@ -347,9 +355,13 @@ class ToolClassEpisode:
         return Step(text, self.record.done, self.env.metrics["errors"] > errors)
 
     async def close(self) -> None:
-        reward = getattr(self.env.env, "reward", None)
+        name = "get_reward" if callable(getattr(self.env.env, "get_reward", None)) else "reward"  # TRL's, ours
+        reward = getattr(self.env.env, name, None)
         if callable(reward):  # the class's own reward, read before it is closed
-            value = reward_value(reward(), f"environment {self.spec.name!r} (its reward())")
+            value = reward()
+            if inspect.isawaitable(value):
+                value = await value
+            value = reward_value(value, f"environment {self.spec.name!r} (its {name}())")
             if value is not None:
                 self.record.rewards.append(value)
         await self.env.aclose()
@@ -400,6 +412,28 @@ def build_connector(spec: EnvSpec) -> SessionConnector | ToolClassConnector:
 # -- the hook -----------------------------------------------------------------------------------
 
 
+def first_prompt(prompt: Any, observation: str, system_prompt: str = "") -> list[dict[str, Any]]:
+    """An episode's first prompt as chat messages. A task with a `prompt` (TRL's dataset format: a
+    string or chat messages) gets reset's text appended to its last message, with no separator,
+    as TRL's GRPOTrainer does; a task without one has reset's text as its user message. The
+    spec's system prompt goes first unless the prompt has its own."""
+    if prompt is None:
+        messages = [{"role": "user", "content": observation}]
+    else:
+        messages = task_prompt(prompt)
+        if observation:
+            last = messages[-1]
+            content = last.get("content")
+            if isinstance(content, list):  # content parts (multimodal prompts)
+                content = content + [{"type": "text", "text": observation}]
+            else:
+                content = (content or "") + observation
+            messages[-1] = {**last, "content": content}
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 class EnvEpisodeHook:
     """Drives one episode: reset -> prompt, model turns -> actions, observations -> tokens."""
 
@@ -411,23 +445,22 @@ class EnvEpisodeHook:
         self.episode: SessionEpisode | ToolClassEpisode | None = None
         self.closed = False
         self.metrics = {"tool_calls": 0.0, "tool_errors": 0.0, "env_steps": 0.0}
+        self.prompt: list[dict[str, Any]] = []  # the first prompt's messages
+        self.conversation: list[dict[str, Any]] = []  # the model's turns and the answers, as messages
 
     async def start(self) -> list[int]:
         self.episode = await self.connector.open(self.task)
-        tok = self.runtime.tokenizer
-        messages = []
-        if self.spec.system_prompt:
-            messages.append({"role": "system", "content": self.spec.system_prompt})
-        messages.append({"role": "user", "content": self.episode.first_text})
-        return list(tok.apply_chat_template(
-            messages, tools=self.episode.tools or None, add_generation_prompt=True, tokenize=True,
+        self.prompt = first_prompt(self.task.get("prompt"), self.episode.first_text, self.spec.system_prompt)
+        return list(self.runtime.tokenizer.apply_chat_template(
+            self.prompt, tools=self.episode.tools or None, add_generation_prompt=True, tokenize=True,
             return_dict=False, **self.runtime.template_kwargs))
 
     async def turn(self, completion_ids: list[int]) -> TurnResult:
         tok = self.runtime.tokenizer
-        reply = tok.decode(completion_ids, skip_special_tokens=True)
         if getattr(self.episode, "mode", None) == "tool_class" or self.connector.mode != "text":
-            parsed = self.runtime.parser.parse(reply)
+            hidden = self.runtime.hidden_ids
+            parsed = self.runtime.parser.parse(tok.decode([i for i in completion_ids if i not in hidden]))
+            self.conversation.append(parsed.to_message())
             if not parsed.calls and not parsed.errors:
                 return TurnResult([], done=False)  # the final answer
             self.metrics["tool_errors"] += len(parsed.errors)
@@ -445,10 +478,13 @@ class EnvEpisodeHook:
                 done = step.done
             messages = format_tool_results(parsed.calls, results, parsed.errors)
         else:
-            step = await self.episode.act_text(reply.strip())
+            reply = tok.decode(completion_ids, skip_special_tokens=True).strip()
+            self.conversation.append({"role": "assistant", "content": reply})
+            step = await self.episode.act_text(reply)
             self.metrics["env_steps"] += 1
             done = step.done
             messages = [{"role": "user", "content": step.text}]
+        self.conversation += messages
         if done:
             return TurnResult([], done=True)
         ended = bool(completion_ids) and completion_ids[-1] == tok.eos_token_id
@@ -460,7 +496,7 @@ class EnvEpisodeHook:
         if self.episode is None:
             return {}
         await self.close()
-        return await self.runtime.score(self.spec.name, self.episode, trajectory, self.task)
+        return await self.runtime.score(self, trajectory)
 
     async def close(self) -> None:
         if self.episode is not None and not self.closed:
@@ -479,6 +515,7 @@ class EnvRuntime:
         self.specs = {s.name: s for s in specs}
         self.tokenizer = tokenizer
         self.parser = parser
+        self.hidden_ids = hidden_special_ids(tokenizer, parser.delimiters)  # left out of what the parser reads
         self.template_kwargs = dict(template_kwargs or {})
         self.reward_specs = list(rewards)
         self.reward_specs_by_key = {r.key: r for r in self.reward_specs}
@@ -508,17 +545,29 @@ class EnvRuntime:
             raise ValueError(f"unknown environment {env!r}; this bridge serves: {', '.join(self.connectors)}")
         return EnvEpisodeHook(self, self.connectors[env], task)
 
-    async def score(self, env: str, episode: Any, trajectory, task: dict[str, Any]) -> dict[str, float]:
+    async def score(self, hook: EnvEpisodeHook, trajectory) -> dict[str, float]:
+        """The rewards of `hook`'s finished episode. Reward functions are called as TRL calls them:
+        `fn(prompts=, completions=, completion_ids=, environments=, env=, **task_fields)`, one
+        episode each; `completions` are chat messages (the model's turns with their `tool_calls`,
+        and the answers) when the task's `prompt` is chat messages, as in TRL, else the text."""
+        env, episode, task = hook.spec.name, hook.episode, hook.task
         rewards = {ENV_REWARD: episode.record.total_reward}  # no reward given: 0, not "does not apply"
         fns = {key: fn for key, fn in self.reward_fns.items() if fn is not None}
         if not fns:
             return rewards
-        completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
-        fields = {k: [v] for k, v in task.items() if k not in ("completions", "environments")}
+        prompt = hook.prompt
+        if isinstance(task.get("prompt"), list):
+            completion = hook.conversation
+        else:
+            completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
+            if isinstance(task.get("prompt"), str):
+                prompt = prompt[-1]["content"]
+        fields = {k: [v] for k, v in task.items() if k not in _CALL_ARGUMENTS}
         for key, fn in fns.items():
             what = (f"reward function {key!r} ({self.reward_specs_by_key[key].fn}) for episode "
                     f"{trajectory.group_id}/{trajectory.index_in_group} of {env!r}")
-            value = fn(completions=[completion], environments=[episode.handle], env=[env], **fields)
+            value = fn(prompts=[prompt], completions=[completion], completion_ids=[list(trajectory.completion_ids)],
+                       environments=[episode.handle], env=[env], **fields)
             if inspect.isawaitable(value):
                 value = await value
             if not isinstance(value, (list, tuple)) or len(value) != 1:

@@ -140,7 +140,8 @@ class EnvSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """A reward function `fn(completions, environments, **task_fields) -> list[float | None]`, or `env`."""
+    """A reward function `fn(prompts, completions, completion_ids, environments, **task_fields) ->
+    list[float | None]` (as TRL calls them), or `env`."""
 
     fn: str = dataclasses.field(metadata={"help": "'module:function', or 'env' for the environment's own reward"})
     weight: float = dataclasses.field(default=1.0, metadata={"help": "weight in the summed reward"})
@@ -176,6 +177,19 @@ def reward_value(value: Any, what: str) -> float | None:
     if not math.isfinite(value):
         raise RewardError(f"{what} returned {value!r}; rewards must be finite (None: does not apply)")
     return float(value)
+
+
+def task_prompt(prompt: Any) -> list[dict[str, Any]]:
+    """A task's `prompt` field (TRL's dataset format) as chat messages: a string is one user message,
+    a list holds messages `{"role": ..., "content": ...}`; ValueError saying what is wrong."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
+        return [dict(m) for m in prompt]
+    shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
+    raise ValueError(f"task field 'prompt' must be a string or a non-empty list of chat messages "
+                     f"({{\"role\": ..., \"content\": ...}}), got {shown}")
 
 
 def import_object(path: str, what: str) -> Any:

@@ -29,12 +29,14 @@ Which methods are tools (the rule, checked once when the wrapper is built):
 - a function defined on the class (or a base): properties, class attributes and attributes
   set on the instance are never tools.
 
-A tool's schema comes from its type hints and the `Args:` section of its Google-style
-docstring (`transformers.utils.get_json_schema`, plus checks it lacks: it silently maps
-unknown classes to `object`; we refuse them, and `*args`/`**kwargs`). Every parameter needs
-both a type hint and an `Args:` entry written `name: description`; a documented method that
-breaks this is a mistake in the environment and raises `ToolSchemaError` when the wrapper is
-built, naming the method and the parameter.
+A tool's schema is exactly what TRL renders for the same method,
+`transformers.utils.get_json_schema` (type hints, the Google-style docstring's `Args:`, and a
+`return` entry from the return hint and `Returns:`), so a model prompted or tuned under TRL sees
+the same system prompt; tools are listed in name order, as TRL lists them. We check what
+`get_json_schema` lets through (it silently maps unknown classes to `object`; we refuse them,
+and `*args`/`**kwargs`): every parameter needs both a type hint and an `Args:` entry written
+`name: description`; a documented method that breaks this is a mistake in the environment and
+raises `ToolSchemaError` when the wrapper is built, naming the method and the parameter.
 
 Supported parameter types: `str`, `int`, `float`, `bool`, `None`, `Any`, `list[T]`,
 `tuple[A, B, ...]`, `dict[str, T]` (and bare `list`/`tuple`/`dict`), `Literal[...]` of
@@ -216,13 +218,11 @@ def _parameters(fn: Callable) -> tuple[list[inspect.Parameter], dict[str, Any]]:
 
 
 def tool_schema(fn: Callable) -> dict:
-    """The OpenAI function-tool schema of `fn` from its type hints and docstring's `Args:`.
-
-    Returns `{"type": "function", "function": {"name", "description", "parameters"}}` where
-    `parameters` is a JSON schema object (`properties`, `required`); a parameter with a default
-    also gets `"default"` when the default is JSON-serialisable. Raises `ToolSchemaError`
-    naming the function and the parameter when a parameter lacks a type hint or an `Args:`
-    entry, or has an unsupported type, and when `fn` has no docstring.
+    """The function-tool schema of `fn`: `transformers.utils.get_json_schema(fn)` unchanged
+    (`{"type": "function", "function": {"name", "description", "parameters"[, "return"]}}`), as
+    TRL renders it. Raises `ToolSchemaError` naming the function and the parameter when a
+    parameter lacks a type hint or an `Args:` entry, or has an unsupported type, and when `fn`
+    has no docstring.
     """
     from transformers.utils import chat_template_utils as ctu
 
@@ -241,21 +241,9 @@ def tool_schema(fn: Callable) -> dict:
                 f"(write '{p.name}: <what it is>' under 'Args:')"
             )
     try:
-        schema = ctu.get_json_schema(fn)
+        return ctu.get_json_schema(fn)
     except (ctu.TypeHintParsingException, ctu.DocstringParsingException) as e:
         raise ToolSchemaError(f"tool {name}: {e}") from e
-    function = schema["function"]
-    function.pop("return", None)  # not part of the OpenAI shape; templates ignore it
-    if function.get("description") is None:
-        function["description"] = ""
-    properties = function["parameters"]["properties"]
-    for p in params:
-        if p.default is not inspect.Parameter.empty:
-            ok, value = _json_default(p.default)
-            if ok:
-                properties[p.name]["default"] = value
-    keys = ("name", "description", "parameters")
-    return {"type": "function", "function": {k: function[k] for k in keys}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,12 +410,8 @@ def _to_text(result: Any) -> str:
 
 def _discover(env: object, exclude: set[str]) -> tuple[dict[str, _Tool], dict[str, str]]:
     cls = type(env)
-    names: dict[str, None] = {}
-    for klass in reversed(cls.__mro__):  # base classes first, then definition order
-        if klass is object:
-            continue
-        for n in vars(klass):
-            names.setdefault(n, None)
+    # In name order, as TRL lists an environment's tools (`inspect.getmembers`): the same prompt.
+    names = sorted({n for klass in cls.__mro__ if klass is not object for n in vars(klass)})
     tools: dict[str, _Tool] = {}
     skipped: dict[str, str] = {}
     for n in names:

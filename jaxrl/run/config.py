@@ -72,8 +72,9 @@ class BridgeConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     train_file: str | None = _help(
-        "JSON lines of training tasks ({\"env\": name, ...task fields}); default: tasks drawn by seed from "
-        "each environment (bundled ones: their train split)", default=None)
+        "JSON lines of training tasks ({\"env\": name, ...task fields}, or a TRL dataset's rows: prompt + "
+        "columns; env may be left out with one environment); default: tasks drawn by seed from each environment "
+        "(bundled ones: their train split)", default=None)
     eval_file: str | None = _help("JSON lines of held-out tasks; default: seeds of the bundled test split, "
                                   "or seeds past the training ones", default=None)
     mix: dict[str, float] = _help("environment name -> share of seed-drawn training tasks (default: equal)",
@@ -149,8 +150,9 @@ class TrainConfig:
                       "group and index; it also picks demonstrations and orders the warm start (tasks: data.seed)",
                       default=0)
     rewards: list[RewardSpec] = _help(
-        "reward functions fn(completions, environments, **task_fields) -> list[float | None], or 'env' "
-        "(the environment's own reward), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
+        "reward functions fn(prompts, completions, completion_ids, environments, **task_fields) -> "
+        "list[float | None] (TRL's reward functions unchanged), or 'env' (the environment's own reward: "
+        "a tool class's get_reward() or reward()), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
     data: DataConfig = _help("tasks", default_factory=DataConfig)
     rollout: RolloutConfig = _help("generation", default_factory=RolloutConfig)
     learner: LearnerConfig = _help("loss, advantages, optimizer (group_size lives here)",

@@ -3,7 +3,10 @@ draws exactly the tasks the interrupted one would have.
 
 A task is `(env name, task fields)`; the fields go to the environment's `reset(**fields)` and
 to the reward functions. Seed-drawn tasks are `{"seed": k}` (bundled environments also get
-`"split"`); a JSON-lines file gives explicit rows `{"env": name, ...fields}`.
+`"split"`); a JSON-lines file gives explicit rows `{"env": name, ...fields}`, or rows of a TRL
+dataset as they are: `prompt` (a string or chat messages, to which the bridge appends reset's
+text) and any other columns, the environment named by `env`, by TRL's `environment` column, or
+being the run's only one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from bridge.envs.spec import task_prompt
 from jaxrl.run.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
@@ -37,10 +41,20 @@ def read_task_file(path: str | Path, env_names: list[str]) -> list[Task]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise TaskError(f"task file {path} line {i}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or row.get("env") not in env_names:
-            raise TaskError(f"task file {path} line {i}: needs \"env\" naming one of {env_names}, got "
-                            f"{row.get('env') if isinstance(row, dict) else row!r}")
-        env = row.pop("env")
+        where = f"task file {path} line {i}"
+        if not isinstance(row, dict):
+            raise TaskError(f"{where}: a task is a JSON object, got {row!r}")
+        # TRL routes rows by `environment` and keeps it from reset(); reward functions get it as `env`.
+        key = "env" if "env" in row else "environment"
+        env = row.pop(key, env_names[0] if len(env_names) == 1 else None)
+        if env not in env_names:
+            raise TaskError(f"{where}: needs \"env\" (or TRL's \"environment\") naming one of {env_names}, got "
+                            f"{env!r}")
+        if "prompt" in row:
+            try:
+                task_prompt(row["prompt"])
+            except ValueError as e:
+                raise TaskError(f"{where}: {e}") from None
         tasks.append((env, row))
     if not tasks:
         raise TaskError(f"task file {path} has no tasks")
