@@ -156,12 +156,17 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             tokenizer.save_pretrained(run.tokenizer)
             client = RolloutClient(started.result().addresses, cfg, token)
+        summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
                  started.result().env_servers)
         if start_step is None:
-            _evaluate_base(r, model_dir)
+            _timed(r, "eval_before_s", _evaluate_base, r, model_dir)
         learner = _make_learner(r, model_dir, start_step, stack)
+        r.summary["startup"]["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
+        print("start-up: first step at {first_step_at_s:.1f} s ({phases})".format(
+            **r.summary["startup"], phases=", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r.summary["startup"].items()
+                                                     if k != "first_step_at_s")), file=out, flush=True)
         stack.callback(_keep_steps, r, learner)
         _loop(r, learner, stop, stack)
         if ckpt.latest_step() != r.step:
@@ -210,10 +215,13 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
     model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
     warm = bool(cfg.sft.steps) and start_step is None
     if warm:
+        t0 = time.perf_counter()
         demos = demonstrations(r.client, r.tasks, cfg)
         model, metrics = warm_start(model, demos, cfg, mesh, r.pad_id)
+        r.summary["startup"]["warm_start_s"] = round(time.perf_counter() - t0, 2)
         r.summary["sft"] = metrics
         print(f"warm start: {json.dumps(metrics)}", file=r.out, flush=True)
+    t0 = time.perf_counter()
     learner = Learner(model, cfg.learner_config(), mesh)
     model_cfg = model.cfg
     del model
@@ -234,9 +242,20 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
             delete_snapshot(r.run.snapshots, stale)
     if r.step > 0 or warm:
         _publish(r, learner, r.step + 1)
+    r.summary["startup"]["learner_s"] = round(time.perf_counter() - t0, 2)
     if warm and cfg.eval.episodes:
-        r.summary["eval_after_warm_start"] = r.evaluate("after the warm start").success
+        r.summary["eval_after_warm_start"] = _timed(r, "eval_after_warm_start_s", r.evaluate,
+                                                    "after the warm start").success
     return learner
+
+
+def _timed(r: _Run, key: str, fn, *args):
+    """fn(*args), its seconds kept in the summary's start-up phases under `key`."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        r.summary["startup"][key] = round(time.perf_counter() - t0, 2)
 
 
 def _publish(r: _Run, learner: Learner, version: int) -> float:
