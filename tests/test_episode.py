@@ -10,7 +10,8 @@ import pytest
 
 from bridge.engines.base import SamplingParams
 from bridge.envs.episode import (
-    EnvRuntime, as_function_tool, observation_text, resolve_action_mode, runtime_from_dict,
+    EnvRuntime, RenderError, as_function_tool, check_template, inline_refs, observation_text, resolve_action_mode,
+    runtime_from_dict,
 )
 from bridge.envs.session import SessionConfig
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec
@@ -74,8 +75,14 @@ def test_text_mode_without_a_string_field_is_a_config_error():
 
 def test_observation_text_and_tool_specs():
     assert observation_text({"text": "hi", "reward": 1}) == "hi"
-    assert json.loads(observation_text({"board": [1, 2], "done": False})) == {"board": [1, 2]}
+    assert observation_text({"board": [1, 2], "done": False}) == "board: [1, 2]"
+    # Every field that says something, the text-like one first; empty ones and bookkeeping left out.
+    assert observation_text({"x": 0, "y": 3, "message": "Keep going...", "hint": None, "log": [], "note": "",
+                             "won": False, "metadata": {"a": 1}}) == "Keep going...\nx: 0\ny: 3\nwon: false"
     assert observation_text({"a": "x", "b": 3}, "b") == "3"
+    assert observation_text({"x": 1, "y": 2, "message": "hi"}, template="({x}, {y}) {message}") == "(1, 2) hi"
+    with pytest.raises(RenderError, match="'{z}'.*KeyError: 'z'"):
+        observation_text({"x": 1}, template="{z}")
     tool = as_function_tool({"name": "add", "input_schema": schema({"a": {"type": "integer"}}, ["a"])})
     assert tool["function"]["parameters"]["required"] == ["a"] and tool["type"] == "function"
 
