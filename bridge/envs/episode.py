@@ -116,7 +116,7 @@ def check_template(spec: EnvSpec, observation_schema: dict[str, Any]) -> None:
     what = f"environment {spec.name!r}: observation_template"
     for name in template_fields(spec.observation_template, what):
         if name not in props:
-            known = ", ".join(k for k in props if k != "metadata")
+            known = ", ".join(k for k in props if k not in _NOT_SHOWN)
             raise EnvConfigError(f"{what} names field {name!r}, which its observations do not have; they have: "
                                  f"{known}")
 
