@@ -4,7 +4,8 @@ Three kinds of environment sit behind one interface (`Connector.open(task) -> En
 
 - a running OpenEnv server (`url`), reached through the session layer (`bridge.envs.session`)
   over its WebSocket `/ws`; what a model turn means comes from the server's `/schema`;
-- an openenv `Environment` subclass run in-process (`env_class`), one instance per episode;
+- an openenv `Environment` subclass run in-process (`env_class`), one instance per episode,
+  answering as OpenEnv's server would for the same class (`_LocalSession`);
 - a tool-environment class (`env_class`, TRL `environment_factory` style): public documented
   methods are the tools (`bridge.envs.tools.ToolEnvironment`).
 
@@ -19,7 +20,10 @@ How a model turn becomes actions (`EnvSpec.action`, `auto` picks from the action
 
 In the tool modes a turn without a tool call is the model's final answer. Malformed calls,
 unknown tools, bad arguments and tools that raise come back to the model as `Error: ...` tool
-results (counted in the episode's `tool_errors`), never as a crash. Everything the environment
+results (counted in the episode's `tool_errors`), never as a crash; in text mode an action the
+environment refuses (VALIDATION_ERROR, or its step raised) comes back as an `Error: ...` user
+turn (counted in `action_errors`) and the episode goes on. Observations show every field that
+says something, or what the environment's `observation_field` / `observation_template` says. Everything the environment
 says is rendered with the model's chat template and appended with loss mask 0.
 
 A lost session (`SessionLost`) or an unreachable endpoint (`EndpointUnavailable`) is raised out
@@ -250,10 +254,12 @@ class _LocalSession:
 
     async def _answer(self, what: str, call) -> dict:
         from openenv.core.env_server.serialization import serialize_observation
+        from openenv.core.env_server.types import WSObservationResponse
         from pydantic import ValidationError
 
         try:
-            return serialize_observation(await call())
+            # Through JSON as the server sends it: enums as values, tool results as plain objects.
+            return json.loads(WSObservationResponse(data=serialize_observation(await call())).model_dump_json())["data"]
         except ValidationError as e:
             raise EnvServerError(f"{self.where} {what}", "VALIDATION_ERROR", "Invalid message",
                                  {"errors": e.errors(include_url=False)}) from None
