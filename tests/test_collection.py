@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from bridge.envs.spec import RewardError
+from bridge.envs.spec import EnvSpec, RewardError
 from bridge.wire import SamplingParams, TrajectoryData
 from jaxrl.run.collection import Collector, EnvironmentsDown, EnvWatch, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
@@ -56,7 +56,7 @@ def test_session_waits_are_the_steps_totals():
 
 
 def test_env_watch_warns_once_of_one_turn_cuts_and_of_rewards_that_are_always_zero(caplog):
-    watch = EnvWatch(max_turns=1, zero_after=4)
+    watch = EnvWatch(max_turns=1, specs={}, zero_after=4)
     with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
         watch.observe([traj("a", i, [1], [2], [1], {"env": 0.0, "fmt": 0.0}, "max_turns") for i in range(3)])
         assert [r.getMessage() for r in caplog.records] == [
@@ -67,10 +67,23 @@ def test_env_watch_warns_once_of_one_turn_cuts_and_of_rewards_that_are_always_ze
     assert [r.getMessage() for r in caplog.records][1:] == [
         "environment 'coin': every reward of its 4 episodes so far is 0 (env, fmt): nothing to learn from yet; check "
         "that the environment gives rewards (an OpenEnv observation's reward) and that rewards[] scores it"]
-    quiet = EnvWatch(max_turns=2, zero_after=4)  # a turn limit above 1, rewards that vary: nothing to say
+    quiet = EnvWatch(max_turns=2, specs={}, zero_after=4)  # a turn limit above 1, rewards that vary: nothing to say
     caplog.clear()
     quiet.observe([traj("a", i, [1], [2], [1], {"env": float(i % 2)}, "max_turns") for i in range(8)])
     assert not caplog.records
+
+
+def test_env_watch_warns_once_of_a_pool_far_above_the_servers_capacity(caplog):
+    specs = {"nim": EnvSpec("nim", url="http://127.0.0.1:1"), "dice": EnvSpec("dice", url="http://127.0.0.1:2",
+                                                                             max_concurrent_envs=1)}
+    watch = EnvWatch(max_turns=4, specs=specs)
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        watch.observe([traj("a", i, [1], [2], [1], {"env": 1.0}, env=env, capacity_refusals=1.0, server_max_sessions=1.0)
+                       for i in range(3) for env in ("nim", "dice")])
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment 'nim': its server allows 1 session(s) at once, but the bridge holds up to 64 for it: episodes "
+        "queue for its slots (env/nim/pool_wait_s, capacity_refusals); set max_concurrent_envs: 1 for it, or serve it "
+        "with more sessions"]
 
 
 class Coin:

@@ -460,6 +460,7 @@ def test_a_one_session_server_queues_episodes_and_says_so_in_metrics(tok, catalo
         trajs, stats = play(catalogue_spec(catalogue, "nim", "served"))  # the default pool: 64 sessions
     assert sum(t.metrics["capacity_refusals"] for t in trajs) > 0 and max(t.metrics["pool_wait_s"] for t in trajs) > 0
     assert stats["server_max_sessions"] == 1 and stats["capacity_waits"] > 0
+    assert max(t.metrics.get("server_max_sessions", 0) for t in trajs) == 1  # for the trainer's warning
     warnings = [r.getMessage() for r in caplog.records if "allows 1 session(s) at once" in r.getMessage()]
     assert len(warnings) == 1 and "the session pool for it holds 64" in warnings[0]
     assert "set max_concurrent_envs: 1 for this environment" in warnings[0]

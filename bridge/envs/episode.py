@@ -346,9 +346,14 @@ class SessionEpisode:
         self.record = EpisodeRecord(self.spec.name, task)
         self.tools: list[dict[str, Any]] = []
         self.first_text = ""
-        # How long the episode waited for its session: the pool's bound and the server's capacity.
-        self.metrics = {"pool_waits": float(session.pool_waited), "pool_wait_s": session.wait_s,
-                        "capacity_refusals": float(session.capacity_refusals)} if connector.endpoint else {}
+        # How long the episode waited for its session (the pool's bound, the server's capacity), and
+        # that capacity once a refusal stated it.
+        self.metrics = {}
+        if connector.endpoint is not None:
+            self.metrics = {"pool_waits": float(session.pool_waited), "pool_wait_s": session.wait_s,
+                            "capacity_refusals": float(session.capacity_refusals)}
+            if connector.endpoint.metrics["server_max_sessions"]:
+                self.metrics["server_max_sessions"] = float(connector.endpoint.metrics["server_max_sessions"])
 
     def _observe(self, payload: dict[str, Any]) -> dict[str, Any]:
         obs = payload.get("observation") or {}
@@ -543,7 +548,7 @@ class ToolClassConnector:
 def build_connector(spec: EnvSpec) -> SessionConnector | ToolClassConnector:
     """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
     if spec.url:
-        pool = dataclasses.replace(spec.session, max_sessions=min(spec.session.max_sessions, spec.max_concurrent_envs))
+        pool = dataclasses.replace(spec.session, max_sessions=spec.pool_size)
         return SessionConnector(spec, endpoint=Endpoint(spec.url, pool, name=spec.name))
     if spec.bundled:
         raise EnvConfigError(f"environment {spec.name!r}: bundled {spec.bundled!r} has no server; the trainer "

@@ -69,7 +69,7 @@ CLOSE_TIMEOUT_S = 1.0
 METRICS = ("sessions_opened", "sessions_active", "capacity_waits", "connect_failures",
            "sessions_lost", "timeouts", "server_errors", "breaker_opens", "pool_waits", "pool_wait_s",
            "server_max_sessions")
-# A pool this many times the server's capacity only queues at the server: warn once.
+# A session pool this many times the capacity its server states only queues there: warn once.
 CAPACITY_WARN_RATIO = 2
 
 

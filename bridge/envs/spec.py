@@ -15,7 +15,7 @@ import string
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
-from bridge.envs.session import SessionConfig, backoff_s
+from bridge.envs.session import CAPACITY_WARN_RATIO, SessionConfig, backoff_s
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
 ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]
@@ -116,6 +116,15 @@ class EnvSpec:
         if not (self.retry_budget_s >= 0 and self.retry_backoff_s > 0) or self.max_concurrent_envs < 1:
             raise EnvConfigError(f"environment {self.name!r}: retry_budget_s must be >= 0, retry_backoff_s > 0 "
                                  "and max_concurrent_envs >= 1")
+
+    @property
+    def pool_size(self) -> int:
+        """Sessions the bridge holds at once for this environment."""
+        return min(self.max_concurrent_envs, self.session.max_sessions)
+
+    def queues_at(self, server_max_sessions: int) -> bool:
+        """Whether the pool is so far above the capacity its server states that episodes mostly queue."""
+        return self.pool_size >= CAPACITY_WARN_RATIO * server_max_sessions
 
     def retry_wait_s(self, attempt: int, lost_for_s: float) -> float | None:
         """The wait before replaying an episode lost `attempt + 1` times, the first loss `lost_for_s`

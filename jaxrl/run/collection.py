@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from bridge.client import BridgeClient
-from bridge.envs.spec import RewardError
+from bridge.envs.spec import EnvSpec, RewardError
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -102,7 +102,7 @@ class Collector:
                                      stop_token_ids=stop_ids, seed=cfg.seed)
         self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending: tuple[int, concurrent.futures.Future] | None = None
-        self.watch = EnvWatch(r.max_turns)
+        self.watch = EnvWatch(r.max_turns, {e.name: e for e in cfg.envs})
 
     def _keep(self, group: Group, learner_version: int, counts: collections.Counter) -> bool:
         if any(t.finish_reason == "error" for t in group):
@@ -198,11 +198,13 @@ class Collector:
 class EnvWatch:
     """Warnings, once per environment, about what its episodes show of it and the config:
     episodes cut by `rollout.max_turns: 1` that the environment had not ended (a multi-turn
-    environment played for one turn), and an environment none of whose rewards so far, over at
-    least `zero_after` episodes, was anything but 0 (nothing to learn from it)."""
+    environment played for one turn); a session pool far above the capacity the server stated
+    when it refused sessions (the episodes queue); and an environment none of whose rewards so
+    far, over at least `zero_after` episodes, was anything but 0 (nothing to learn from it)."""
 
-    def __init__(self, max_turns: int, zero_after: int = 128):
+    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 128):
         self.max_turns = max_turns
+        self.specs = specs
         self.zero_after = zero_after
         self.scored: collections.Counter[str] = collections.Counter()
         self.nonzero: set[str] = set()
@@ -215,6 +217,13 @@ class EnvWatch:
             if self.max_turns == 1 and t.finish_reason == "max_turns":
                 self._warn(t.env, "max_turns", "its episodes are not done after one turn, but rollout.max_turns is 1: "
                            "each ends after the model's first action; raise rollout.max_turns to play them out")
+            capacity = int(t.metrics.get("server_max_sessions", 0))
+            spec = self.specs.get(t.env)
+            if capacity and spec is not None and spec.queues_at(capacity):
+                self._warn(t.env, "capacity", f"its server allows {capacity} session(s) at once, but the bridge holds up "
+                           f"to {spec.pool_size} for it: episodes queue for its slots (env/{t.env}/pool_wait_s, "
+                           f"capacity_refusals); set max_concurrent_envs: {capacity} for it, or serve it with more "
+                           "sessions")
             if t.rewards:
                 self.scored[t.env] += 1
                 if any(v != 0 for v in t.rewards.values()):
