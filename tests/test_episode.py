@@ -435,6 +435,11 @@ def test_an_observation_template_is_checked_at_start_and_renders_the_fields(tok,
                                          observation_template="You are at ({x}, {y}). {message}")], tok, get_parser())
     traj = run(scripted(tok, ["DOWN"]), runtime, "grid", {}, max_turns=1)
     assert "You are at (0, 0). Welcome to Grid World! Goal is at [2, 2].<|im_end|>" in tok.decode(traj.prompt_ids)
+    # An MCP server's observation schema is its tool results': the reset observation's fields are not checked.
+    runtime = EnvRuntime([catalogue_spec(catalogue, "arithmetic", where, observation_template="Q: {question}")], tok,
+                         get_parser())
+    traj = run(scripted(tok, ["I give up."]), runtime, "arithmetic", {"seed": 3})
+    assert "Q: Compute 5 * 6 + 5 with the tools.<|im_end|>" in tok.decode(traj.prompt_ids)
     runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, observation_template="At {x},{z}")], tok,
                          get_parser())
     with pytest.raises(EnvConfigError, match="'grid': observation_template names field 'z', which its observations "

@@ -461,8 +461,9 @@ class SessionConnector:
             schema, observation = schemas.get("action") or {}, schemas.get("observation") or {}
         else:
             schema, observation = self.action_cls.model_json_schema(), _observation_schema(self.env_cls)
-        check_template(self.spec, observation)
         self.mode, self.text_field = resolve_action_mode(self.spec, schema)
+        if self.mode != "mcp":  # an MCP server's observation schema is its tool results', not reset's
+            check_template(self.spec, observation)
         self.action_tool = _action_tool(self.spec.tool_name or self.spec.name, schema)
 
     async def open(self, task: dict[str, Any]) -> SessionEpisode:
