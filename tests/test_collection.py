@@ -9,9 +9,9 @@ import contextlib
 import numpy as np
 import pytest
 
-from bridge.envs.spec import RewardError
+from bridge.envs.spec import EnvSpec, RewardError
 from bridge.wire import SamplingParams, TrajectoryData
-from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
+from jaxrl.run.collection import Collector, EnvironmentsDown, EnvWatch, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.typed_config import from_dict
@@ -29,11 +29,11 @@ def config(**extra) -> TrainConfig:
     return from_dict(TrainConfig, base)
 
 
-def traj(group, i, prompt, completion, mask, rewards, finish="stop", version=0, env="coin"):
+def traj(group, i, prompt, completion, mask, rewards, finish="stop", version=0, env="coin", **metrics):
     return TrajectoryData(group, i, np.array(prompt, np.int32), np.array(completion, np.int32),
                           np.where(np.array(mask, bool), -0.5, 0.0).astype(np.float32), np.array(mask, np.uint8),
                           np.where(np.array(mask, bool), version, -1).astype(np.int64), rewards, finish, env,
-                          metrics={"tool_calls": 1.0})
+                          metrics={"tool_calls": 1.0, **metrics})
 
 
 def test_metrics_per_environment_and_counts():
@@ -43,6 +43,47 @@ def test_metrics_per_environment_and_counts():
     m = rollout_metrics(result, cfg)
     assert m["reward/mean"] == 0.5 and m["env/coin/success"] == 0.5 and m["env/coin/tool_calls"] == 1.0
     assert m["rollout/groups_zero_variance"] == 1 and m["completion/model_tokens"] == 1.5
+
+
+def test_session_waits_are_the_steps_totals():
+    waited = dict(pool_waits=1.0, pool_wait_s=0.5, capacity_refusals=2.0)
+    result = StepRollouts([[traj("a", 0, [1], [2], [1], {"env": 1.0}, **waited),
+                            traj("a", 1, [1], [2], [1], {"env": 1.0}, **waited, action_errors=1.0)],
+                           [traj("b", 0, [1], [2], [1], {"env": 1.0}, env="dice")]], collections.Counter(), 1.0, 0.5, 0.5)
+    m = rollout_metrics(result, config())
+    assert (m["env/coin/pool_waits"], m["env/coin/pool_wait_s"], m["env/coin/capacity_refusals"]) == (2.0, 1.0, 4.0)
+    assert m["env/coin/action_errors"] == 0.5 and "env/dice/pool_wait_s" not in m
+
+
+def test_env_watch_warns_once_of_one_turn_cuts_and_of_rewards_that_are_always_zero(caplog):
+    watch = EnvWatch(max_turns=1, specs={}, zero_after=4)
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        watch.observe([traj("a", i, [1], [2], [1], {"env": 0.0, "fmt": 0.0}, "max_turns") for i in range(3)])
+        assert [r.getMessage() for r in caplog.records] == [
+            "environment 'coin': its episodes are not done after one turn, but rollout.max_turns is 1: each ends after "
+            "the model's first action; raise rollout.max_turns to play them out"]
+        watch.observe([traj("b", i, [1], [2], [1], {"env": 0.0, "fmt": 0.0}, "env_done") for i in range(3)]
+                      + [traj("c", 0, [1], [2], [1], {"env": 1.0}, env="dice")] * 5)
+    assert [r.getMessage() for r in caplog.records][1:] == [
+        "environment 'coin': every reward of its 4 episodes so far is 0 (env, fmt): nothing to learn from yet; check "
+        "that the environment gives rewards (an OpenEnv observation's reward) and that rewards[] scores it"]
+    quiet = EnvWatch(max_turns=2, specs={}, zero_after=4)  # a turn limit above 1, rewards that vary: nothing to say
+    caplog.clear()
+    quiet.observe([traj("a", i, [1], [2], [1], {"env": float(i % 2)}, "max_turns") for i in range(8)])
+    assert not caplog.records
+
+
+def test_env_watch_warns_once_of_a_pool_far_above_the_servers_capacity(caplog):
+    specs = {"nim": EnvSpec("nim", url="http://127.0.0.1:1"), "dice": EnvSpec("dice", url="http://127.0.0.1:2",
+                                                                             max_concurrent_envs=1)}
+    watch = EnvWatch(max_turns=4, specs=specs)
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        watch.observe([traj("a", i, [1], [2], [1], {"env": 1.0}, env=env, capacity_refusals=1.0, server_max_sessions=1.0)
+                       for i in range(3) for env in ("nim", "dice")])
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment 'nim': its server allows 1 session(s) at once, but the bridge holds up to 64 for it: episodes "
+        "queue for its slots (env/nim/pool_wait_s, capacity_refusals); set max_concurrent_envs: 1 for it, or serve it "
+        "with more sessions"]
 
 
 class Coin:

@@ -1,18 +1,25 @@
-"""The environment episode layer in-process: action modes, tool loop, rewards, token masks."""
+"""The environment episode layer: action modes, tool loop, rewards, token masks; in-process, and
+against OpenEnv environments written as OpenEnv's catalogue writes them, served over /ws and
+in-process alike."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import json
+import logging
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken
 
 from bridge.engines.base import SamplingParams
 from bridge.envs.episode import (
-    EnvRuntime, as_function_tool, observation_text, resolve_action_mode, runtime_from_dict,
+    EnvRuntime, RenderError, as_function_tool, inline_refs, observation_text, resolve_action_mode,
+    runtime_from_dict,
 )
 from bridge.envs.session import SessionConfig
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec
@@ -76,10 +83,32 @@ def test_text_mode_without_a_string_field_is_a_config_error():
 
 def test_observation_text_and_tool_specs():
     assert observation_text({"text": "hi", "reward": 1}) == "hi"
-    assert json.loads(observation_text({"board": [1, 2], "done": False})) == {"board": [1, 2]}
+    assert observation_text({"board": [1, 2], "done": False}) == "board: [1, 2]"
+    # Every field that says something, the text-like one first; empty ones and bookkeeping left out.
+    assert observation_text({"x": 0, "y": 3, "message": "Keep going...", "hint": None, "log": [], "note": "",
+                             "won": False, "metadata": {"a": 1}}) == "Keep going...\nx: 0\ny: 3\nwon: false"
     assert observation_text({"a": "x", "b": 3}, "b") == "3"
+    assert observation_text({"x": 1, "y": 2, "message": "hi"}, template="({x}, {y}) {message}") == "(1, 2) hi"
+    with pytest.raises(RenderError, match="'{z}'.*KeyError: 'z'"):
+        observation_text({"x": 1}, template="{z}")
     tool = as_function_tool({"name": "add", "input_schema": schema({"a": {"type": "integer"}}, ["a"])})
     assert tool["function"]["parameters"]["required"] == ["a"] and tool["type"] == "function"
+
+
+def test_references_are_inlined_with_their_siblings_and_recursion_stops():
+    schema = {"$defs": {"Move": {"enum": ["UP", "DOWN"], "type": "string"},
+                        "Tree": {"description": "a tree", "type": "object",
+                                 "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Tree"}}}}},
+              "properties": {"move": {"$ref": "#/$defs/Move", "description": "where"}, "tree": {"$ref": "#/$defs/Tree"},
+                             "definitions": {"type": "string"}}}
+    assert inline_refs(schema) == {"properties": {
+        "move": {"enum": ["UP", "DOWN"], "type": "string", "description": "where"},
+        "tree": {"description": "a tree", "type": "object", "properties": {
+            "kids": {"type": "array", "items": {"type": "object", "description": "a tree"}}}},
+        "definitions": {"type": "string"}}}  # a field may be called "definitions"
+    assert resolve_action_mode(EnvSpec("e", url="http://127.0.0.1:1"),
+                               {"$defs": schema["$defs"], "properties": {"move": {"$ref": "#/$defs/Move"}},
+                                "required": ["move"]}) == ("tool", None)  # an enum is not free text
 
 
 @pytest.mark.parametrize("data, message", [
@@ -91,6 +120,10 @@ def test_observation_text_and_tool_specs():
     ({"name": "x", "url": "http://a", "session": {"step_timeout_s": -1}}, "session.*step_timeout_s"),
     ({"name": "x", "url": "http://a", "max_retries": 2}, "'x': max_retries is gone; set retry_budget_s instead"),
     ({"name": "x", "url": "http://a", "retry_backoff_s": 0}, "retry_backoff_s > 0"),
+    ({"name": "x", "url": "http://a", "observation_template": "at {x"}, "'x': observation_template 'at {x'.*"
+                                                                        "expected '}'"),
+    ({"name": "x", "url": "http://a", "observation_template": "at {}"}, "{} names no field"),
+    ({"name": "x", "url": "http://a", "observation_template": "{x}", "observation_field": "x"}, "not both"),
 ])
 def test_env_spec_errors_name_the_problem(data, message):
     with pytest.raises(EnvConfigError, match=message):
@@ -404,3 +437,132 @@ def test_a_trl_dataset_environment_factory_and_reward_function_work_unchanged(to
                                           {"role": "assistant", "content": "Opened."}]
     assert seen["level"] == ["easy"] and seen["code"] == [4321] and "prompt" not in seen
     assert seen["completion_ids"] == [traj.completion_ids]
+
+
+# -- OpenEnv's catalogue as shipped: served over /ws, and in-process ------------------------------
+
+CATALOGUE = Path(__file__).parent / "workers" / "openenv_catalogue.py"
+CLASSES = {"grid": "tests.workers.openenv_catalogue:GridWorldEnvironment",
+           "arithmetic": "tests.workers.openenv_catalogue:ArithmeticEnvironment",
+           "nim": "tests.workers.openenv_catalogue:NimEnvironment"}
+WHERE = ("served", "in_process")
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    """One process serving each catalogue environment on its own port, as OpenEnv ships it: name -> url."""
+    proc = subprocess.Popen([sys.executable, str(CATALOGUE), *CLASSES], stdout=subprocess.PIPE, text=True)
+    try:
+        urls = {}
+        for _ in CLASSES:
+            line = proc.stdout.readline()
+            assert line.startswith("ENV_LISTENING "), line
+            _, name, url = line.split()
+            urls[name] = url
+        yield urls
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def catalogue_spec(urls, name, where, **keys):
+    return EnvSpec(name, **({"url": urls[name]} if where == "served" else {"env_class": CLASSES[name]}), **keys)
+
+
+def scripted(tok, replies):
+    replies = iter(replies)
+    return ScriptedEngine(tok, lambda prompt: next(replies))
+
+
+def env_turns(traj, tok):
+    return [tok.decode(ids) for m, ids in segments(traj) if m == 0]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_rejected_text_action_reaches_the_model_as_an_error_and_observations_show_the_state(tok, catalogue, where):
+    runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, action="text", text_field="action")], tok,
+                         get_parser())
+    traj = run(scripted(tok, ["NORTH", "DOWN", "DOWN", "RIGHT", "RIGHT"]), runtime, "grid", {"seed": 3})
+    assert traj.finish_reason == "env_done", traj.error
+    assert traj.num_turns == 5 and traj.metrics["action_errors"] == 1 and traj.metrics["env_steps"] == 5
+    assert traj.rewards == {"env": pytest.approx(0.7)}  # the refused action: no reward, the episode goes on
+    assert "Welcome to Grid World! Goal is at [2, 2].\nx: 0\ny: 0<|im_end|>" in tok.decode(traj.prompt_ids)
+    turns = env_turns(traj, tok)
+    assert "Error: VALIDATION_ERROR: Invalid message (action: Input should be 'UP', 'DOWN', 'LEFT' or " \
+           "'RIGHT')" in turns[0]
+    assert "Keep going...\nx: 1\ny: 0<|im_end|>" in turns[1]
+    check_masks(traj, tok)
+
+
+SCRIPTS = {
+    # The enum action is a tool whose schema lists the moves; a move outside them is refused.
+    "grid": [tool_call("grid", {"action": a}) for a in ("NORTH", "DOWN", "RIGHT", "DOWN", "RIGHT")],
+    # An MCP environment: tools listed by ListToolsAction, an enum argument, an answer that ends it.
+    "arithmetic": [tool_call("compute", {"op": "pow", "a": 5, "b": 6}), tool_call("compute", {"op": "mul", "a": 5, "b": 6}),
+                   tool_call("compute", {"op": "add", "a": 30, "b": 5}), tool_call("answer", {"value": 35})],
+    # One session, reset() takes no seed (the task's seed is dropped), a bounded int refused out of range.
+    "nim": [tool_call("nim", {"take": 5}), tool_call("nim", {"take": 3}), tool_call("nim", {"take": 3})],
+}
+
+
+@pytest.mark.parametrize("name, enum, reward", [("grid", '"enum": ["UP", "DOWN", "LEFT", "RIGHT"]', 1.0 - 0.3),
+                                                ("arithmetic", '"enum": ["add", "mul"]', 1.0),
+                                                ("nim", '"maximum": 3', 1.0)])
+def test_in_process_equals_served_and_schemas_carry_their_definitions(tok, catalogue, name, enum, reward):
+    trajs = {}
+    for where in WHERE:
+        runtime = EnvRuntime([catalogue_spec(catalogue, name, where)], tok, get_parser())
+        trajs[where] = run(scripted(tok, SCRIPTS[name]), runtime, name, {"seed": 3})
+    served, local = trajs["served"], trajs["in_process"]
+    assert served.finish_reason == local.finish_reason == "env_done", (served.error, local.error)
+    assert served.rewards == local.rewards == {"env": pytest.approx(reward)}
+    assert tok.decode(served.prompt_ids) == tok.decode(local.prompt_ids)
+    assert tok.decode(served.completion_ids) == tok.decode(local.completion_ids)
+    assert served.metrics["tool_errors"] == local.metrics["tool_errors"] == 1
+    prompt = tok.decode(served.prompt_ids)
+    assert enum in prompt and "$ref" not in prompt and "$defs" not in prompt
+    assert "Error:" in env_turns(served, tok)[0]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_an_observation_template_is_checked_at_start_and_renders_the_fields(tok, catalogue, where):
+    runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, action="text", text_field="action",
+                                         observation_template="You are at ({x}, {y}). {message}")], tok, get_parser())
+    traj = run(scripted(tok, ["DOWN"]), runtime, "grid", {}, max_turns=1)
+    assert "You are at (0, 0). Welcome to Grid World! Goal is at [2, 2].<|im_end|>" in tok.decode(traj.prompt_ids)
+    # An MCP server's observation schema is its tool results': the reset observation's fields are not checked.
+    runtime = EnvRuntime([catalogue_spec(catalogue, "arithmetic", where, observation_template="Q: {question}")], tok,
+                         get_parser())
+    traj = run(scripted(tok, ["I give up."]), runtime, "arithmetic", {"seed": 3})
+    assert "Q: Compute 5 * 6 + 5 with the tools.<|im_end|>" in tok.decode(traj.prompt_ids)
+    runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, observation_template="At {x},{z}")], tok,
+                         get_parser())
+    with pytest.raises(EnvConfigError, match="'grid': observation_template names field 'z', which its observations "
+                                             "do not have; they have: x, y, message$"):
+        asyncio.run(runtime.start())
+
+
+def test_a_one_session_server_queues_episodes_and_says_so_in_metrics(tok, catalogue, caplog):
+    def play(spec, n=3):
+        runtime = EnvRuntime([spec], tok, get_parser())
+        engine = ScriptedEngine(tok, lambda prompt: tool_call("nim", {"take": 3}), delay_s=0.05)
+
+        async def go():
+            await runtime.start()
+            return await asyncio.gather(*(run_episode(engine, f"g{i}", 0, [], PARAMS, runtime.hook("nim", {}), env="nim",
+                                                      max_turns=4, max_total_tokens=2048) for i in range(n)))
+
+        trajs = asyncio.run(go())
+        assert all(t.finish_reason == "env_done" and t.rewards == {"env": 1.0} for t in trajs), [t.error for t in trajs]
+        return trajs, runtime.connectors["nim"].metrics
+
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.session"):
+        trajs, stats = play(catalogue_spec(catalogue, "nim", "served"))  # the default pool: 64 sessions
+    assert sum(t.metrics["capacity_refusals"] for t in trajs) > 0 and max(t.metrics["pool_wait_s"] for t in trajs) > 0
+    assert stats["server_max_sessions"] == 1 and stats["capacity_waits"] > 0
+    assert max(t.metrics.get("server_max_sessions", 0) for t in trajs) == 1  # for the trainer's warning
+    warnings = [r.getMessage() for r in caplog.records if "allows 1 session(s) at once" in r.getMessage()]
+    assert len(warnings) == 1 and "the session pool for it holds 64" in warnings[0]
+    assert "set max_concurrent_envs: 1 for this environment" in warnings[0]
+    trajs, stats = play(catalogue_spec(catalogue, "nim", "served", max_concurrent_envs=1))
+    assert sum(t.metrics["pool_waits"] for t in trajs) == 2 and stats["capacity_waits"] == 0

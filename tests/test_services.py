@@ -4,7 +4,7 @@ import pytest
 
 from bridge.wire import TOKEN_ENV, Limits
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.services import StartupError, bridge_limits, bridge_token, engine_kwargs
+from jaxrl.run.services import StartupError, bridge_limits, bridge_token, check_services, engine_kwargs
 from jaxrl.run.typed_config import from_dict
 
 BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
@@ -46,3 +46,14 @@ def test_the_bridges_token_is_the_runs_own_or_the_running_bridges(tmp_path, monk
     (tmp_path / "token").write_text("  \n")
     with pytest.raises(StartupError, match=f"bridge.token_file: the bridge token file {tmp_path / 'token'} is empty"):
         bridge_token(from_dict(TrainConfig, with_file))
+
+
+def test_an_environment_that_cannot_start_is_named_once():
+    cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "echo_env", "env_class": "no_such_module:Env"}]})
+    with pytest.raises(StartupError) as e:
+        check_services(cfg)
+    assert str(e.value).startswith("environment 'echo_env': env_class 'no_such_module:Env': cannot import module")
+    assert str(e.value).count("echo_env") == 1
+    cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "echo_env", "url": "http://127.0.0.1:9"}]})
+    with pytest.raises(StartupError, match=r"^environment 'echo_env': GET http://127.0.0.1:9/health failed"):
+        check_services(cfg)

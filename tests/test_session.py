@@ -108,17 +108,25 @@ def test_guess_number_episode_and_an_execution_error(guess):
 # -- capacity ----------------------------------------------------------------------------------
 
 
-def test_more_episodes_than_server_slots_all_finish(guess):
-    """8 concurrent episodes through a pool of 8 on a server with 2 slots: they wait, not fail."""
+def test_more_episodes_than_server_slots_all_finish(guess, caplog):
+    """8 concurrent episodes through a pool of 8 on a server with 2 slots: they wait, not fail; the
+    server's stated capacity is kept, and a pool 4x above it is warned of once."""
     async def run():
-        endpoint = Endpoint(guess.url, SessionConfig(max_sessions=8))
+        endpoint = Endpoint(guess.url, SessionConfig(max_sessions=8), name="guess")
         results = await asyncio.gather(*(solve_episode(endpoint, seed) for seed in range(8)))
         return endpoint, results
 
-    endpoint, results = asyncio.run(run())
+    with caplog.at_level("WARNING", logger="bridge.envs.session"):
+        endpoint, results = asyncio.run(run())
     assert all(reward == 1.0 for _, reward in results)
     m = endpoint.metrics
     assert m["capacity_waits"] > 0 and m["sessions_opened"] == 8 and idle(endpoint)
+    assert m["server_max_sessions"] == 2 and m["pool_wait_s"] > 0 and m["pool_waits"] == 0  # the pool never filled
+    assert [r.getMessage() for r in caplog.records] == [
+        f"environment server 'guess' ({guess.url}) allows 2 session(s) at once, but the session pool for it holds 8: "
+        "episodes queue for its slots (see env/guess/pool_wait_s and capacity_refusals); set max_concurrent_envs: 2 "
+        "for this environment, or serve it with more sessions (create_app(..., max_concurrent_envs=N) and "
+        "SUPPORTS_CONCURRENT_SESSIONS = True)"]
     assert m["connect_failures"] == m["sessions_lost"] == m["timeouts"] == m["breaker_opens"] == 0
     assert endpoint.breaker_state == "closed"
 

@@ -4,7 +4,8 @@ Three kinds of environment sit behind one interface (`Connector.open(task) -> En
 
 - a running OpenEnv server (`url`), reached through the session layer (`bridge.envs.session`)
   over its WebSocket `/ws`; what a model turn means comes from the server's `/schema`;
-- an openenv `Environment` subclass run in-process (`env_class`), one instance per episode;
+- an openenv `Environment` subclass run in-process (`env_class`), one instance per episode,
+  answering as OpenEnv's server would for the same class (`_LocalSession`);
 - a tool-environment class (`env_class`, TRL `environment_factory` style): public documented
   methods are the tools (`bridge.envs.tools.ToolEnvironment`).
 
@@ -23,7 +24,10 @@ format (a `prompt` field), that prompt with the observation appended to its last
 but with its tool-call delimiters, which some tokenizers mark special (`hidden_special_ids`); a
 turn without a tool call is the model's final answer. Malformed calls,
 unknown tools, bad arguments and tools that raise come back to the model as `Error: ...` tool
-results (counted in the episode's `tool_errors`), never as a crash. Everything the environment
+results (counted in the episode's `tool_errors`), never as a crash; in text mode an action the
+environment refuses (VALIDATION_ERROR, or its step raised) comes back as an `Error: ...` user
+turn (counted in `action_errors`) and the episode goes on. Observations show every field that
+says something, or what the environment's `observation_field` / `observation_template` says. Everything the environment
 says is rendered with the model's chat template and appended with loss mask 0.
 
 A lost session (`SessionLost`) or an unreachable endpoint (`EndpointUnavailable`) is raised out
@@ -33,17 +37,22 @@ of the hook: the bridge replays the whole episode from `reset()` on a fresh sess
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 from typing import Any
 
 from bridge.envs.session import Endpoint, EnvServerError
 from bridge.envs.spec import (ENV_REWARD, EnvConfigError, EnvSpec, RewardError, RewardSpec, import_object,
-                              reward_value, task_prompt)
+                              reward_value, task_prompt, template_fields)
 from bridge.envs.tools import ToolEnvironment
 from bridge.rollout import TurnResult
 from bridge.tool_calls import ToolCallParser, format_tool_results, hidden_special_ids, render_tool_results
+
+log = logging.getLogger(__name__)
 
 OBSERVATION_TEXT_FIELDS = ("text", "prompt", "message", "content")
 # What reward functions get from the episode, never from task fields of the same name (TRL: the
@@ -79,30 +88,92 @@ class Step:
     error: bool = False
 
 
-def observation_text(observation: dict[str, Any], field: str | None = None) -> str:
-    """What the model is shown of an observation: its text field, else the observation as JSON."""
+def observation_text(observation: dict[str, Any], field: str | None = None, template: str | None = None) -> str:
+    """What the model is shown of an observation.
+
+    `template`: a format string over its fields (RenderError naming a field it lacks); `field`: that
+    field alone. Else every field that says something: the first text-like field (text, prompt,
+    message, content) as it is, then the others as `name: value` lines (strings as they are, the
+    rest as JSON); bookkeeping (reward, done, metadata, tools) and empty values (None, "", [], {})
+    are left out, zeros and False are not.
+    """
+    if template is not None:
+        try:
+            return template.format_map(observation)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
+            raise RenderError(f"observation_template {template!r} cannot render {sorted(observation)} "
+                              f"({type(e).__name__}: {e})") from None
     if field is not None:
         value = observation.get(field, "")
         return value if isinstance(value, str) else json.dumps(value, default=str)
-    for key in OBSERVATION_TEXT_FIELDS:
-        if isinstance(observation.get(key), str):
-            return observation[key]
-    shown = {k: v for k, v in observation.items() if k not in _NOT_SHOWN}
-    return json.dumps(shown, default=str)
+    shown = {k: v for k, v in observation.items()
+             if k not in _NOT_SHOWN and not (v is None or (isinstance(v, (str, list, dict)) and not v))}
+    main = next((k for k in OBSERVATION_TEXT_FIELDS if isinstance(shown.get(k), str)), None)
+    lines = [shown.pop(main)] if main is not None else []
+    lines += [f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
+              for k, v in shown.items()]
+    return "\n".join(lines)
+
+
+class RenderError(ValueError):
+    """An observation the environment's observation_template cannot render (a field it lacks)."""
+
+
+def check_template(spec: EnvSpec, observation_schema: dict[str, Any]) -> None:
+    """EnvConfigError naming the first field `spec.observation_template` uses that the observation
+    schema lacks; no check when the schema lists no fields (e.g. an MCP server's base Observation)."""
+    props = (inline_refs(observation_schema).get("properties") or {})
+    if spec.observation_template is None or not set(props) - _NOT_SHOWN:
+        return
+    what = f"environment {spec.name!r}: observation_template"
+    for name in template_fields(spec.observation_template, what):
+        if name not in props:
+            known = ", ".join(k for k in props if k not in _NOT_SHOWN)
+            raise EnvConfigError(f"{what} names field {name!r}, which its observations do not have; they have: "
+                                 f"{known}")
+
+
+def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with each local reference (`{"$ref": "#/$defs/Move"}`, pydantic's way to write enums
+    and nested models) replaced by what it names, and the definitions dropped: chat templates pass
+    schemas to the model as they are, and a bare reference tells it nothing. A model that contains
+    itself keeps only its description below its first level."""
+    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+
+    def walk(node: Any, seen: frozenset[str]) -> Any:
+        if isinstance(node, list):
+            return [walk(n, seen) for n in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+            name = ref.rsplit("/", 1)[1]
+            target = defs.get(name)
+            if target is not None:
+                siblings = {k: v for k, v in node.items() if k != "$ref"}
+                if name in seen:  # recursive: no finite inlining
+                    return {"type": "object", **{k: v for k, v in target.items() if k == "description"}, **siblings}
+                return walk({**target, **siblings}, seen | {name})
+        return {k: walk(v, seen) for k, v in node.items()}
+
+    return walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")}, frozenset())
 
 
 def as_function_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool spec in the chat templates' `{"type": "function", "function": {...}}` form."""
+    """A tool spec in the chat templates' `{"type": "function", "function": {...}}` form, its
+    parameters' references inlined."""
     if tool.get("type") == "function" and "function" in tool:
-        return tool
+        function = tool["function"]
+        return {**tool, "function": {**function, "parameters": inline_refs(function.get("parameters") or {})}}
     parameters = tool.get("parameters") or tool.get("input_schema") or tool.get("inputSchema") or {
         "type": "object", "properties": {}}
     return {"type": "function", "function": {
-        "name": tool["name"], "description": tool.get("description") or "", "parameters": parameters}}
+        "name": tool["name"], "description": tool.get("description") or "", "parameters": inline_refs(parameters)}}
 
 
 def resolve_action_mode(spec: EnvSpec, action_schema: dict[str, Any]) -> tuple[str, str | None]:
     """(mode, text field) for an action JSON schema; EnvConfigError if `text` has no string field."""
+    action_schema = inline_refs(action_schema)
     props = {k: v for k, v in (action_schema.get("properties") or {}).items() if k != "metadata"}
     mode = spec.action
     if mode == "auto":
@@ -125,13 +196,17 @@ def resolve_action_mode(spec: EnvSpec, action_schema: dict[str, Any]) -> tuple[s
 
 
 def _string_field(schema: dict[str, Any]) -> str | None:
+    """The action's one required free-text field (an enum or constant is not free text: the tool
+    mode's schema shows the model its values)."""
     props = schema.get("properties") or {}
     required = [k for k in schema.get("required", []) if k != "metadata"]
-    strings = [k for k in required if props.get(k, {}).get("type") == "string"]
+    strings = [k for k in required if props.get(k, {}).get("type") == "string"
+               and not {"enum", "const"} & set(props[k])]
     return strings[0] if len(required) == 1 and len(strings) == 1 else None
 
 
 def _action_tool(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    schema = inline_refs(schema)
     props = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
     required = [k for k in schema.get("required", []) if k in props]
     return as_function_tool({
@@ -159,49 +234,114 @@ def _check_arguments(tool: dict[str, Any], arguments: Any) -> str | None:
 
 
 class _LocalSession:
-    """An in-process openenv Environment with the remote Session's reset/step/close."""
+    """An in-process openenv Environment that answers as OpenEnv's server does over `/ws` (the
+    handler of `openenv.core.env_server.http_server`): the environment is built, reset, stepped and
+    closed on one worker thread of its own, or awaited where it overrides `reset_async` /
+    `step_async`; an MCP environment's MCP session stays open for the session; `reset` gets the
+    task fields its signature accepts (the server's own filter); actions are parsed by the
+    server's `deserialize_action` (MCP list/call actions included); failures are the server's
+    VALIDATION_ERROR / EXECUTION_ERROR answers (EnvServerError)."""
 
-    def __init__(self, env_cls: type, action_cls: type):
-        self.env = env_cls()
+    def __init__(self, name: str, env_cls: type, action_cls: type):
+        self.where = f"environment {name!r} (in-process)"
+        self.env_cls = env_cls
         self.action_cls = action_cls
+        self.env: Any = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"env-{name}")
+        self._stack = contextlib.AsyncExitStack()
 
-    async def reset(self, **kwargs) -> dict:
+    async def start(self) -> None:
+        """Builds the environment (its constructor's errors raised as they are)."""
+        self.env = await self._in_thread(self.env_cls)
+        mcp_session = getattr(self.env, "mcp_session", None)
+        if callable(mcp_session):
+            await self._stack.enter_async_context(mcp_session())
+
+    async def _in_thread(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+
+    async def _answer(self, what: str, call) -> dict:
         from openenv.core.env_server.serialization import serialize_observation
-
-        obs = await asyncio.to_thread(self.env.reset, **kwargs)
-        return serialize_observation(obs)
-
-    async def step(self, action: dict) -> dict:
-        from openenv.core.env_server.serialization import serialize_observation
+        from openenv.core.env_server.types import WSObservationResponse
         from pydantic import ValidationError
 
         try:
-            parsed = self.action_cls(**action)
-        except ValidationError as e:  # what the server answers as VALIDATION_ERROR
-            raise EnvServerError("the environment", "VALIDATION_ERROR", "invalid action",
+            # Through JSON as the server sends it: enums as values, tool results as plain objects.
+            return json.loads(WSObservationResponse(data=serialize_observation(await call())).model_dump_json())["data"]
+        except ValidationError as e:
+            raise EnvServerError(f"{self.where} {what}", "VALIDATION_ERROR", "Invalid message",
                                  {"errors": e.errors(include_url=False)}) from None
-        obs = await asyncio.to_thread(self.env.step, parsed)
-        return serialize_observation(obs)
+        except Exception as e:
+            raise EnvServerError(f"{self.where} {what}", "EXECUTION_ERROR", str(e), {}) from None
+
+    async def reset(self, **task) -> dict:
+        from openenv.core.env_server import Environment
+        from openenv.core.env_server.http_server import HTTPEnvServer
+
+        env = self.env
+        overridden = env.reset_async.__func__ is not Environment.reset_async
+        fn = env.reset_async if overridden else env.reset
+        kwargs = HTTPEnvServer._get_valid_kwargs(None, inspect.signature(fn), task)
+        return await self._answer("reset", lambda: fn(**kwargs) if overridden else self._in_thread(fn, **kwargs))
+
+    async def step(self, action: dict) -> dict:
+        from openenv.core.env_server import Environment
+        from openenv.core.env_server.serialization import deserialize_action
+
+        env = self.env
+
+        async def call():
+            parsed = deserialize_action(action, self.action_cls)
+            if env.step_async.__func__ is not Environment.step_async:
+                return await env.step_async(parsed)
+            return await self._in_thread(env.step, parsed)
+
+        return await self._answer("step", call)
 
     async def close(self) -> None:
-        close = getattr(self.env, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+        """Ends the MCP session and closes the environment; like the server, never raises."""
+        try:
+            await self._stack.aclose()
+            if self.env is not None:
+                await self._in_thread(self.env.close)
+        except Exception as e:
+            log.warning("%s: closing it failed: %s: %s", self.where, type(e).__name__, e)
+        finally:
+            self._thread.shutdown(wait=False)
 
 
 def _action_class(spec: EnvSpec, env_cls: type) -> type:
-    """The Action class: `action_class` in the spec, else `step`'s annotation."""
+    """The Action class: `action_class` in the spec, else `step`'s annotation, else for an MCP
+    environment CallToolAction (what OpenEnv's MCP environments are served with)."""
     from openenv.core.env_server import Action
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.mcp_types import CallToolAction
 
     if spec.action_class:
         action_cls = import_object(spec.action_class, f"environment {spec.name!r}: action_class")
     else:
         action_cls = inspect.get_annotations(env_cls.step, eval_str=True).get("action")
+        if issubclass(env_cls, MCPEnvironment) and action_cls in (None, Action):
+            action_cls = CallToolAction
     if not (inspect.isclass(action_cls) and issubclass(action_cls, Action)) or action_cls is Action:
         raise EnvConfigError(
             f"environment {spec.name!r}: cannot tell the Action class of {env_cls.__name__}: annotate "
             f"`def step(self, action: MyAction)` or set action_class: 'module:MyAction'")
     return action_cls
+
+
+def _observation_schema(env_cls: type) -> dict[str, Any]:
+    """The JSON schema of what an in-process Environment's reset (else step) says it returns."""
+    from openenv.core.env_server import Observation
+
+    for method in (env_cls.reset, env_cls.step):
+        try:
+            returned = inspect.get_annotations(method, eval_str=True).get("return")
+        except NameError:  # an annotation only a type checker resolves
+            continue
+        if inspect.isclass(returned) and issubclass(returned, Observation):
+            return returned.model_json_schema()
+    return {}
 
 
 class SessionEpisode:
@@ -214,6 +354,14 @@ class SessionEpisode:
         self.record = EpisodeRecord(self.spec.name, task)
         self.tools: list[dict[str, Any]] = []
         self.first_text = ""
+        # How long the episode waited for its session (the pool's bound, the server's capacity), and
+        # that capacity once a refusal stated it.
+        self.metrics = {}
+        if connector.endpoint is not None:
+            self.metrics = {"pool_waits": float(session.pool_waited), "pool_wait_s": session.wait_s,
+                            "capacity_refusals": float(session.capacity_refusals)}
+            if connector.endpoint.metrics["server_max_sessions"]:
+                self.metrics["server_max_sessions"] = float(connector.endpoint.metrics["server_max_sessions"])
 
     def _observe(self, payload: dict[str, Any]) -> dict[str, Any]:
         obs = payload.get("observation") or {}
@@ -226,7 +374,7 @@ class SessionEpisode:
 
     async def start(self) -> None:
         obs = self._observe(await self.session.reset(**self.record.task))
-        self.first_text = observation_text(obs, self.spec.observation_field)
+        self.first_text = self.render(obs)
         mode = self.connector.mode
         if mode == "tool":
             self.tools = [self.connector.action_tool]
@@ -236,9 +384,15 @@ class SessionEpisode:
             listed = await self.session.step({"type": "list_tools"})
             self.tools = [as_function_tool(t) for t in (listed.get("observation") or {}).get("tools") or []]
 
+    def render(self, obs: dict[str, Any]) -> str:
+        return observation_text(obs, self.spec.observation_field, self.spec.observation_template)
+
     async def act_text(self, text: str) -> Step:
-        obs = self._observe(await self.session.step({self.connector.text_field: text}))
-        return Step(observation_text(obs, self.spec.observation_field), self.record.done)
+        try:
+            obs = self._observe(await self.session.step({self.connector.text_field: text}))
+        except EnvServerError as e:
+            return _refused(e)
+        return Step(self.render(obs), self.record.done)
 
     async def call_tool(self, name: str, arguments: Any) -> Step:
         tool = next((t for t in self.tools if t["function"]["name"] == name), None)
@@ -257,12 +411,12 @@ class SessionEpisode:
             action = {"type": "call_tool", "tool_name": name, "arguments": arguments}
         try:
             obs = self._observe(await self.session.step(action))
-        except EnvServerError as e:  # the server refused the action: the model's mistake
-            return Step(f"Error: {str(e).split(' answered ', 1)[-1]}", error=True)
+        except EnvServerError as e:
+            return _refused(e)
         if mode == "mcp":
             return _mcp_step(obs, self.record.done)
         error = bool(obs.get("error"))
-        return Step(observation_text(obs, self.spec.observation_field), self.record.done, error)
+        return Step(self.render(obs), self.record.done, error)
 
     async def close(self) -> None:
         await self.session.close()
@@ -270,6 +424,12 @@ class SessionEpisode:
     @property
     def handle(self) -> Any:
         return getattr(self.session, "env", self.record)
+
+
+def _refused(e: EnvServerError) -> Step:
+    """The server refused an action (invalid, or the environment raised on it): the model's mistake,
+    told to the model as it would be told of a bad tool call; the episode goes on, no reward."""
+    return Step(f"Error: {str(e).split(' answered ', 1)[-1]}", error=True)
 
 
 def _mcp_step(obs: dict[str, Any], done: bool) -> Step:
@@ -305,19 +465,24 @@ class SessionConnector:
         """Reads the action schema (checking the server answers) and resolves the action mode."""
         if self.endpoint is not None:
             await self.endpoint.check()
-            schema = (await self.endpoint.schema()).get("action") or {}
+            schemas = await self.endpoint.schema()
+            schema, observation = schemas.get("action") or {}, schemas.get("observation") or {}
         else:
-            schema = self.action_cls.model_json_schema()
+            schema, observation = self.action_cls.model_json_schema(), _observation_schema(self.env_cls)
         self.mode, self.text_field = resolve_action_mode(self.spec, schema)
+        if self.mode != "mcp":  # an MCP server's observation schema is its tool results', not reset's
+            check_template(self.spec, observation)
         self.action_tool = _action_tool(self.spec.tool_name or self.spec.name, schema)
 
     async def open(self, task: dict[str, Any]) -> SessionEpisode:
         if self.endpoint is not None:
             session = await self.endpoint.open()
         else:
-            session = _LocalSession(self.env_cls, self.action_cls)
-        episode = SessionEpisode(self, session, task)
+            session = _LocalSession(self.spec.name, self.env_cls, self.action_cls)
         try:
+            if self.endpoint is None:
+                await session.start()
+            episode = SessionEpisode(self, session, task)
             await episode.start()
         except BaseException:
             await session.close()
@@ -344,6 +509,7 @@ class ToolClassEpisode:
         self.record = EpisodeRecord(spec.name, task)
         self.tools = self.env.tools
         self.first_text = ""
+        self.metrics: dict[str, float] = {}
 
     async def start(self) -> None:
         self.first_text = await self.env.areset(**self.record.task)
@@ -395,7 +561,8 @@ class ToolClassConnector:
 def build_connector(spec: EnvSpec) -> SessionConnector | ToolClassConnector:
     """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
     if spec.url:
-        return SessionConnector(spec, endpoint=Endpoint(spec.url, spec.session, name=spec.name))
+        pool = dataclasses.replace(spec.session, max_sessions=spec.pool_size)
+        return SessionConnector(spec, endpoint=Endpoint(spec.url, pool, name=spec.name))
     if spec.bundled:
         raise EnvConfigError(f"environment {spec.name!r}: bundled {spec.bundled!r} has no server; the trainer "
                              "starts bundled servers and passes their url")
@@ -450,6 +617,7 @@ class EnvEpisodeHook:
 
     async def start(self) -> list[int]:
         self.episode = await self.connector.open(self.task)
+        self.metrics.update(self.episode.metrics)
         self.prompt = first_prompt(self.task.get("prompt"), self.episode.first_text, self.spec.system_prompt)
         return list(self.runtime.tokenizer.apply_chat_template(
             self.prompt, tools=self.episode.tools or None, add_generation_prompt=True, tokenize=True,
@@ -482,6 +650,7 @@ class EnvEpisodeHook:
             self.conversation.append({"role": "assistant", "content": reply})
             step = await self.episode.act_text(reply)
             self.metrics["env_steps"] += 1
+            self.metrics["action_errors"] = self.metrics.get("action_errors", 0.0) + step.error
             done = step.done
             messages = [{"role": "user", "content": step.text}]
         self.conversation += messages

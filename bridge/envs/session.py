@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import random
 import time
@@ -55,14 +56,21 @@ from websockets.protocol import State
 
 from bridge.envs.serve import is_loopback
 
+log = logging.getLogger(__name__)
+
 CAPACITY_REACHED = "CAPACITY_REACHED"
 # Error codes the server sends right before closing the socket: the session never started.
 SESSION_FATAL = frozenset({"FACTORY_ERROR", "SESSION_ERROR"})
 # Waiting for the peer's close frame after ours (a failed keepalive included): a live server
 # answers in milliseconds, and until it does or this passes, calls on a dead session block.
 CLOSE_TIMEOUT_S = 1.0
+# pool_waits / pool_wait_s: opens that found the pool full / seconds spent opening (pool and
+# server capacity); server_max_sessions: the capacity the server states when it refuses (0: unknown).
 METRICS = ("sessions_opened", "sessions_active", "capacity_waits", "connect_failures",
-           "sessions_lost", "timeouts", "server_errors", "breaker_opens")
+           "sessions_lost", "timeouts", "server_errors", "breaker_opens", "pool_waits", "pool_wait_s",
+           "server_max_sessions")
+# A session pool this many times the capacity its server states only queues there: warn once.
+CAPACITY_WARN_RATIO = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +156,14 @@ class EndpointUnavailable(EnvError):
 class Session:
     """One environment instance on the server; one call at a time. Get one from Endpoint.open."""
 
-    def __init__(self, endpoint: Endpoint, ws: ClientConnection):
+    def __init__(self, endpoint: Endpoint, ws: ClientConnection, pool_waited: bool = False, wait_s: float = 0.0,
+                 capacity_refusals: int = 0):
         self._endpoint = endpoint
         self._ws = ws
         self._busy = False
         self.closed = False
+        # How getting this session went: the pool was full, seconds until accepted, server refusals.
+        self.pool_waited, self.wait_s, self.capacity_refusals = pool_waited, wait_s, capacity_refusals
 
     async def reset(self, **kwargs: Any) -> dict[str, Any]:
         """Starts an episode; kwargs (seed, split, task fields) go to the environment's reset."""
@@ -268,6 +279,7 @@ class Endpoint:
         self._trial_over = asyncio.Event()     # set when that trial has decided (or given up)
         self._schema: dict[str, Any] | None = None
         self._closed = False
+        self._capacity_warned = False
 
     def __str__(self) -> str:
         return f"environment server {self.name!r} ({self.url})"
@@ -279,16 +291,21 @@ class Endpoint:
         (backing off on CAPACITY_REACHED); EndpointUnavailable if it cannot get one."""
         if self._closed:
             raise EndpointUnavailable(f"{self} is closed (Endpoint.aclose was called)")
+        start = time.monotonic()
+        pool_waited = self._slots.locked()
         await self._slots.acquire()
         try:
-            ws = await self._connect_accepted()
+            ws, refusals = await self._connect_accepted()
         except BaseException:
             self._slots.release()
             raise
-        session = Session(self, ws)
+        wait_s = time.monotonic() - start
+        session = Session(self, ws, pool_waited, wait_s, refusals)
         self._sessions.add(session)
         self.metrics["sessions_opened"] += 1
         self.metrics["sessions_active"] += 1
+        self.metrics["pool_waits"] += pool_waited
+        self.metrics["pool_wait_s"] += wait_s
         return session
 
     @contextlib.asynccontextmanager
@@ -300,7 +317,8 @@ class Endpoint:
         finally:
             await s.close()
 
-    async def _connect_accepted(self) -> ClientConnection:
+    async def _connect_accepted(self) -> tuple[ClientConnection, int]:
+        """A connection the server accepted, and how many times it refused first (at capacity)."""
         cfg = self.config
         deadline = time.monotonic() + cfg.capacity_wait_s
         trial = await self._enter_breaker()
@@ -317,9 +335,10 @@ class Endpoint:
                                          reply["data"])
                 self._breaker_success()
                 if code != CAPACITY_REACHED:
-                    return ws
+                    return ws, waits
                 await ws.close()  # the server closes a refused socket itself
                 self.metrics["capacity_waits"] += 1
+                self._note_capacity(reply["data"].get("max_sessions"))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise EndpointUnavailable(
@@ -370,6 +389,19 @@ class Endpoint:
             raise EndpointUnavailable(
                 f"{self} accepted a connection but did not confirm the session "
                 f"({_why(e, self.config.step_timeout_s)}); check that the server is healthy") from None
+
+    def _note_capacity(self, max_sessions: Any) -> None:
+        """Keeps the capacity a refusal states; warns once when our pool is far above it."""
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            return
+        self.metrics["server_max_sessions"] = max_sessions
+        pool = self.config.max_sessions
+        if not self._capacity_warned and pool >= CAPACITY_WARN_RATIO * max_sessions:
+            self._capacity_warned = True
+            log.warning("%s allows %d session(s) at once, but the session pool for it holds %d: episodes queue for "
+                        "its slots (see env/%s/pool_wait_s and capacity_refusals); set max_concurrent_envs: %d for "
+                        "this environment, or serve it with more sessions (create_app(..., max_concurrent_envs=N) "
+                        "and SUPPORTS_CONCURRENT_SESSIONS = True)", self, max_sessions, pool, self.name, max_sessions)
 
     async def _wait_for_free_slot(self, delay: float) -> None:
         """Sleeps `delay`, or less when one of our own sessions frees a server slot first."""

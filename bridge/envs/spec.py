@@ -11,10 +11,11 @@ import dataclasses
 import importlib
 import math
 import numbers
+import string
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
-from bridge.envs.session import SessionConfig, backoff_s
+from bridge.envs.session import CAPACITY_WARN_RATIO, SessionConfig, backoff_s
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
 ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]
@@ -50,11 +51,18 @@ class EnvSpec:
     tool_name: str | None = dataclasses.field(
         default=None, metadata={"help": "tool mode: the tool's name (default: the environment's name)"})
     observation_field: str | None = dataclasses.field(
-        default=None, metadata={"help": "the observation field shown to the model (default: text, prompt, "
-                                        "message or content; else the observation as JSON)"})
+        default=None, metadata={"help": "show the model only this observation field (default: every field that "
+                                        "says something: a text, prompt, message or content field first, then "
+                                        "'name: value' lines; bundled environments: text)"})
+    observation_template: str | None = dataclasses.field(
+        default=None, metadata={"help": "how observations are shown, as a Python format string over their fields, "
+                                        "e.g. 'You are at ({x}, {y}). {message}' (checked against the "
+                                        "observation schema at start)"})
     system_prompt: str = dataclasses.field(default="", metadata={"help": "system message of every episode"})
     max_concurrent_envs: int = dataclasses.field(
-        default=64, metadata={"help": "sessions at once (bundled servers are started with this capacity)"})
+        default=64, metadata={"help": "sessions at once: the bridge's session pool for this environment (also "
+                                      "bounded by session.max_sessions); bundled servers are started with this "
+                                      "capacity. Most OpenEnv servers allow 1"})
     seed: int = dataclasses.field(default=0, metadata={"help": "bundled server seed (resets without a seed)"})
     retry_budget_s: float = dataclasses.field(
         default=120.0, metadata={"help": "an episode whose session is lost (server killed, frozen, restarting) "
@@ -92,6 +100,14 @@ class EnvSpec:
         if self.bundled and self.bundled not in BUNDLED_NAMES:
             raise EnvConfigError(f"environment {self.name!r} names bundled environment {self.bundled!r}; "
                                  f"known: {', '.join(BUNDLED_NAMES)}")
+        if self.observation_field and self.observation_template:
+            raise EnvConfigError(f"environment {self.name!r}: set observation_field or observation_template, "
+                                 "not both")
+        if self.observation_template is not None:
+            template_fields(self.observation_template, f"environment {self.name!r}: observation_template")
+        if self.bundled and self.observation_field is None and self.observation_template is None:
+            # Bundled environments render their whole state into `text` themselves.
+            object.__setattr__(self, "observation_field", "text")
         if self.solver is None and self.bundled:
             object.__setattr__(self, "solver", self.bundled)
         if self.solver is not None and self.solver not in BUNDLED_NAMES:
@@ -100,6 +116,15 @@ class EnvSpec:
         if not (self.retry_budget_s >= 0 and self.retry_backoff_s > 0) or self.max_concurrent_envs < 1:
             raise EnvConfigError(f"environment {self.name!r}: retry_budget_s must be >= 0, retry_backoff_s > 0 "
                                  "and max_concurrent_envs >= 1")
+
+    @property
+    def pool_size(self) -> int:
+        """Sessions the bridge holds at once for this environment."""
+        return min(self.max_concurrent_envs, self.session.max_sessions)
+
+    def queues_at(self, server_max_sessions: int) -> bool:
+        """Whether the pool is so far above the capacity its server states that episodes mostly queue."""
+        return self.pool_size >= CAPACITY_WARN_RATIO * server_max_sessions
 
     def retry_wait_s(self, attempt: int, lost_for_s: float) -> float | None:
         """The wait before replaying an episode lost `attempt + 1` times, the first loss `lost_for_s`
@@ -190,6 +215,25 @@ def task_prompt(prompt: Any) -> list[dict[str, Any]]:
     shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
     raise ValueError(f"task field 'prompt' must be a string or a non-empty list of chat messages "
                      f"({{\"role\": ..., \"content\": ...}}), got {shown}")
+
+
+def template_fields(template: str, what: str) -> list[str]:
+    """The observation fields a format string names (`{x}`, `{pos[0]}`, `{x:>3}` -> x, pos, x);
+    EnvConfigError naming `what` for a malformed one or a positional `{}`."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise EnvConfigError(f"{what} {template!r}: {e}; write fields as {{name}} and literal braces as {{{{ }}}}") \
+            from None
+    fields = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        head = name.split(".", 1)[0].split("[", 1)[0]
+        if not head or head.isdigit():
+            raise EnvConfigError(f"{what} {template!r}: {{{name}}} names no field; write {{field_name}}")
+        fields.append(head)
+    return fields
 
 
 def import_object(path: str, what: str) -> Any:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from bridge.client import BridgeClient
-from bridge.envs.spec import RewardError
+from bridge.envs.spec import EnvSpec, RewardError
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -26,6 +26,9 @@ from jaxrl.run.tasks import Task, TaskSource
 
 Group = list[TrajectoryData]
 log = logging.getLogger(__name__)
+# Per-episode metrics of the bridge's session pools, summed per step: episodes that found the pool
+# full, seconds spent getting a session, refusals of a server at capacity.
+SESSION_WAITS = ("pool_waits", "pool_wait_s", "capacity_refusals")
 
 
 class EnvironmentsDown(RuntimeError):
@@ -99,6 +102,7 @@ class Collector:
                                      stop_token_ids=stop_ids, seed=cfg.seed)
         self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending: tuple[int, concurrent.futures.Future] | None = None
+        self.watch = EnvWatch(r.max_turns, {e.name: e for e in cfg.envs})
 
     def _keep(self, group: Group, learner_version: int, counts: collections.Counter) -> bool:
         if any(t.finish_reason == "error" for t in group):
@@ -141,6 +145,7 @@ class Collector:
             counts["requests"] += 1
             episodes = [t for g in groups for t in g]
             check_rewards(episodes)
+            self.watch.observe(episodes)
             failed = [t for t in episodes if t.finish_reason == "error"]
             counts["episodes"] += len(episodes)
             counts["episodes_failed"] += len(failed)
@@ -190,6 +195,50 @@ class Collector:
         self.prefetch.shutdown(wait=False, cancel_futures=True)
 
 
+class EnvWatch:
+    """Warnings, once per environment, about what its episodes show of it and the config:
+    episodes cut by `rollout.max_turns: 1` that the environment had not ended (a multi-turn
+    environment played for one turn); a session pool far above the capacity the server stated
+    when it refused sessions (the episodes queue); and an environment none of whose rewards so
+    far, over at least `zero_after` episodes, was anything but 0 (nothing to learn from it)."""
+
+    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 128):
+        self.max_turns = max_turns
+        self.specs = specs
+        self.zero_after = zero_after
+        self.scored: collections.Counter[str] = collections.Counter()
+        self.nonzero: set[str] = set()
+        self.warned: set[tuple[str, str]] = set()
+
+    def observe(self, episodes: list[TrajectoryData]) -> None:
+        for t in episodes:
+            if t.finish_reason == "error":
+                continue
+            if self.max_turns == 1 and t.finish_reason == "max_turns":
+                self._warn(t.env, "max_turns", "its episodes are not done after one turn, but rollout.max_turns is 1: "
+                           "each ends after the model's first action; raise rollout.max_turns to play them out")
+            capacity = int(t.metrics.get("server_max_sessions", 0))
+            spec = self.specs.get(t.env)
+            if capacity and spec is not None and spec.queues_at(capacity):
+                self._warn(t.env, "capacity", f"its server allows {capacity} session(s) at once, but the bridge holds up "
+                           f"to {spec.pool_size} for it: episodes queue for its slots (env/{t.env}/pool_wait_s, "
+                           f"capacity_refusals); set max_concurrent_envs: {capacity} for it, or serve it with more "
+                           "sessions")
+            if t.rewards:
+                self.scored[t.env] += 1
+                if any(v != 0 for v in t.rewards.values()):
+                    self.nonzero.add(t.env)
+            if self.scored[t.env] >= self.zero_after and t.env not in self.nonzero:
+                self._warn(t.env, "zero", f"every reward of its {self.scored[t.env]} episodes so far is 0 "
+                           f"({', '.join(sorted(t.rewards))}): nothing to learn from yet; check that the environment "
+                           "gives rewards (an OpenEnv observation's reward) and that rewards[] scores it")
+
+    def _warn(self, env: str, kind: str, message: str) -> None:
+        if (env, kind) not in self.warned:
+            self.warned.add((env, kind))
+            log.warning("environment %r: %s", env, message)
+
+
 def check_rewards(episodes: list[TrajectoryData]) -> None:
     """Raises the first RewardError the bridge reported: a reward function (or an environment's
     reward) that returned something other than a finite number or None stops the run."""
@@ -227,10 +276,14 @@ def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
         if rs:
             out[f"env/{env}/reward"] = float(np.mean(rs))
             out[f"env/{env}/success"] = float(np.mean([r >= threshold for r in rs]))
-        for m in ("tool_calls", "tool_errors", "env_steps", "retries"):
+        for m in ("tool_calls", "tool_errors", "action_errors", "env_steps", "retries"):
             vals = [t.metrics.get(m, 0.0) for t in ts]
             if any(vals):
                 out[f"env/{env}/{m}"] = float(np.mean(vals))
+        for m in SESSION_WAITS:  # the step's totals: how much its episodes queued for sessions
+            total = sum(t.metrics.get(m, 0.0) for t in ts)
+            if total:
+                out[f"env/{env}/{m}"] = float(total)
         out[f"env/{env}/episodes"] = float(len(ts))
     model_tokens = [int(t.loss_mask.sum()) for t in trajs]
     out["completion/model_tokens"] = float(np.mean(model_tokens))

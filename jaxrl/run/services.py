@@ -55,7 +55,9 @@ def check_services(cfg: TrainConfig) -> None:
                 import_object(spec.env_class, f"environment {spec.name!r}: env_class")
             elif spec.url:
                 _check_health(spec.url, spec.session.connect_timeout_s)
-        except (EnvConfigError, OSError) as e:
+        except EnvConfigError as e:  # names the environment already
+            raise StartupError(str(e)) from None
+        except OSError as e:
             raise StartupError(f"environment {spec.name!r}: {e}") from None
     for reward in cfg.rewards:
         if reward.fn != ENV_REWARD:
