@@ -2,6 +2,10 @@
 
 import sys
 
-from bridge.cli import main
+from jaxrl.host_memory import restart_tuned
+
+restart_tuned()  # before anything allocates: XLA's scratch memory reused between calls
+
+from bridge.cli import main  # noqa: E402
 
 sys.exit(main())

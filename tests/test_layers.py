@@ -2,8 +2,9 @@
 imports included):
 
     learner core (jaxrl, not jaxrl.run)  imports neither the bridge nor the run layer;
-    bridge (bridge)                      imports of the core only the model, snapshots and the compile
-                                         cache/count (the JAX engine's needs), never the run layer;
+    bridge (bridge)                      imports of the core only the model, snapshots, the compile
+                                         cache/count and the malloc settings (the JAX engine's needs),
+                                         never the run layer;
     run layer (jaxrl.run)                imports of the bridge only its public contract.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-BRIDGE_MAY_USE_OF_CORE = ("jaxrl.models", "jaxrl.snapshots", "jaxrl.compilation")
+BRIDGE_MAY_USE_OF_CORE = ("jaxrl.models", "jaxrl.snapshots", "jaxrl.compilation", "jaxrl.host_memory")
 RUN_MAY_USE_OF_BRIDGE = ("bridge.client", "bridge.wire", "bridge.envs.spec")
 PACKAGES = ("jaxrl", "jaxrl.run", "bridge", "bridge.envs", "bridge.engines")
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from bridge.engines.base import SamplingParams
 from bridge.engines.jax_engine import JaxEngine
+from jaxrl.host_memory import restart_tuned
 from jaxrl.tiny import build_tiny_model
 
 
@@ -148,4 +149,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_tuned()  # malloc as `jaxrl train` and the bridge run it (jaxrl.host_memory)
     main()

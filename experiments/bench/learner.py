@@ -8,9 +8,13 @@ Figures (last line, JSON):
                        time; above 1 = we are faster.
                        Both run the same GRPO step (forward, clipped loss over completion
                        tokens, entropy metric, backward, grad clipping, AdamW) on the same
-                       weights and batch, interleaved, with the same number of threads.
+                       weights and batch, interleaved, with the same number of threads, in
+                       one process under the malloc settings `jaxrl train` runs with
+                       (jaxrl/host_memory.py; JAXRL_SYSTEM_MALLOC=1: glibc's defaults).
   host_overhead_ms     `Learner.update` wall time outside the jitted call and its metric fetch
                        (batch checks, transfers, finite check)
+  jax_page_faults_per_step  minor page faults of the process during one `Learner.update`
+                       (memory the step touches for the first time since the last)
   peak_mem_mb          XLA's compiled memory analysis of the train step (see `compiled_peak_mb`)
   logp_peak_mem_*_mb   XLA temp memory of the gradient of summed completion logprobs at a
                        >= 100k vocabulary, chunked over the sequence vs all positions at once
@@ -32,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.advantages import compute_advantages
+from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import Decoder, positions_from_mask, save_pretrained
@@ -194,11 +199,13 @@ def main(argv=None) -> dict:
     # gradient norms must agree (a check that the two losses are the same).
     jax_norm = learner.update(batch)["grad_norm"]
     torch_norm = torch_step()["grad_norm"]
-    jax_s, host_s, torch_s = [], [], []
+    jax_s, host_s, torch_s, faults = [], [], [], []
     for _ in range(args.steps):
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         step_s = learner.update(batch)["step_s"]
         jax_s.append(time.perf_counter() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
         host_s.append(jax_s[-1] - step_s)
         start = time.perf_counter()
         torch_step()
@@ -228,6 +235,7 @@ def main(argv=None) -> dict:
         "jax_step_s": jax_med,
         "torch_step_s": torch_med,
         "host_overhead_ms": 1000 * statistics.median(host_s),
+        "jax_page_faults_per_step": statistics.median(faults),
         "grad_norm_rel_diff": abs(jax_norm - torch_norm) / torch_norm,
         "tokens_per_step": tokens,
         "threads": threads,
@@ -247,4 +255,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    restart_tuned()  # malloc as `jaxrl train` and the bridge run it (jaxrl.host_memory)
     main()

@@ -63,6 +63,7 @@ import numpy as np
 from bridge.engines.base import SamplingParams
 from bridge.engines.jax_engine import JaxEngine
 from jaxrl.compilation import compiles
+from jaxrl.host_memory import restart_tuned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,4 +359,5 @@ def _print(figures: dict) -> None:
 
 
 if __name__ == "__main__":
+    restart_tuned()  # malloc as `jaxrl train` and the bridge run it (jaxrl.host_memory)
     main()

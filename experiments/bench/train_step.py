@@ -17,6 +17,7 @@ import json
 import statistics
 import tempfile
 
+from jaxrl.host_memory import restart_tuned
 from jaxrl.run.config import load_config
 from jaxrl.run.tracking import read_metrics
 from jaxrl.run.train import train
@@ -55,4 +56,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    restart_tuned()  # malloc as `jaxrl train` and the bridge run it (jaxrl.host_memory)
     main()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from jaxrl.host_memory import restart_tuned
+
 
 def _load_train_config(args, prog: str):
     from jaxrl.run.config import load_config
@@ -301,6 +303,8 @@ def _export(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # as a program (not called from Python): XLA's scratch memory reused between steps
+        restart_tuned()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("bridge", "env"):  # the bridge process is its own program
         forwarded = ["serve", *argv[1:]] if argv[0] == "bridge" else argv
