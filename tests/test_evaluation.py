@@ -17,7 +17,7 @@ from jaxrl.run.typed_config import from_dict
 from jaxrl.tiny_tokenizer import build_tokenizer
 from scripted_engine import TOKEN, ScriptedEngine, in_process_bridge
 
-ECHO = {"name": "echo", "env_class": "bridge.envs.bundled.echo:EchoEnvironment",
+ECHO = {"name": "echo", "env_class": "bridge.envs.bundled.echo:EchoEnvironment", "observation_field": "text",
         "action_class": "bridge.envs.bundled.echo:EchoAction"}
 FLAKY = {"name": "flaky", "env_class": "test_evaluation:Flaky"}
 
