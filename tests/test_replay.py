@@ -88,6 +88,7 @@ def test_compare_skips_timings_and_names_the_first_difference():
     rerun = [dict(r, time=r["time"] + 7, **{"tokens_per_s": 1.0, "step_s": 4.0}) for r in ROWS]
     assert compare(ROWS, rerun) == Comparison(2) and compare(ROWS, rerun).line() == "replay matched 2 steps"
     assert not compared("time/env_s") and not compared("compiles/learner") and compared("timeouts")
+    assert not compared("env/echo/pool_wait_s") and compared("env/echo/restarts")
     changed = [ROWS[0], dict(ROWS[1], loss=0.3), ROWS[2]]
     result = compare(ROWS, changed)
     assert not result.matched and (result.step, result.key, result.recorded, result.replayed) == (2, "loss", 0.25, 0.3)

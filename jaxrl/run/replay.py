@@ -11,6 +11,7 @@ generate which group depends on timing.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,11 @@ from jaxrl.run.config import TrainConfig, load_config
 from jaxrl.run.run_dir import RunDir
 from jaxrl.run.tracking import read_metrics
 
-# Metrics no rerun repeats: wall-clock times and rates, and compile counts (a rerun finds the
-# programs in the persistent compilation cache).
-NOT_COMPARED = ("time", "time/*", "step_s", "tokens_per_s", "compiles/*")
+# Metrics no rerun repeats: wall-clock times and rates, compile counts (a rerun finds the programs
+# in the persistent compilation cache), and waits for environment sessions (which depend on when
+# each episode asked for one).
+NOT_COMPARED = ("time", "time/*", "step_s", "tokens_per_s", "compiles/*", "env/*/pool_waits", "env/*/pool_wait_s",
+                "env/*/capacity_refusals")
 ABSENT = "(absent)"
 
 
@@ -29,7 +32,7 @@ class ReplayError(ValueError):
 
 
 def compared(key: str) -> bool:
-    return not any(key == k or (k.endswith("*") and key.startswith(k[:-1])) for k in NOT_COMPARED)
+    return not any(fnmatch.fnmatchcase(key, pattern) for pattern in NOT_COMPARED)
 
 
 @dataclasses.dataclass(frozen=True)
