@@ -215,10 +215,8 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
     model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
     warm = bool(cfg.sft.steps) and start_step is None
     if warm:
-        t0 = time.perf_counter()
-        demos = demonstrations(r.client, r.tasks, cfg)
-        model, metrics = warm_start(model, demos, cfg, mesh, r.pad_id)
-        r.summary["startup"]["warm_start_s"] = round(time.perf_counter() - t0, 2)
+        model, metrics = _timed(r, "warm_start_s",
+                                lambda: warm_start(model, demonstrations(r.client, r.tasks, cfg), cfg, mesh, r.pad_id))
         r.summary["sft"] = metrics
         print(f"warm start: {json.dumps(metrics)}", file=r.out, flush=True)
     t0 = time.perf_counter()
