@@ -1,6 +1,9 @@
 """The bundled environments: in-process semantics, solvers, and real servers over WebSocket /ws."""
 
 import asyncio
+import os
+import subprocess
+import sys
 import json
 import urllib.request
 
@@ -344,3 +347,16 @@ def test_capacity_and_schema(server):
             await asyncio.gather(*(c.close() for c in clients))
 
     assert asyncio.run(run()).reward == 1.0
+
+
+@pytest.mark.parametrize("web, loaded", [(None, False), ("true", True)])
+def test_openenv_web_ui_is_imported_only_when_asked_for(web, loaded):
+    # Gradio's import costs seconds in every bridge and environment server.
+    env = {k: v for k, v in os.environ.items() if k != "ENABLE_WEB_INTERFACE"}
+    if web:
+        env["ENABLE_WEB_INTERFACE"] = web
+    probe = ("import sys, bridge.envs.serve, openenv.core.env_server as s; "
+             "print('gradio' in sys.modules, s.create_web_interface_app is not None)")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(loaded)] * 2

@@ -309,7 +309,8 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str) -> dict:
     for r in rows:
         r["prompt_tokens"] = prompt_tokens
     out = summarize(rows, launch, first_begin, end, args.skip)
-    out.update(framework=f"jaxrl ({mode})", run_wall_s=summary.get("wall_s"), log=str(tmp / f"jaxrl_{mode}.log"))
+    out.update(framework=f"jaxrl ({mode})", run_wall_s=summary.get("wall_s"), startup_phases=summary.get("startup"),
+               log=str(tmp / f"jaxrl_{mode}.log"))
     return out
 
 
