@@ -33,7 +33,7 @@ async def answer_then_revise(task, handle):
     messages = [{"role": "user", "content": f"Say something about {task['seed']}."}]
     prompt = handle.chat_ids(messages)
     answer = await handle.generate(prompt)
-    ask = handle.chat_ids([{"role": "user", "content": "Revise it."}], add_generation_prompt=True)
+    ask = handle.reply_ids(answer, [{"role": "user", "content": "Revise it."}])
     revision = await handle.generate(prompt + answer.ids + ask, max_tokens=8)
     return Episode(prompt, [Turn.model(answer), Turn.context(ask), Turn.model(revision)],
                    {"revision": float("better" in revision.text), "answer": float("better" in answer.text)},
@@ -90,7 +90,10 @@ def test_a_two_turn_episode_keeps_the_generated_tokens_and_masks_the_request():
     assert (m1, m0, m2) == (1, 0, 1)
     assert TOK.decode(first, skip_special_tokens=True) == "first answer"
     assert TOK.decode(revision, skip_special_tokens=True) == "better answer"
-    assert "Revise it." in TOK.decode(ask)
+    assert TOK.decode(ask) == TOK.apply_chat_template(
+        [{"role": "user", "content": "-"}, {"role": "assistant", "content": "first answer"},
+         {"role": "user", "content": "Revise it."}], tokenize=False, add_generation_prompt=True).split(
+        "first answer" + TOK.eos_token)[1]
     assert t.rewards == {"revision": 1.0, "answer": 0.0} and t.metrics["critiques"] == 1.0
     assert t.sampler_logprobs == [-0.5 if m else 0.0 for m in t.loss_mask]
     assert set(t.token_versions) == {0, -1}

@@ -8,10 +8,13 @@
 
 The pieces a script composes on its own: a learner (`make_learner`, `Learner.update(batch)`,
 `save_learner` / `load_learner`), a bridge (`start_bridge`: generate, run episodes, publish the
-learner's weights, evaluate), learner batches from trajectories (`rl_batch`), trajectories on
+learner's weights, evaluate; or the processes alone: `BridgeProcess`, `EnvServerProcess`,
+`BridgeClient`), learner batches from trajectories (`rl_batch`), trajectories on
 disk (`save_trajectories` / `load_trajectories`), metrics and reports (`MetricsLogger`,
-`read_metrics`, `compare_runs`, `summary_table`). Custom rollout functions (an environment's
-`rollout_fn`) run in the bridge and use `bridge.envs.rollout_fn`. Everything else in `jaxrl.run`
+`read_metrics`, `compare_runs`, `summary_table`), a run's weights as a model directory
+(`export`); `restart_tuned()` first thing in a script runs it under the malloc settings
+`jaxrl train` uses (XLA reuses its scratch memory). Custom rollout functions (an environment's `rollout_fn`) run in the bridge and use
+`bridge.envs.rollout_fn`. Everything else in `jaxrl.run`
 is private to the project and may change.
 """
 
@@ -29,6 +32,7 @@ from bridge.client import BridgeClient
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
 from jaxrl.compilation import use_persistent_cache
+from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run.batches import rl_batch
@@ -36,6 +40,8 @@ from jaxrl.run.collection import RolloutClient
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
 from jaxrl.run.evaluation import EvalResult, evaluate_weights
 from jaxrl.run.evaluation import evaluate as evaluate_on
+from jaxrl.run.export import export
+from jaxrl.run.processes import BridgeProcess, EnvServerProcess
 from jaxrl.run.report import compare_runs, summary_table
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.tasks import Task, TaskSource
@@ -47,21 +53,21 @@ from jaxrl.sharding import make_mesh
 from jaxrl.snapshots import SnapshotWriter, snapshot_versions
 
 __all__ = [
-    "Bridge", "BridgeClient", "ConfigError", "EvalResult", "Learner", "MetricsLogger", "PromptGroup",
-    "SamplingParams", "StartupError", "Task", "TrainConfig", "TrajectoryData", "compare_runs", "config", "evaluate",
-    "load_learner", "load_trajectories", "make_learner", "read_metrics", "rl_batch", "save_learner",
-    "save_trajectories", "start_bridge", "summary_table", "train",
+    "Bridge", "BridgeClient", "BridgeProcess", "ConfigError", "EnvServerProcess", "EvalResult", "Learner",
+    "MetricsLogger", "PromptGroup", "SamplingParams", "StartupError", "Task", "TrainConfig", "TrajectoryData",
+    "compare_runs", "config", "evaluate", "export", "load_learner", "load_trajectories", "make_learner",
+    "read_metrics", "restart_tuned", "rl_batch", "save_learner", "save_trajectories", "start_bridge", "summary_table", "train",
 ]
 
 
 def config(source: str | Path | Mapping[str, Any] | TrainConfig,
-           overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+           overrides: Mapping[str, Any] | Sequence[str] = ()) -> TrainConfig:
     """The validated training config from a YAML file, a mapping of its keys, or another config,
-    with `overrides` ({"dotted.key": value}, as `--set`) applied; ConfigError (one line naming the
-    key) when something is wrong. The same config `jaxrl train` reads."""
+    with `overrides` applied ({"dotted.key": value}, or `--set` items "dotted.key=value");
+    ConfigError (one line naming the key) when something is wrong. The same config `jaxrl train` reads."""
     if isinstance(source, TrainConfig):
         source = to_dict(source)
-    return load_config(source, list((overrides or {}).items()))
+    return load_config(source, list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides))
 
 
 def evaluate(target: str | Path | TrainConfig, version: int | None = None, env: str | None = None,
