@@ -4,7 +4,7 @@
 
 The episode is the rollout function below (an environment entry `rollout_fn:`), run in the bridge:
 it plays the bundled echo game ("Repeat exactly: amber river") in-process for two steps, the
-model's first answer, then, shown the echo and its score, a revision. The revision's score is the
+model's first answer, then, told its score, a revision. The revision's score is the
 episode's reward (`env`); the first answer's is logged beside it (`answer`, weight 0), so the
 curves show whether the model learns to improve on its own answer. The model is the tiny CPU
 default's, warm-started on the echo game's demonstrations (a second environment of the run,
@@ -30,8 +30,7 @@ async def critique_and_revise(task: dict, handle: GenerationHandle) -> Episode:
     answer = await handle.generate(prompt)
     seen = env.step(EchoAction(message=answer.text))
     critique = handle.reply_ids(answer, [{"role": "user", "content": (
-        f"{seen.text}\nThat scored {seen.reward:.2f} of 1. Compare it with the request and write the corrected "
-        "text only.")}])
+        f"That scored {seen.reward:.2f} of 1. Write the requested text again, exactly.")}])
     revision = await handle.generate(prompt + answer.ids + critique)
     revised = env.step(EchoAction(message=revision.text))
     env.close()
@@ -48,7 +47,7 @@ def settings(out: Path, toy: bool) -> dict:
         "data.mix": {"revise": 1.0, "echo": 0.0},
         "sft.envs": ["echo"],
         "rewards": [{"fn": "env"}, {"fn": "env", "name": "answer", "weight": 0.0}],
-        "rollout.max_total_tokens": 96,
+        "rollout.max_total_tokens": 128,  # answer, feedback and revision (the engine holds 64 + 128 a sequence)
         "checkpoint_every": 50,
         "log.progress": False,
     }
@@ -73,7 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = api.summary_table(rows, [k for k in keys if any(k in r for r in rows)])
     print(table)
     (out / "summary.md").write_text(f"# critique and revise\n\n```\n{table}\n```\n")
-    first, last = rows[: max(len(rows) // 4, 1)], rows[-max(len(rows) // 4, 1):]
+    trained = [r for r in rows if "reward/env" in r]  # not the final evaluation's row
+    quarter = max(len(trained) // 4, 1)
+    first, last = trained[:quarter], trained[-quarter:]
     result = {"run_dir": cfg.run_dir, "steps": summary["steps"], "plots": str(Path(cfg.run_dir) / "plots"),
               **{f"{k}_{part}": round(sum(r[k] for r in rs) / len(rs), 4)
                  for k in ("reward/env", "reward/answer") for part, rs in (("first_quarter", first),

@@ -24,13 +24,12 @@ VARIANTS = {f"{loss}{'+seq_is' if corrected else ''}": {"learner.loss.loss_type"
 SEEDS = (0, 1, 2)
 
 
-def warm_model(base: api.TrainConfig, out: Path, toy: bool) -> Path:
+def warm_model(base: api.TrainConfig, out: Path) -> Path:
     """The shared start: one run of the default's warm start (and a single RL step), exported."""
     model = out / "warm-model"
     if (model / "config.json").is_file():
         return model
-    run = api.config(base, {"run_dir": str(out / "warm"), "steps": 1, "eval.episodes": 0,
-                            **({"sft.steps": 4, "sft.demonstrations": 16, "sft.batch_size": 8} if toy else {})})
+    run = api.config(base, {"run_dir": str(out / "warm"), "steps": 1, "eval.episodes": 0})
     api.train(run)
     return api.export(run.run_dir, model)
 
@@ -38,20 +37,21 @@ def warm_model(base: api.TrainConfig, out: Path, toy: bool) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/experiments/loss_variants")
-    parser.add_argument("--toy", action="store_true", help="two variants, one seed, two steps (CI)")
+    parser.add_argument("--toy", action="store_true", help="two variants, one seed, two steps, no warm start (CI)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     size = ({"rollout.groups_per_step": 2, "learner.group_size": 4, "eval.episodes": 4,
              "model.dir": str(out / "tiny-model")} if args.toy else {"eval.episodes": 64})
     base = api.config("configs/tiny_cpu.yaml", {"log.progress": False, "checkpoint_every": 100, **size})
-    model = warm_model(base, out, args.toy)
+    model = base.model.dir if args.toy else warm_model(base, out)  # toy: the random model, built by the first run
     variants = dict(list(VARIANTS.items())[::5]) if args.toy else VARIANTS  # toy: grpo and dr_grpo+seq_is
     seeds = SEEDS[:1] if args.toy else SEEDS
     runs, finals = {}, {}
     for name, overrides in variants.items():
         for seed in seeds:
             run_dir = out / "runs" / f"{name}_seed{seed}"
-            cfg = api.config(base, {**overrides, "model.dir": str(model), "model.tiny": None, "sft.steps": 0,
+            cfg = api.config(base, {**overrides, "model.dir": str(model), "sft.steps": 0,
+                                    **({} if args.toy else {"model.tiny": None}),
                                     "seed": seed, "data.seed": seed, "run_dir": str(run_dir),
                                     "steps": 2 if args.toy else 30, "eval.before": False})
             summary = api.train(cfg)

@@ -8,7 +8,7 @@ random model also earns), and saves them (OUT/trajectories.jsonl, JSON lines). T
 ablation, a fresh learner trains several epochs over the same groups, batch by batch, with no
 bridge and no generation: how far each loss moves the policy on stale data, with and without
 importance-sampling correction. Metrics per update go to OUT/NAME/metrics.jsonl; OUT/summary.md
-compares them (compare_entropy.png: the policy's entropy per update).
+compares them (compare_reward.png plots the policy's entropy per update).
 """
 
 from __future__ import annotations

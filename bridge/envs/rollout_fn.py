@@ -197,34 +197,38 @@ def check_episode(episode: Any, handle: GenerationHandle, what: str) -> list[int
 
 def _check_generated(trained: list[tuple[int, float, int, int]], generations: list[Generation],
                      what: str) -> list[int]:
-    """Each run of trained tokens must be made of stretches of the handle's generations, with their
+    """Each run of trained tokens must be made of stretches of the handle's generations, ids and
     logprobs: ids decoded and encoded again, or written by hand, are not what the policy sampled.
     Returns the version of the generation each trained token came from."""
-    versions = []
-    i = 0
-    while i < len(trained):
-        best = (0, None)
+
+    def longest(i: int, logprobs: bool) -> tuple[int, Generation | None, int]:
+        best: tuple[int, Generation | None, int] = (0, None, 0)
         for g in generations:
             for start in range(len(g.ids)):
                 n = 0
                 while (i + n < len(trained) and start + n < len(g.ids) and trained[i + n][0] == g.ids[start + n]
+                       and (not logprobs or abs(trained[i + n][1] - g.logprobs[start + n]) <= LOGPROB_TOLERANCE)
                        and (n == 0 or trained[i + n][2:] == (trained[i + n - 1][2], trained[i + n - 1][3] + 1))):
                     n += 1
                 if n > best[0]:
-                    best = (n, (g, start))
-        token, logprob, turn, pos = trained[i]
-        if best[1] is None:
+                    best = (n, g, start)
+        return best
+
+    versions, i = [], 0
+    while i < len(trained):
+        n, g, start = longest(i, logprobs=True)
+        if g is None:
+            token, logprob, turn, pos = trained[i]
+            _, g, start = longest(i, logprobs=False)
+            if g is not None:
+                raise RolloutFnError(f"{what}: turn {turn} position {pos} has logprob {logprob:.6g}, but the handle "
+                                     f"generated that token with {g.logprobs[start]:.6g}; pass Generation.logprobs "
+                                     "as returned")
             raise RolloutFnError(f"{what}: turn {turn} trains on token {token} at position {pos}, which the handle "
                                  "did not generate there (re-tokenised text?); train only on Generation.ids as "
                                  "returned (Turn.model), and give everything else loss mask 0")
-        g, start = best[1]
-        for n in range(best[0]):
-            if abs(trained[i + n][1] - g.logprobs[start + n]) > LOGPROB_TOLERANCE:
-                raise RolloutFnError(f"{what}: turn {trained[i + n][2]} position {trained[i + n][3]} has logprob "
-                                     f"{trained[i + n][1]:.6g}, but the handle generated that token with "
-                                     f"{g.logprobs[start + n]:.6g}; pass Generation.logprobs as returned")
-        versions += [g.version] * best[0]
-        i += best[0]
+        versions += [g.version] * n
+        i += n
     return versions
 
 
