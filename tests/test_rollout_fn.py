@@ -70,7 +70,7 @@ async def ported_from_trl(task, handle):
     prompt_ids = handle.chat_ids([{"role": "user", "content": "Guess."}])
     out = await handle.generate(prompt_ids)
     return from_trl({"prompt_ids": [prompt_ids], "completion_ids": [out.ids], "logprobs": [out.logprobs],
-                     "env_reward": [float(len(out.ids) > 2)]}, handle)
+                     "env_reward": [float(len(out.ids) > 2)]})
 
 
 def sync_function(task, handle):
@@ -143,6 +143,8 @@ def test_a_function_that_raises_costs_its_episode_not_the_run():
 def test_a_trl_rollout_func_ports_through_from_trl():
     t = run(ported_from_trl)
     assert not t.error and t.rewards == {"env_reward": 1.0} and all(t.loss_mask)
+    with pytest.raises(RolloutFnError, match="field 'prompt_ids' must hold one entry"):
+        from_trl({"prompt_ids": [1, 2], "completion_ids": [[3]], "logprobs": [[-0.5]]})
 
 
 def test_a_rollout_fn_entry_is_checked_when_the_bridge_builds_it():

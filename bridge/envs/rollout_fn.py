@@ -263,14 +263,16 @@ async def run_rollout_fn(fn: Any, fn_path: str, engine: Engine, tokenizer: Any, 
     return traj
 
 
-def from_trl(output: Mapping[str, Any], handle: GenerationHandle) -> Episode:
-    """An Episode from what a TRL `rollout_func` returns for one prompt: `prompt_ids`,
-    `completion_ids`, `logprobs` (lists of one), an optional `env_mask` (1 where the model wrote the
-    token), and any other fields, each one reward by its name."""
+def from_trl(output: Mapping[str, Any]) -> Episode:
+    """An Episode from what a TRL `rollout_func` returns, for one prompt: `prompt_ids`,
+    `completion_ids`, `logprobs`, an optional `env_mask` (1 where the model wrote the token), and
+    any other fields, each a reward by its name; every field a list of one entry, as TRL's are per prompt."""
     def one(key: str) -> Any:
         value = output[key]
-        return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(
-            value[0], (list, tuple, int, float, type(None))) else value
+        if not isinstance(value, (list, tuple)) or len(value) != 1:
+            raise RolloutFnError(f"TRL rollout output field {key!r} must hold one entry (one prompt per call), got "
+                                 f"{str(value)[:80]}")
+        return value[0]
 
     missing = [k for k in ("prompt_ids", "completion_ids", "logprobs") if k not in output]
     if missing:
