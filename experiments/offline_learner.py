@@ -77,4 +77,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    api.restart_tuned()  # the malloc settings `jaxrl train` runs under: XLA reuses its scratch memory
     main()
