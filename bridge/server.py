@@ -32,6 +32,7 @@ import grpc
 
 from bridge import wire
 from bridge.engines.base import Engine, SnapshotRefused, derive_seed
+from bridge.envs.rollout_fn import run_rollout_fn
 from bridge.envs.session import EndpointUnavailable, SessionLost
 from bridge.envs.solver import solver_episode
 from bridge.proto import bridge_pb2 as pb
@@ -225,11 +226,12 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self.counters["episodes_in_flight"] += 1
         prompt = [int(t) for t in group.prompt_ids]
         spec = self.envs.specs.get(group.env) if self.envs is not None else None
+        custom = self.envs.rollout_fn(group.env) if self.envs is not None and policy != "solver" else None
         first_lost = None
         try:
             for attempt in itertools.count():
                 hook = None
-                if self.episode_hook_factory is not None and policy != "solver":
+                if self.episode_hook_factory is not None and policy != "solver" and custom is None:
                     try:
                         hook = self.episode_hook_factory(group)
                         if inspect.isawaitable(hook):
@@ -243,6 +245,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                         if policy == "solver":
                             traj = await solver_episode(self.envs, group.group_id, index, group.env,
                                                         group.task or {}, retry_on=RETRYABLE)
+                        elif custom is not None:
+                            traj = await run_rollout_fn(
+                                custom.fn, custom.spec.rollout_fn, self.engine, self.envs.tokenizer, group.group_id,
+                                index, group.env, group.task or {}, params, self.envs.template_kwargs,
+                                max_total_tokens)
                         else:
                             traj = await run_episode(
                                 self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,

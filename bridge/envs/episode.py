@@ -45,6 +45,7 @@ import json
 import logging
 from typing import Any
 
+from bridge.envs.rollout_fn import RolloutFnConnector
 from bridge.envs.session import Endpoint, EnvServerError
 from bridge.envs.spec import (ENV_REWARD, EnvConfigError, EnvSpec, RewardError, RewardSpec, import_object,
                               reward_value, task_prompt, template_fields)
@@ -558,8 +559,10 @@ class ToolClassConnector:
         pass
 
 
-def build_connector(spec: EnvSpec) -> SessionConnector | ToolClassConnector:
+def build_connector(spec: EnvSpec) -> SessionConnector | ToolClassConnector | RolloutFnConnector:
     """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
+    if spec.rollout_fn:
+        return RolloutFnConnector(spec)
     if spec.url:
         pool = dataclasses.replace(spec.session, max_sessions=spec.pool_size)
         return SessionConnector(spec, endpoint=Endpoint(spec.url, pool, name=spec.name))
@@ -709,10 +712,18 @@ class EnvRuntime:
             except Exception as e:
                 raise EnvConfigError(f"environment {name!r}: {type(e).__name__}: {e}") from e
 
-    def hook(self, env: str, task: dict[str, Any]) -> EnvEpisodeHook:
+    def hook(self, env: str, task: dict[str, Any]) -> EnvEpisodeHook | None:
+        """The episode hook of `env`; None for a rollout function's (it runs its own loop: `rollout_fn`)."""
         if env not in self.connectors:
             raise ValueError(f"unknown environment {env!r}; this bridge serves: {', '.join(self.connectors)}")
+        if isinstance(self.connectors[env], RolloutFnConnector):
+            return None
         return EnvEpisodeHook(self, self.connectors[env], task)
+
+    def rollout_fn(self, env: str) -> RolloutFnConnector | None:
+        """`env`'s rollout function, if it has one."""
+        connector = self.connectors.get(env)
+        return connector if isinstance(connector, RolloutFnConnector) else None
 
     async def score(self, hook: EnvEpisodeHook, trajectory) -> dict[str, float]:
         """The rewards of `hook`'s finished episode. Reward functions are called as TRL calls them:

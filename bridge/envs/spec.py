@@ -28,7 +28,8 @@ class EnvConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
-    """One environment of a run. Exactly one of `bundled`, `url`, `env_class` says where it lives."""
+    """One environment of a run. Exactly one of `bundled`, `url`, `env_class`, `rollout_fn` says where
+    it lives."""
 
     name: str = dataclasses.field(metadata={"help": "the name dataset rows and metrics use"})
     bundled: str | None = dataclasses.field(
@@ -38,6 +39,10 @@ class EnvSpec:
     env_class: str | None = dataclasses.field(
         default=None, metadata={"help": "'module:Class': an openenv Environment run in-process, or a "
                                         "tool-environment class (public documented methods are tools)"})
+    rollout_fn: str | None = dataclasses.field(
+        default=None, metadata={"help": "'module:function': an async function (task, handle) -> Episode that runs "
+                                        "the episode itself in the bridge (see bridge.envs.rollout_fn; its module "
+                                        "must be importable there: the working directory or PYTHONPATH)"})
     action_class: str | None = dataclasses.field(
         default=None, metadata={"help": "env_class Environments: 'module:Action' when step() does not annotate it"})
     action: ActionMode = dataclasses.field(
@@ -81,10 +86,10 @@ class EnvSpec:
                                         "(default: a bundled environment's own)"})
 
     def __post_init__(self):
-        where = [k for k in ("bundled", "url", "env_class") if getattr(self, k)]
+        where = [k for k in ("bundled", "url", "env_class", "rollout_fn") if getattr(self, k)]
         if len(where) != 1:
             raise EnvConfigError(
-                f"environment {self.name!r}: set exactly one of bundled, url, env_class (got "
+                f"environment {self.name!r}: set exactly one of bundled, url, env_class, rollout_fn (got "
                 f"{', '.join(where) or 'none'})")
         if not self.name:
             raise EnvConfigError("an environment needs a name")
@@ -95,6 +100,9 @@ class EnvSpec:
             raise EnvConfigError(f"environment {self.name!r}: url {self.url!r} must start with http:// or https://")
         if self.env_class and ":" not in self.env_class:
             raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
+        if self.rollout_fn and ":" not in self.rollout_fn:
+            raise EnvConfigError(f"environment {self.name!r}: rollout_fn {self.rollout_fn!r} must be "
+                                 "'module:function'")
         if self.episode_timeout_s is not None and not self.episode_timeout_s > 0:
             raise EnvConfigError(f"environment {self.name!r}: episode_timeout_s must be > 0 or null")
         if self.bundled and self.bundled not in BUNDLED_NAMES:
@@ -110,6 +118,9 @@ class EnvSpec:
             object.__setattr__(self, "observation_field", "text")
         if self.solver is None and self.bundled:
             object.__setattr__(self, "solver", self.bundled)
+        if self.solver is not None and self.rollout_fn:
+            raise EnvConfigError(f"environment {self.name!r}: a rollout_fn environment has no solver to play "
+                                 "warm-start demonstrations; leave solver unset")
         if self.solver is not None and self.solver not in BUNDLED_NAMES:
             raise EnvConfigError(f"environment {self.name!r}: solver {self.solver!r} is not a bundled environment "
                                  f"({', '.join(BUNDLED_NAMES)})")
@@ -190,6 +201,12 @@ class RewardError(ValueError):
     """A reward that is not a finite number or None: a bug in the function (or environment) that
     produced it, so the run stops on it rather than train on it. An episode scored with one ends
     with finish_reason "error" and an error starting with "RewardError: "."""
+
+
+class RolloutFnError(ValueError):
+    """A rollout function (`rollout_fn`) returned an episode that cannot be trained on (lengths that
+    differ, trained tokens it did not generate): a bug in the function, so the run stops on it. An
+    episode it ends has finish_reason "error" and an error starting with "RolloutFnError: "."""
 
 
 def reward_value(value: Any, what: str) -> float | None:

@@ -50,8 +50,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
     """Medians of in-process and bridge runs, alternated so machine noise hits both alike."""
-    from bridge.client import BridgeClient
-    from jaxrl.run.processes import BridgeProcess
+    from jaxrl.run.api import BridgeClient, BridgeProcess
 
     engine = JaxEngine(model_dir, max_batch=max_batch)
     tokens = len(prompts) * params.max_tokens

@@ -25,8 +25,8 @@ import time
 from openenv.core.generic_client import GenericEnvClient
 
 from bridge.envs.bundled import NAMES, get
-from jaxrl.run.processes import EnvServerProcess
 from bridge.envs.session import Endpoint, SessionConfig
+from jaxrl.run.api import EnvServerProcess
 
 
 def plans(env: str, seeds: range) -> dict[int, list[dict]]:

@@ -17,10 +17,7 @@ import json
 import statistics
 import tempfile
 
-from jaxrl.host_memory import restart_tuned
-from jaxrl.run.config import load_config
-from jaxrl.run.tracking import read_metrics
-from jaxrl.run.train import train
+from jaxrl.run import api
 
 PARTS = ("generate_s", "env_s", "learn_s", "sync_s")
 
@@ -38,10 +35,10 @@ def main(argv=None) -> dict:
                      "log.progress=false", "log.tensorboard=false", f"checkpoint_every={steps}"]
         if args.tiny:
             overrides += ["rollout.groups_per_step=2"]
-        cfg = load_config(args.config, overrides + args.set)
+        cfg = api.config(args.config, overrides + args.set)
         with open(f"{tmp}/train.log", "w") as log:
-            train(cfg, out=log)
-        rows = [r for r in read_metrics(cfg.run_dir) if "time/step_s" in r][1:]
+            api.train(cfg, out=log)
+        rows = [r for r in api.read_metrics(cfg.run_dir) if "time/step_s" in r][1:]
     figures = {"step_s": statistics.mean(r["time/step_s"] for r in rows)}
     for part in PARTS:
         figures[part] = statistics.mean(r[f"time/{part}"] for r in rows)
@@ -56,5 +53,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    restart_tuned()  # malloc as `jaxrl train` and the bridge run it (jaxrl.host_memory)
+    api.restart_tuned()  # malloc as `jaxrl train` and the bridge run it (jaxrl.host_memory)
     main()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bridge.wire import TrajectoryData
+from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
 
 
@@ -57,3 +58,14 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
             batch["sampler_logp_BxC"][i, :c] = t.sampler_logprobs[:c]
     batch["prompt_mask_BxP"][len(trajs):, -1] = 1  # padding rows still need one token to attend to
     return batch
+
+
+def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int) -> dict[str, np.ndarray]:
+    """A training step's batch as `cfg` shapes it: groups_per_step x group_size rows (rows beyond
+    `trajs` are padding), prompts `rollout.max_prompt_tokens` wide (one shape for the whole run; a
+    longer prompt widens its step), completions `rollout.max_total_tokens` wide, rewards weighed
+    by `rewards[]`, sampler logprobs when the loss corrects by importance sampling."""
+    prompt_len = max([cfg.rollout.max_prompt_tokens] + [len(t.prompt_ids) for t in trajs])
+    return learner_batch(trajs, cfg.groups_per_step_rows, prompt_len, cfg.rollout.max_total_tokens, pad_id,
+                         RewardWeights(cfg.rewards), sampler_logp=cfg.learner.loss.is_level != "none",
+                         mask_truncated=cfg.rollout.drop_truncated)

@@ -74,7 +74,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     """What went wrong, in one line: a full disk by name, the run layer's own errors as they are
     worded, anything else with its type."""
     from bridge.client import BridgeError
-    from bridge.envs.spec import RewardError
+    from bridge.envs.spec import RewardError, RolloutFnError
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
     from jaxrl.run.processes import ChildStartError, EnvServerDown
@@ -87,7 +87,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
         return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
                 "--resume from its last checkpoint")
     ours = (BridgeError, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
-            RewardError, TaskError, WarmStartError)
+            RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     lines = text.strip().splitlines() or [type(e).__name__]
     return lines[0] + (" ..." if len(lines) > 1 else "")
@@ -217,7 +217,7 @@ def _eval(args) -> int:
             return 2
         cfg, snapshot = found
         from bridge.client import BridgeError
-        from bridge.envs.spec import RewardError
+        from bridge.envs.spec import RewardError, RolloutFnError
         from jaxrl.run.evaluation import EvaluationFailed, evaluate_weights
         from jaxrl.run.processes import ChildStartError
         from jaxrl.run.services import StartupError
@@ -225,7 +225,7 @@ def _eval(args) -> int:
         logs = Path(args.target) / "logs" / "eval" if snapshot is not None else Path(scratch) / "logs"
         try:
             result = evaluate_weights(cfg, logs, snapshot, args.env, args.split)
-        except (StartupError, ChildStartError, EvaluationFailed, RewardError, BridgeError) as e:
+        except (StartupError, ChildStartError, EvaluationFailed, RewardError, RolloutFnError, BridgeError) as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1
     weights = f"snapshot {snapshot[1]}" if snapshot else cfg.model.dir

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from bridge.client import BridgeClient
-from bridge.envs.spec import EnvSpec, RewardError
+from bridge.envs.spec import EnvSpec, RewardError, RolloutFnError
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -240,14 +240,16 @@ class EnvWatch:
 
 
 def check_rewards(episodes: list[TrajectoryData]) -> None:
-    """Raises the first RewardError the bridge reported: a reward function (or an environment's
-    reward) that returned something other than a finite number or None stops the run."""
+    """Raises the first RewardError or RolloutFnError the bridge reported: a reward function (or an
+    environment's reward) that returned something other than a finite number or None, or a rollout
+    function that returned an episode that cannot be trained on, stops the run."""
     for t in episodes:
-        if t.finish_reason == "error" and t.error.startswith(_REWARD_ERROR):
-            raise RewardError(t.error[len(_REWARD_ERROR):])
-
-
-_REWARD_ERROR = f"{RewardError.__name__}: "
+        if t.finish_reason != "error":
+            continue
+        for error in (RewardError, RolloutFnError):
+            prefix = f"{error.__name__}: "
+            if t.error.startswith(prefix):
+                raise error(t.error[len(prefix):])
 
 
 def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:

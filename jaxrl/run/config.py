@@ -9,6 +9,7 @@ keys: setting one is an error naming the key to set instead.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -276,8 +277,9 @@ class TrainConfig:
             optimizer=dataclasses.replace(lc.optimizer, total_steps=self.steps * lc.num_iterations))
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
-    """The resolved training config; ConfigError (one line naming the key) when it is wrong."""
+def load_config(path: str | Path | Mapping[str, Any], overrides: list[str] = ()) -> TrainConfig:
+    """The resolved training config from a YAML file (or a mapping of its keys), `--set` items or
+    (dotted key, value) pairs applied; ConfigError (one line naming the key) when it is wrong."""
     return load(TrainConfig, path, overrides)
 
 

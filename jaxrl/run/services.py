@@ -53,6 +53,8 @@ def check_services(cfg: TrainConfig) -> None:
         try:
             if spec.env_class:
                 import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+            elif spec.rollout_fn:
+                import_object(spec.rollout_fn, f"environment {spec.name!r}: rollout_fn")
             elif spec.url:
                 _check_health(spec.url, spec.session.connect_timeout_s)
         except EnvConfigError as e:  # names the environment already

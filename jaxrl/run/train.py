@@ -32,7 +32,7 @@ from jaxrl.compilation import compiles, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
-from jaxrl.run.batches import learner_batch
+from jaxrl.run.batches import rl_batch
 from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.evaluation import evaluate
@@ -299,7 +299,7 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
             collector.prefetch_next(r.step + 1, r.version)
         signal_metrics = signal_watch.observe(r.step + 1, result.groups, result.counts["episodes_unscored"],
                                               result.counts["episodes_scored"])
-        batch = _step_batch(result, cfg, r.pad_id)
+        batch = rl_batch([t for g in result.groups for t in g], cfg, r.pad_id)
         t1 = time.perf_counter()
         metrics = learner.update(batch)
         learn_s = time.perf_counter() - t1
@@ -338,17 +338,6 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
 
 def _bridge_compiles(client: RolloutClient) -> int:
     return int(sum(stats.get("engine.compiles", 0) for stats in client.stats()))
-
-
-def _step_batch(result: StepRollouts, cfg: TrainConfig, pad_id: int) -> dict:
-    """The step's groups as the learner batch: groups_per_step x group_size rows (missing groups are
-    padding), prompts `rollout.max_prompt_tokens` wide (one shape for the whole run; a longer
-    prompt widens its step), completions `rollout.max_total_tokens` wide."""
-    trajs = [t for g in result.groups for t in g]
-    prompt_len = max([cfg.rollout.max_prompt_tokens] + [len(t.prompt_ids) for t in trajs])
-    return learner_batch(trajs, cfg.groups_per_step_rows, prompt_len, cfg.rollout.max_total_tokens, pad_id,
-                         RewardWeights(cfg.rewards), sampler_logp=cfg.learner.loss.is_level != "none",
-                         mask_truncated=cfg.rollout.drop_truncated)
 
 
 def _final_evaluation(r: _Run) -> None:

@@ -306,17 +306,19 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load(cls: type[T], path: str | Path, overrides: Iterable[str | tuple[str, Any]] = ()) -> T:
-    """Reads YAML file `path`, applies `overrides` and builds `cls`.
+def load(cls: type[T], path: str | Path | Mapping[str, Any], overrides: Iterable[str | tuple[str, Any]] = ()) -> T:
+    """Reads YAML file `path` (or takes the mapping of keys `path`), applies `overrides` and builds `cls`.
 
     Each override is either a `--set` item (`"learner.lr=1e-5"`) or a parsed `(key, value)` pair.
     """
     pairs = [parse_overrides([o])[0] if isinstance(o, str) else o for o in overrides]
-    data = apply_overrides(read_yaml(path), pairs)
+    data = apply_overrides(path if isinstance(path, Mapping) else read_yaml(path), pairs)
     try:
         _refuse_derived(cls, data)
         return from_dict(cls, data)
     except ConfigError as e:
+        if isinstance(path, Mapping):
+            raise
         raise ConfigError(f"{path}: {e}") from None
 
 
