@@ -202,7 +202,7 @@ class EnvWatch:
     when it refused sessions (the episodes queue); and an environment none of whose rewards so
     far, over at least `zero_after` episodes, was anything but 0 (nothing to learn from it)."""
 
-    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 128):
+    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 512):
         self.max_turns = max_turns
         self.specs = specs
         self.zero_after = zero_after
