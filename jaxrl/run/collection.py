@@ -190,6 +190,8 @@ class RolloutClient:
 
     def _mark_dead(self, bridge: _Bridge, client: BridgeClient, why: str) -> None:
         process = self.started.bridges[bridge.index] if self.started is not None else None
+        if process is not None:
+            process.child.wait(0.2)  # a killed bridge's stream ends a moment before its process is reaped
         with self._changed:
             if self._closing.is_set() or not bridge.alive or bridge.client is not client:
                 return  # found dead already, or replaced since
