@@ -398,12 +398,14 @@ def test_a_run_on_rewards_that_are_not_numbers_stops_in_one_line(model_dir, tmp_
     assert "Traceback" in (run_dir / "logs" / "train_error.log").read_text()
 
 
-def test_a_run_whose_bridge_dies_keeps_every_step_it_took_and_resumes_contiguously(model_dir, tmp_path):
+def test_a_run_whose_only_bridge_hangs_for_good_fails_in_one_line_keeps_its_steps_and_resumes(model_dir, tmp_path):
+    # SIGSTOP, found by a missed health check in seconds; no restart allowed: no bridge is left.
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
-                          checkpoint_every=1000)
+                          checkpoint_every=1000, bridge={"max_restarts": 0, "health_timeout_s": 2.0})
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bridge = None
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 2:
@@ -412,14 +414,21 @@ def test_a_run_whose_bridge_dies_keeps_every_step_it_took_and_resumes_contiguous
             time.sleep(0.2)
         [bridge] = [c for c in _children_of(proc.pid)  # python -m bridge serve|env ...
                     if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
-        os.kill(bridge, signal.SIGKILL)
+        os.kill(bridge, signal.SIGSTOP)
+        t0 = time.monotonic()
         out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1
-    lines = [line for line in err.strip().splitlines() if "no learning signal" not in line]
-    assert len(lines) == 1 and lines[0].startswith("jaxrl train: error: bridge at ") and "unavailable" in lines[0], err
+        if bridge is not None and not gone(bridge):
+            os.kill(bridge, signal.SIGKILL)
+    assert proc.returncode == 1 and took < 20
+    [line] = [line for line in err.strip().splitlines() if line.startswith("jaxrl train: error:")]
+    assert line.startswith("jaxrl train: error: no bridge left: every bridge kept dying (bridge.max_restarts=0 "
+                           f"within 10 minutes); bridge 0 at ") and f"(pid {bridge}): missed a health check" in line
+    assert f"(logs: {run_dir / 'logs' / 'bridge.log'})" in line
+    assert "bridge 0's log ends with:" in (run_dir / "logs" / "train_error.log").read_text()
     steps = [r["step"] for r in read_metrics(run_dir)]
     checkpoints = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     assert steps == list(range(1, steps[-1] + 1)) and checkpoints == [steps[-1]]  # every step taken, kept
