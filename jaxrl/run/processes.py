@@ -11,7 +11,8 @@ out (normal return, exception or `sys.exit`).
         ...  # sessions over server.ws_url
 
 A run's bundled environment servers are kept running by `EnvServers`: one that exits is started
-again on its port, so the URL the bridge was given stays valid.
+again on its port, so the URL the bridge was given stays valid. Its bridges are held by
+`BridgeProcesses`, which restarts one when the run's rollout client finds it dead.
 """
 
 from __future__ import annotations
