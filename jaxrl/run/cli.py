@@ -75,7 +75,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     worded, anything else with its type."""
     from bridge.client import BridgeError
     from bridge.envs.spec import RewardError, RolloutFnError
-    from jaxrl.run.collection import EnvironmentsDown
+    from jaxrl.run.collection import BridgesDown, EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
     from jaxrl.run.processes import ChildStartError, EnvServerDown
     from jaxrl.run.rewards import NothingScored
@@ -86,7 +86,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     if disk_full(e):
         return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
                 "--resume from its last checkpoint")
-    ours = (BridgeError, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
+    ours = (BridgeError, BridgesDown, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
             RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     lines = text.strip().splitlines() or [type(e).__name__]

@@ -47,7 +47,8 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class BridgeConfig:
     addresses: list[str] = _help(
-        "running bridges (host:port); empty: start one for this run; several: requests are spread over them. "
+        "running bridges (host:port); empty: start per_host for this run; several: groups go to the least loaded, "
+        "and a bridge that stops answering has its unfinished groups requested from the others. "
         "Each needs its token (token_file), the run's snapshot directory under its --snapshot-root, and serves a "
         "version no newer than the run's first (versions on a bridge only go forward: a new run, a new bridge)",
         default_factory=list)
@@ -68,6 +69,28 @@ class BridgeConfig:
     tool_parser: str = _help("tool-call format of the model family (qwen, hermes)", default="qwen")
     chat_template_kwargs: dict[str, Any] = _help("extra chat-template arguments, e.g. enable_thinking: false",
                                                  default_factory=dict)
+    per_host: int = _help("bridges the run starts on each host when `addresses` is empty, each its own process "
+                          "(with `devices`, its own GPUs); groups go to the least loaded", default=1)
+    devices: list[str] = _help(
+        "the GPUs of each started bridge, one entry per bridge (per_host of them), given to it as "
+        "CUDA_VISIBLE_DEVICES, e.g. ['0,1', '2,3'] for two vLLM bridges of two GPUs each; empty: every bridge "
+        "sees every device", default_factory=list)
+    health_timeout_s: float = _help(
+        "a bridge that does not answer a health check (or a ping while it streams) within this is dead: its "
+        "unfinished groups are requested again from the others", default=10.0)
+    max_restarts: int = _help("a started bridge that dies is restarted (and given the newest snapshot) at most "
+                              "this many times within 10 minutes; after that it is left down", default=3)
+    grace_s: float = _help("the run fails when no bridge has served for this long (none alive, none restarted "
+                           "meanwhile), naming the bridges that died and why", default=600.0)
+
+    def __post_init__(self):
+        if self.per_host < 1:
+            raise ValueError(f"per_host={self.per_host} must be >= 1")
+        if self.devices and len(self.devices) != self.per_host:
+            raise ValueError(f"devices lists {len(self.devices)} device group(s) but per_host={self.per_host}: "
+                             "give one per bridge, or none")
+        if self.health_timeout_s <= 0 or self.max_restarts < 0 or self.grace_s < 0:
+            raise ValueError("health_timeout_s must be > 0, max_restarts and grace_s >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

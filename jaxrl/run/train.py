@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             tokenizer.save_pretrained(run.tokenizer)
-            client = RolloutClient(started.result().addresses, cfg, token)
+            client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
         summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
@@ -304,7 +304,7 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
         metrics = learner.update(batch)
         learn_s = time.perf_counter() - t1
         r.step += 1
-        metrics.update(rollout_metrics(result, cfg) | signal_metrics | r.env_servers.metrics())
+        metrics.update(rollout_metrics(result, cfg) | signal_metrics | r.env_servers.metrics() | r.client.metrics())
         # The update is done: a bridge failing from here on (publish, stats, evaluation) must not lose
         # the step's metrics and samples, which are written before the run stops, and before its checkpoint.
         failure = None
@@ -378,7 +378,7 @@ def _sample_rows(result: StepRollouts, tokenizer, k: int) -> list[dict[str, Any]
     rows = []
     for group in result.groups[:k]:
         t = group[0]
-        rows.append({"env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
+        rows.append({"group_id": t.group_id, "env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
                      "prompt": tokenizer.decode(t.prompt_ids), "completion": tokenizer.decode(t.completion_ids)})
     return rows
 
