@@ -106,7 +106,7 @@ def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B,
     model: Decoder = nnx.merge(graphdef, params)
     B, W = tokens_BxW.shape
     leads_B = leader_B == jnp.arange(B)
-    cache = KVCache(tuple(k[src_B] for k in pool.k_BxKxSxH), tuple(v[src_B] for v in pool.v_BxKxSxH),
+    cache = KVCache(tuple(k[src_B] for k in pool.k_BxKxHxS), tuple(v[src_B] for v in pool.v_BxKxSxH),
                     jnp.where(leads_B, cached_B, prompt_len_B))
 
     def prefill_body(carry):
