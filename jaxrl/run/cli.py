@@ -20,7 +20,7 @@ def _load_train_config(args, prog: str):
     from jaxrl.run.typed_config import ConfigError
 
     try:
-        return load_config(args.config, args.set or [])
+        return load_config(args.config, args.set or [], args.gin or [])
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
@@ -125,7 +125,10 @@ def _replay_config(args):
         print("jaxrl train: error: --replay starts a fresh run directory; --resume does not apply", file=sys.stderr)
         return None
     try:
-        cfg = replay_config(args.replay, args.set or [])
+        from jaxrl.run.config import TrainConfig
+        from jaxrl.run.gin_config import gin_overrides
+
+        cfg = replay_config(args.replay, [*gin_overrides([], args.gin or [], TrainConfig), *(args.set or [])])
     except (ConfigError, ReplayError) as e:
         print(f"jaxrl train: error: {e}", file=sys.stderr)
         return None
@@ -314,11 +317,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tr = sub.add_parser("train", help="train a model against environments (the main job)")
     what = tr.add_mutually_exclusive_group(required=True)
-    what.add_argument("config", nargs="?", help="YAML training config (see `jaxrl config`)")
+    what.add_argument("config", nargs="?", help="training config: YAML, or gin (.gin) (see `jaxrl config`)")
     what.add_argument("--replay", metavar="RUN_DIR",
                       help="rerun a run from its config.yaml into RUN_DIR/replay (--set run_dir=... elsewhere) and "
                            "compare its metrics step by step with the run's (timings excepted); exit 1 if they differ")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
+    tr.add_argument("--gin", action="append", metavar="BINDING",
+                    help="override in gin syntax, e.g. 'OptimizerConfig.learning_rate = 1e-5' (before --set), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
     tr.set_defaults(func=_train)
 
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     co = sub.add_parser("config", help="print the training config defaults, or a config file resolved")
     co.add_argument("config", nargs="?", help="a config file to check and print resolved")
     co.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted)")
+    co.add_argument("--gin", action="append", metavar="BINDING", help="override in gin syntax (before --set)")
     co.set_defaults(func=_config)
 
     assets = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer as an HF directory")
