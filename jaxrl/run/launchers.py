@@ -83,10 +83,14 @@ def _write_state(run_dir: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def error_line(log: Path) -> str | None:
-    """The run's own error line (`jaxrl train: error: ...`) in its console log, else its last line."""
+def error_line(log: Path, since: int = 0) -> str | None:
+    """The run's own error line (`jaxrl train: error: ...`) in its console log from byte `since`, else
+    its last line."""
     try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        with open(log, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
     except OSError:
         return None
     errors = [line for line in lines if line.startswith("jaxrl train: error")]
@@ -95,22 +99,28 @@ def error_line(log: Path) -> str | None:
 
 def run_train(command: Sequence[str], run_dir: str | Path, stream: bool, env: Mapping[str, str] | None = None,
               own_group: bool = False, on_start: Callable[[subprocess.Popen], None] = lambda proc: None,
-              job_id: str | None = None, log_name: str = CONSOLE_LOG, record: bool = True) -> int:
+              job_id: str | None = None, log_name: str = CONSOLE_LOG, record: bool = True,
+              ignore: Sequence[signal.Signals] = (), stopping: Callable[[], bool] = lambda: False) -> int:
     """Runs one `jaxrl train` to its end; returns its exit code (127 if it cannot start).
 
     Its output (stderr merged) goes to RUN/logs/`log_name` and, with `stream`, to our stdout. With
     `record`, its state goes to RUN/launch.json: running, then done (0), stopped (a signal) or
-    failed (with its error line). `own_group`: in a process group of its own, so that a terminal's
-    Ctrl-C reaches only the launcher, which passes it on.
+    failed (with its error line); stopped too when `stopping()` says its launcher was stopping it.
+    `own_group`: in a process group of its own, so that a terminal's Ctrl-C reaches only the
+    launcher, which passes it on. `ignore`: signals the run and its children ignore (unless they
+    handle them).
     """
     run_dir = Path(run_dir)
     log = run_dir / "logs" / log_name
     log.parent.mkdir(parents=True, exist_ok=True)
     state = {"state": "running", "host": socket.gethostname(), "job_id": job_id, "started": time.time()}
     with open(log, "ab") as out:
+        since = out.tell()  # the log keeps earlier sessions' output
         try:
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=own_group)
+                                    start_new_session=own_group,
+                                    preexec_fn=(lambda: [signal.signal(s, signal.SIG_IGN) for s in ignore])
+                                    if ignore else None)
         except OSError as e:
             message = f"cannot start {shlex.join(command)}: {e.strerror}"
             out.write(f"{message}\n".encode())
@@ -129,10 +139,10 @@ def run_train(command: Sequence[str], run_dir: str | Path, stream: bool, env: Ma
                         sys.stdout.flush()
                 code = proc.wait()
     if record:
-        signalled = code < 0 or code >= 128
+        signalled = code < 0 or code >= 128 or stopping()
         _write_state(run_dir, {**state, "state": "done" if code == 0 else "stopped" if signalled else "failed",
                                "exit_code": code, "ended": time.time(),
-                               "error": None if code == 0 else error_line(log)})
+                               "error": None if code == 0 else error_line(log, since)})
     return code
 
 
@@ -222,7 +232,7 @@ def launch_local(runs: Sequence[LocalRun], parallel: int, say: Callable[[str], N
             begin = time.monotonic()
             code = run_train(slot.command(run.command) if parallel > 1 else run.command, run.run_dir,
                              stream=parallel == 1,
-                             env=slot.environ(os.environ), own_group=True,
+                             env=slot.environ(os.environ), own_group=True, stopping=stopping.is_set,
                              on_start=lambda proc, name=run.name: started(name, proc))
             with lock:
                 running.pop(run.name, None)
@@ -268,22 +278,29 @@ class TrainJob:
     def __init__(self, command: Sequence[str], run_dir: str | Path, retries: int):
         self.command, self.run_dir, self.retries = list(command), str(run_dir), retries
         self._proc: subprocess.Popen | None = None
+        self._terminated = False
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_proc"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proc", "_terminated")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _proc=None)
+        self.__dict__.update(state, _proc=None, _terminated=False)
 
     def __call__(self) -> int:
         import submitit
 
         job = submitit.JobEnvironment()
         rank = job.global_rank
+        # SLURM sends SIGTERM to every process of a job it cancels, requeues or preempts: the run stops
+        # at a checkpoint by itself; here it only means "do not start it again".
+        signal.signal(signal.SIGTERM, self._terminating)
         for _ in range(self.retries + 1):
+            # SLURM's time warning (USR2, for submitit's handler here) reaches every process of the
+            # step too: the run and its bridge and environment servers ignore it.
             code = run_train(self.command, self.run_dir, stream=True, job_id=job.job_id, on_start=self._started,
-                             log_name=CONSOLE_LOG if rank == 0 else f"console.rank{rank}.log", record=rank == 0)
-            if code != FAILED_WHILE_RUNNING:
+                             log_name=CONSOLE_LOG if rank == 0 else f"console.rank{rank}.log", record=rank == 0,
+                             ignore=(signal.SIGUSR2,), stopping=lambda: self._terminated)
+            if code != FAILED_WHILE_RUNNING or self._terminated:
                 break
             print(f"jaxrl sweep: the run failed; starting it again from its last checkpoint", file=sys.stderr,
                   flush=True)
@@ -295,11 +312,15 @@ class TrainJob:
     def _started(self, proc: subprocess.Popen) -> None:
         self._proc = proc
 
+    def _terminating(self, signum, frame) -> None:
+        self._terminated = True
+
     def checkpoint(self):
         """Preempted or out of time (SLURM's USR2): the run stops at a checkpoint; submitit requeues
         this job, which then resumes it."""
         import submitit
 
+        self._terminated = True
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
             self._proc.wait()
