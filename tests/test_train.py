@@ -332,6 +332,7 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     sweep.write_text(yaml.safe_dump({
         "base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "sweeps"),
         "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
+        "parallel": 2,  # two at a time, each on its own CPUs
     }))
     dry = jaxrl("sweep", sweep, "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -340,6 +341,8 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p for p in (tmp_path / "sweeps").iterdir() if (p / "config.yaml").exists())
     assert len(runs) == 4 and all(read_metrics(r) for r in runs)
+    assert all(json.loads((r / "launch.json").read_text())["state"] == "done" and (r / "run.json").exists()
+               and any((r / "checkpoints").iterdir()) for r in runs)
     table = (tmp_path / "sweeps" / "summary.md").read_text()
     assert all(r.name in table for r in runs) and "reward/mean" in table
     assert (tmp_path / "sweeps" / "compare_reward.png").stat().st_size > 1000

@@ -1,7 +1,8 @@
 """The training config: every key of `jaxrl train`, with its default and what it means.
 
-`jaxrl config` prints this file's defaults as commented YAML. A YAML config sets only what
-differs; `--set dotted.key=value` overrides on the command line. The resolved config is saved as
+`jaxrl config` prints this file's defaults as commented YAML. A YAML config (or a gin file: see
+jaxrl.run.gin_config) sets only what differs; `--set dotted.key=value` (or `--gin 'Class.key = value'`)
+overrides on the command line. The resolved config is saved as
 `config.yaml` in the run directory. Keys the run derives from others (`DERIVED`) are not user
 keys: setting one is an error naming the key to set instead.
 """
@@ -9,7 +10,7 @@ keys: setting one is an error naming the key to set instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -17,7 +18,8 @@ from typing import Any, ClassVar, Literal
 from bridge.envs.spec import BUNDLED_NAMES, ENV_REWARD, EnvSpec, RewardSpec
 from jaxrl.sharding import MeshConfig
 from jaxrl.train_step import LearnerConfig
-from jaxrl.run.typed_config import ConfigError, load
+from jaxrl.run.gin_config import gin_overrides
+from jaxrl.run.typed_config import ConfigError, apply_overrides, load
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 
@@ -300,10 +302,19 @@ class TrainConfig:
             optimizer=dataclasses.replace(lc.optimizer, total_steps=self.steps * lc.num_iterations))
 
 
-def load_config(path: str | Path | Mapping[str, Any], overrides: list[str] = ()) -> TrainConfig:
-    """The resolved training config from a YAML file (or a mapping of its keys), `--set` items or
-    (dotted key, value) pairs applied; ConfigError (one line naming the key) when it is wrong."""
-    return load(TrainConfig, path, overrides)
+def load_config(path: str | Path | Mapping[str, Any], overrides: list[str] = (),
+                gin_bindings: Sequence[str] = ()) -> TrainConfig:
+    """The resolved training config from a YAML or gin (`.gin`) file, or a mapping of its keys; then
+    `gin_bindings` (`--gin`, gin syntax) and `overrides` (`--set` items or (dotted key, value) pairs)
+    applied in that order; ConfigError (one line naming the key) when it is wrong."""
+    if isinstance(path, (str, Path)) and Path(path).suffix == ".gin":
+        data = apply_overrides({}, gin_overrides([path], gin_bindings, TrainConfig))
+        try:
+            return load(TrainConfig, data, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    pairs = gin_overrides([], gin_bindings, TrainConfig) if gin_bindings else []
+    return load(TrainConfig, path, [*pairs, *overrides])
 
 
 __all__ = ["ConfigError", "TrainConfig", "load_config"]
