@@ -549,8 +549,12 @@ def test_a_one_session_server_queues_episodes_and_says_so_in_metrics(tok, catalo
 
         async def go():
             await runtime.start()
-            return await asyncio.gather(*(run_episode(engine, f"g{i}", 0, [], PARAMS, runtime.hook("nim", {}), env="nim",
-                                                      max_turns=4, max_total_tokens=2048) for i in range(n)))
+            try:
+                return await asyncio.gather(*(run_episode(engine, f"g{i}", 0, [], PARAMS, runtime.hook("nim", {}),
+                                                          env="nim", max_turns=4, max_total_tokens=2048)
+                                              for i in range(n)))
+            finally:
+                await runtime.aclose()  # its sessions stay open for reuse until then, holding the server's slot
 
         trajs = asyncio.run(go())
         assert all(t.finish_reason == "env_done" and t.rewards == {"env": 1.0} for t in trajs), [t.error for t in trajs]

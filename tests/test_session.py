@@ -90,6 +90,37 @@ def test_echo_round_trip_and_a_validation_error_leaves_the_session_usable(echo):
     asyncio.run(run())
 
 
+def test_a_released_session_serves_the_next_episode_unless_reuse_is_off_or_it_was_lost(echo):
+    async def episodes(config):
+        endpoint = Endpoint(echo.url, config, name="echo")
+        try:
+            targets = []
+            for target in ("first", "second"):
+                env = await endpoint.open()
+                first = await env.reset(seed=1, target=target)
+                targets.append(first["observation"]["target"])
+                reply = await env.step({"message": target})
+                assert reply["done"] is True and reply["reward"] == 1.0
+                assert (await env.state())["step_count"] == 1  # the reset started afresh
+                await env.release()
+            lost = await endpoint.open()
+            lost._ws.transport.abort()  # the connection drops while the session sits released
+            await lost.release()
+            await asyncio.sleep(0.05)
+            again = await endpoint.open()
+            await again.reset(seed=2, target="third")
+            await again.close()
+            return targets, dict(endpoint.metrics)
+        finally:
+            await endpoint.aclose()
+
+    targets, reused = asyncio.run(episodes(SessionConfig()))
+    assert targets == ["first", "second"]
+    assert reused["sessions_opened"] == 2 and reused["sessions_reused"] == 2 and reused["sessions_active"] == 0
+    _, fresh = asyncio.run(episodes(SessionConfig(reuse=False)))
+    assert fresh["sessions_opened"] == 4 and fresh["sessions_reused"] == 0 and fresh["sessions_active"] == 0
+
+
 def test_guess_number_episode_and_an_execution_error(guess):
     async def run():
         endpoint = Endpoint(guess.url)

@@ -299,6 +299,10 @@ class _LocalSession:
 
         return await self._answer("step", call)
 
+    async def release(self) -> None:
+        """As Session.release; an in-process environment is built again for the next episode."""
+        await self.close()
+
     async def close(self) -> None:
         """Ends the MCP session and closes the environment; like the server, never raises."""
         try:
@@ -420,7 +424,7 @@ class SessionEpisode:
         return Step(self.render(obs), self.record.done, error)
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.session.release()
 
     @property
     def handle(self) -> Any:

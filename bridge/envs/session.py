@@ -66,7 +66,7 @@ SESSION_FATAL = frozenset({"FACTORY_ERROR", "SESSION_ERROR"})
 CLOSE_TIMEOUT_S = 1.0
 # pool_waits / pool_wait_s: opens that found the pool full / seconds spent opening (pool and
 # server capacity); server_max_sessions: the capacity the server states when it refuses (0: unknown).
-METRICS = ("sessions_opened", "sessions_active", "capacity_waits", "connect_failures",
+METRICS = ("sessions_opened", "sessions_reused", "sessions_active", "capacity_waits", "connect_failures",
            "sessions_lost", "timeouts", "server_errors", "breaker_opens", "pool_waits", "pool_wait_s",
            "server_max_sessions")
 # A session pool this many times the capacity its server states only queues there: warn once.
@@ -93,11 +93,19 @@ class SessionConfig:
     breaker_window_s: float = 30.0
     breaker_cooldown_s: float = 5.0
     max_message_bytes: int = 16 * 2**20
+    # An episode that ends leaves its session open for the next episode's reset (as TRL reuses its
+    # environment_factory instances): no connect, handshake and server-side teardown per episode.
+    # False: one session per episode, for servers whose reset does not start afresh.
+    reuse: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "ping_interval_s" and value is None:
+                continue
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    _bad(f.name, value, "true or false")
                 continue
             if f.type == "int":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -162,6 +170,7 @@ class Session:
         self._ws = ws
         self._busy = False
         self.closed = False
+        self.idle = False  # released and kept open in its endpoint's pool
         # How getting this session went: the pool was full, seconds until accepted, server refusals.
         self.pool_waited, self.wait_s, self.capacity_refusals = pool_waited, wait_s, capacity_refusals
 
@@ -176,6 +185,17 @@ class Session:
     async def state(self) -> dict[str, Any]:
         """The environment's state (episode id, step count, environment-specific fields)."""
         return await self._call("state", {"type": "state"}, "state")
+
+    async def release(self) -> None:
+        """Done with this session: kept open for another episode's reset when its endpoint reuses
+        sessions (and nothing went wrong on it), else closed; never raises."""
+        endpoint = self._endpoint
+        # Other episodes waiting for the server's capacity need a server slot freed, not kept.
+        if endpoint.config.reuse and not self.closed and self._ws.state is State.OPEN and not endpoint._closed \
+                and not endpoint._capacity_waiters:
+            endpoint._hand_over(self)
+            return
+        await self.close()
 
     async def close(self) -> None:
         """Ends the session on the server and frees its slot; idempotent, never raises."""
@@ -270,7 +290,11 @@ class Endpoint:
         self.metrics: dict[str, float] = dict.fromkeys(METRICS, 0)
         # A local server is reached directly, whatever proxy the environment names.
         self._direct = is_loopback(parts.hostname)
-        self._slots = asyncio.Semaphore(config.max_sessions)
+        # The pool: slots not in use, released sessions kept open for reuse (each holds its slot),
+        # and the open() calls waiting for either (handed a session, or None: a slot).
+        self._free_slots = config.max_sessions
+        self._idle: collections.deque[Session] = collections.deque()
+        self._pool_waiters: collections.deque[asyncio.Future[Session | None]] = collections.deque()
         self._sessions: set[Session] = set()
         self._capacity_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._failures: collections.deque[float] = collections.deque()
@@ -292,21 +316,65 @@ class Endpoint:
         if self._closed:
             raise EndpointUnavailable(f"{self} is closed (Endpoint.aclose was called)")
         start = time.monotonic()
-        pool_waited = self._slots.locked()
-        await self._slots.acquire()
-        try:
-            ws, refusals = await self._connect_accepted()
-        except BaseException:
-            self._slots.release()
-            raise
-        wait_s = time.monotonic() - start
-        session = Session(self, ws, pool_waited, wait_s, refusals)
-        self._sessions.add(session)
-        self.metrics["sessions_opened"] += 1
-        self.metrics["sessions_active"] += 1
+        pool_waited = False
+        while True:
+            pool_waited |= not self._idle and not self._free_slots
+            reused = await self._acquire()
+            if reused is None or reused._ws.state is State.OPEN:
+                break
+            reused._end()  # released, then closed by the server or a missed ping: its slot goes on
+        if reused is None:
+            try:
+                ws, refusals = await self._connect_accepted()
+            except BaseException:
+                self._hand_over(None)
+                raise
+            session = Session(self, ws, pool_waited, time.monotonic() - start, refusals)
+            self._sessions.add(session)
+            self.metrics["sessions_opened"] += 1
+            self.metrics["sessions_active"] += 1
+        else:
+            session = reused
+            session.pool_waited, session.wait_s, session.capacity_refusals = pool_waited, time.monotonic() - start, 0
+            self.metrics["sessions_reused"] += 1
         self.metrics["pool_waits"] += pool_waited
-        self.metrics["pool_wait_s"] += wait_s
+        self.metrics["pool_wait_s"] += session.wait_s
         return session
+
+    async def _acquire(self) -> Session | None:
+        """A released session (to reuse), or None: a pool slot of our own. Waits when neither is free."""
+        if self._idle:
+            session = self._idle.popleft()
+            session.idle = False
+            self.metrics["sessions_active"] += 1
+            return session
+        if self._free_slots:
+            self._free_slots -= 1
+            return None
+        handed = asyncio.get_running_loop().create_future()
+        self._pool_waiters.append(handed)
+        try:
+            return await handed
+        except BaseException:
+            if handed.done() and not handed.cancelled():  # handed over as we were cancelled: pass it on
+                self._hand_over(handed.result())
+            else:
+                self._pool_waiters.remove(handed)
+            raise
+
+    def _hand_over(self, session: Session | None) -> None:
+        """A released session, or a freed slot (None), to the first open() waiting, else to the pool."""
+        while self._pool_waiters:
+            waiter = self._pool_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(session)
+                return
+        if session is None:
+            self._free_slots += 1
+        else:
+            session.idle = True
+            self._idle.append(session)
+            self.metrics["sessions_active"] -= 1
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Session]:
@@ -416,8 +484,11 @@ class Endpoint:
     def _release(self, session: Session) -> None:
         if session in self._sessions:
             self._sessions.discard(session)
-            self.metrics["sessions_active"] -= 1
-            self._slots.release()
+            if session.idle:
+                self._idle.remove(session)
+            else:
+                self.metrics["sessions_active"] -= 1
+            self._hand_over(None)
             # One waiter retries now (all of them would mostly meet CAPACITY_REACHED again).
             if self._capacity_waiters:
                 self._capacity_waiters.popleft().set_result(None)
