@@ -39,7 +39,7 @@ from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
 from jaxrl.run.batches import prompt_width, rl_batch
-from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
+from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, Share, StepRollouts, rollout_metrics
 from jaxrl.run.config import DistributedConfig, TrainConfig
 from jaxrl.run.distributed import Exchange, exchange_step, initialize, share_of
 from jaxrl.run.evaluation import evaluate
@@ -109,6 +109,7 @@ class _Run:
     summary: dict[str, Any]
     snapshots: Path  # where snapshots are published and the bridges read them (see snapshot_directory)
     env_servers: EnvServers  # the bundled environment servers, restarted when they die
+    share: Share  # this process's groups of every step (all of them with one process)
     step: int = 0
     version: int = 0  # the weights the bridges serve
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
@@ -142,6 +143,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     initialize(cfg.distributed)
     primary = jax.process_index() == 0
     check_services(cfg)
+    share = share_of(make_mesh(cfg.mesh), cfg)  # this process's groups of every step
     model_dir = _ensure_model_once(cfg)
     run = RunDir.create(cfg.run_dir)
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
@@ -176,7 +178,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
-                 started.result().env_servers)
+                 started.result().env_servers, share)
         if start_step is None:
             _timed(r, "eval_before_s", _evaluate_base, r, model_dir)
         learner = _make_learner(r, model_dir, start_step, stack)
@@ -315,9 +317,8 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
     decisions (prompt width, stopping) the same on every process.
     """
     cfg = r.cfg
-    collector = stack.enter_context(contextlib.closing(
-        Collector(cfg, r.client, r.tasks, r.stop_ids, share_of(learner.mesh, cfg))))
-    rows = collector.share.count * cfg.learner.group_size
+    collector = stack.enter_context(contextlib.closing(Collector(cfg, r.client, r.tasks, r.stop_ids, r.share)))
+    rows = r.share.count * cfg.learner.group_size
     exchange = Exchange(cfg.distributed.timeout_s)
     if r.primary:
         r.logger = stack.enter_context(MetricsLogger(r.run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
