@@ -88,6 +88,7 @@ def worker(args) -> None:
         share.append(t1 - t0)
         update.append(time.perf_counter() - t1)
     if args.process_id == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "timings.json").write_text(json.dumps({"share": share[1:], "update": update[1:]}))
     if args.processes > 1:
         jax.distributed.shutdown()
