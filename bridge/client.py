@@ -96,6 +96,7 @@ class BridgeClient:
         self.tls_ca = tls_ca
         self._metadata = ((wire.AUTH_METADATA, wire.BEARER + token),) if token else ()
         self._answered = False  # whether the bridge ever answered: a failure before that may be TLS
+        self._closed = False
         ping_ms = max(int(timeout_s * 1000) // 2, 1000)
         options = [
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
@@ -135,11 +136,18 @@ class BridgeClient:
             return "if the bridge serves TLS, give its certificate authority (tls_ca=, bridge.tls_ca)"
         return ""
 
+    def _closed_error(self, e: ValueError, what: str) -> Exception:
+        """gRPC's ValueError for a call on a closed channel: the bridge is unavailable to this client
+        (closed by another thread, e.g. one that found the bridge dead); any other ValueError as it is."""
+        return BridgeUnavailable(self.address, what, details="the client was closed") if self._closed else e
+
     def _call(self, method, request, what: str, timeout_s: float | None = None):
         try:
             reply = method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(e, what) from None
+        except ValueError as e:
+            raise self._closed_error(e, what) from None
         self._answered = True
         try:
             wire.check_version(reply, f"{what} reply")
@@ -172,7 +180,10 @@ class BridgeClient:
         return self._stream(request, expected, timeout_s)
 
     def _stream(self, request: pb.RolloutRequest, expected: int, timeout_s: float | None):
-        call = self._stub.Rollout(request, timeout=timeout_s, metadata=self._metadata)
+        try:
+            call = self._stub.Rollout(request, timeout=timeout_s, metadata=self._metadata)
+        except ValueError as e:
+            raise self._closed_error(e, "rollout") from None
         received = 0
         try:
             for msg in call:
@@ -212,6 +223,8 @@ class BridgeClient:
                    "Shutdown", timeout_s)
 
     def close(self) -> None:
+        """Closes the connection; calls under way (in any thread) end with BridgeUnavailable."""
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> BridgeClient:

@@ -34,6 +34,9 @@ def test_shipped_configs_load(path):
     ({"envs": [{"name": "e", "bundled": "echo", "max_retries": 2}]},
      "config key 'envs.0.max_retries' is gone: set 'envs.0.retry_budget_s' instead"),
     ({"bridge": {"request_timeout_s": 900}}, r"request_timeout_s=900 is shorter than an episode may take .*1920 s"),
+    ({"bridge": {"per_host": 2, "devices": ["0,1"]}},
+     r"^config key 'bridge': devices lists 1 device group\(s\) but per_host=2: give one per bridge, or none$"),
+    ({"bridge": {"per_host": 0}}, r"^config key 'bridge': per_host=0 must be >= 1$"),
 ])
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -98,6 +98,24 @@ def test_top_k_and_top_p_filters_match_their_definitions():
         assert set(np.flatnonzero(kept[b])) == set(order[:n].tolist()), b
 
 
+def test_sampled_tokens_follow_the_tempered_and_filtered_distribution():
+    from bridge.engines.sampler import _sample
+
+    n, logits_V = 40_000, np.array([2.0, 1.0, 0.5, 0.0, -1.0, -30.0], np.float32)
+    keys = jax.vmap(jax.random.key)(jnp.arange(n))
+    for temperature, top_k in ((0.7, 0), (1.3, 3)):
+        tokens, logp = _sample(jnp.tile(logits_V, (n, 1)), keys, jnp.full(n, temperature), jnp.ones(n),
+                               jnp.full(n, top_k))
+        want = np.exp(logits_V / temperature)
+        if top_k:
+            want[top_k:] = 0
+        want /= want.sum()
+        freq = np.bincount(np.asarray(tokens), minlength=len(logits_V)) / n
+        assert np.all(np.abs(freq - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9), (temperature, freq, want)
+        full_logp = np.asarray(jax.nn.log_softmax(logits_V / temperature))
+        np.testing.assert_allclose(np.asarray(logp), full_logp[np.asarray(tokens)], rtol=1e-5)
+
+
 def test_truncated_sampling_reports_full_vocabulary_logprobs(model):
     prompt = [3, 4, 5]
     greedy = generate(model, [prompt], max_new_tokens=6)

@@ -239,4 +239,5 @@ def test_ctrl_c_lets_the_current_run_shut_down_and_starts_no_other(tmp_path):
     assert proc.returncode == 130
     assert (out / "steps=1" / "stopped").read_text() == "cleanly"
     assert not (out / "steps=2" / "started").exists()
-    assert "interrupted during steps=1; the later runs did not start" in err
+    assert "interrupted: stopping steps=1 at a checkpoint; the queued runs do not start" in err
+    assert "interrupted; these runs did not start: steps=2" in err

@@ -332,6 +332,7 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     sweep.write_text(yaml.safe_dump({
         "base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "sweeps"),
         "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
+        "parallel": 2,  # two at a time, each on its own CPUs
     }))
     dry = jaxrl("sweep", sweep, "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -340,6 +341,8 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p for p in (tmp_path / "sweeps").iterdir() if (p / "config.yaml").exists())
     assert len(runs) == 4 and all(read_metrics(r) for r in runs)
+    assert all(json.loads((r / "launch.json").read_text())["state"] == "done" and (r / "run.json").exists()
+               and any((r / "checkpoints").iterdir()) for r in runs)
     table = (tmp_path / "sweeps" / "summary.md").read_text()
     assert all(r.name in table for r in runs) and "reward/mean" in table
     assert (tmp_path / "sweeps" / "compare_reward.png").stat().st_size > 1000
@@ -398,12 +401,14 @@ def test_a_run_on_rewards_that_are_not_numbers_stops_in_one_line(model_dir, tmp_
     assert "Traceback" in (run_dir / "logs" / "train_error.log").read_text()
 
 
-def test_a_run_whose_bridge_dies_keeps_every_step_it_took_and_resumes_contiguously(model_dir, tmp_path):
+def test_a_run_whose_only_bridge_hangs_for_good_fails_in_one_line_keeps_its_steps_and_resumes(model_dir, tmp_path):
+    # SIGSTOP, found by a missed health check in seconds; no restart allowed: no bridge is left.
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
-                          checkpoint_every=1000)
+                          checkpoint_every=1000, bridge={"max_restarts": 0, "health_timeout_s": 2.0})
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bridge = None
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 2:
@@ -412,20 +417,101 @@ def test_a_run_whose_bridge_dies_keeps_every_step_it_took_and_resumes_contiguous
             time.sleep(0.2)
         [bridge] = [c for c in _children_of(proc.pid)  # python -m bridge serve|env ...
                     if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
-        os.kill(bridge, signal.SIGKILL)
+        os.kill(bridge, signal.SIGSTOP)
+        t0 = time.monotonic()
         out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1
-    lines = [line for line in err.strip().splitlines() if "no learning signal" not in line]
-    assert len(lines) == 1 and lines[0].startswith("jaxrl train: error: bridge at ") and "unavailable" in lines[0], err
+        if bridge is not None and not gone(bridge):
+            os.kill(bridge, signal.SIGKILL)
+    assert proc.returncode == 1 and took < 20
+    [line] = [line for line in err.strip().splitlines() if line.startswith("jaxrl train: error:")]
+    assert line.startswith("jaxrl train: error: no bridge left: every bridge kept dying (bridge.max_restarts=0 "
+                           f"within 10 minutes); bridge 0 at ") and f"(pid {bridge}): missed a health check" in line
+    assert f"(logs: {run_dir / 'logs' / 'bridge.log'})" in line
+    assert "bridge 0's log ends with:" in (run_dir / "logs" / "train_error.log").read_text()
     steps = [r["step"] for r in read_metrics(run_dir)]
     checkpoints = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     assert steps == list(range(1, steps[-1] + 1)) and checkpoints == [steps[-1]]  # every step taken, kept
 
     summary = summary_of(jaxrl("train", config, "--resume", "--set", f"steps={steps[-1] + 2}"))
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps[-1] + 3)) and summary["steps"] == steps[-1] + 2
+
+
+def test_bridges_killed_and_stopped_mid_step_cost_re_requests_and_restarts_not_the_run(model_dir, tmp_path):
+    """Two bridges; at step 2 of 6, while both generate, one is SIGKILLed and the other SIGSTOPped
+    (found by a missed health check, seconds later). Their groups are requested again, the killed
+    one is restarted first and given the newest snapshot, and the run ends its 6 steps with every
+    group trained exactly once."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=6, eval={"episodes": 0},
+                          bridge={"per_host": 2, "health_timeout_s": 4.0}, log={"progress": False, "samples_per_step": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.1)
+        killed, stopped = [c for c in _children_of(proc.pid)
+                           if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
+        _wait_until_both_generate(killed, run_dir)
+        os.kill(killed, signal.SIGKILL)
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stopped is not None and not gone(stopped):
+            os.kill(stopped, signal.SIGKILL)
+    assert summary_of(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))["steps"] == 6
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[1]["bridges/deaths"] == rows[1]["groups/re_requested"] == 0
+    assert rows[-1]["bridges/deaths"] == 2 and rows[-1]["bridges/restarts"] >= 1
+    assert rows[-1]["groups/re_requested"] >= 2  # the step's two groups, one on each
+    # The stopped bridge was found within its health timeout (a ping or a health check missed).
+    [found] = [line for line in (run_dir / "logs" / "train.log").read_text().splitlines()
+               if f"(pid {stopped}) " in line]
+    found_at = time.mktime(time.strptime(found[:19], "%Y-%m-%d %H:%M:%S"))
+    assert found_at - t0 < 3 * 4.0 and "restarting it" in found
+    # Every group of the 6 steps trained once: none twice, none lost.
+    trained = sorted(json.loads(line)["group_id"] for line in (run_dir / "samples.jsonl").read_text().splitlines())
+    assert trained == sorted(f"{step}-{slot}" for step in range(6) for slot in range(2))
+    # The killed bridge's replacement started on the newest snapshot (step 2's weights, version 3) and
+    # served every one published after it.
+    [killed_line] = [line for line in err.splitlines() if f"(pid {killed}) was killed by SIGKILL" in line]
+    index = int(killed_line.split("bridge ", 1)[1].split()[0])
+    log = (run_dir / "logs" / ("bridge.log" if index == 0 else f"bridge-{index}.log")).read_text()
+    replacement = log.rsplit("BRIDGE_LISTENING ", 1)[1]
+    served = [int(line.split(" version ")[1].split()[0]) for line in replacement.splitlines()
+              if "serving snapshot " in line]
+    assert served == [3, 4, 5, 6, 7]
+
+
+def _wait_until_both_generate(pid: int, run_dir: Path) -> None:
+    """Until each of the run's two bridges has episodes in flight (read with the token in `pid`'s
+    environment, as its owner can)."""
+    from bridge.client import BridgeClient
+
+    environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+    token = environ[b"JAXRL_BRIDGE_TOKEN"].decode()
+    addresses = [next(line.split()[1] for line in (run_dir / "logs" / name).read_text().splitlines()
+                      if line.startswith("BRIDGE_LISTENING ")) for name in ("bridge.log", "bridge-1.log")]
+    clients = [BridgeClient(a, timeout_s=10, token=token) for a in addresses]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(c.stats()["episodes_in_flight"] > 0 for c in clients):
+            assert time.monotonic() < deadline, "the bridges never generated at once"
+            time.sleep(0.005)
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_last_finished_checkpoint(model_dir, tmp_path):

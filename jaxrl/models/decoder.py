@@ -39,25 +39,34 @@ class KVCache(NamedTuple):
 
     # One buffer per layer, heads before slots: a decode step's attention reads each head's keys
     # in place as one contiguous matrix (one stacked L-layer buffer made XLA CPU copy each layer's
-    # slice every step; slots before heads made it transpose the whole cache).
-    k_BxKxSxH: tuple[jax.Array, ...]
+    # slice every step; slots before heads made it transpose the whole cache). Keys are stored
+    # transposed (head dim before slots): q . k is then a plain matmul, which XLA CPU ran 2.5x
+    # faster than the same product against slot-major keys.
+    k_BxKxHxS: tuple[jax.Array, ...]
     v_BxKxSxH: tuple[jax.Array, ...]
     length_B: jax.Array  # int32
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+        v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         return cls(
-            tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
-            tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
+            tuple(jnp.zeros(k_shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
+            tuple(jnp.zeros(v_shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
             jnp.zeros((batch,), jnp.int32),
         )
 
 
 def _write_rows(cache_BxKxSxH, new_BxTxKxH, start_B):
-    """Row b's new keys (or values) at slots [start_B[b], start_B[b] + T)."""
+    """Row b's new values at slots [start_B[b], start_B[b] + T)."""
     new_BxKxTxH = new_BxTxKxH.transpose(0, 2, 1, 3).astype(cache_BxKxSxH.dtype)
     return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(cache_BxKxSxH, new_BxKxTxH, start_B)
+
+
+def _write_key_rows(cache_BxKxHxS, new_BxTxKxH, start_B):
+    """Row b's new keys at slots [start_B[b], start_B[b] + T) of the transposed key cache."""
+    new_BxKxHxT = new_BxTxKxH.transpose(0, 2, 3, 1).astype(cache_BxKxHxS.dtype)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, 0, s)))(cache_BxKxHxS, new_BxKxHxT, start_B)
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, cfg: ModelConfig, init: str) -> nnx.Param:
@@ -160,7 +169,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
         if layer_cache is not None:
-            layer_cache = (_write_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
+            layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
             out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
         else:
             out = causal_attention(q, k, v, keys.mask_BxT)
@@ -228,13 +237,13 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
 
 
-def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, visible_BxTxS):
+def cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS):
     """Queries over a KV cache; the G query heads of a KV head and the T queries form the rows of
     one matmul per (batch, KV head), so the cache is read in place, never copied per query head."""
     B, T, N, H = q_BxTxNxH.shape
-    K = k_BxKxSxH.shape[1]
+    K = k_BxKxHxS.shape[1]
     q_BxKxGTxH = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
-    scores = jnp.einsum("bkqh,bksh->bkqs", q_BxKxGTxH, k_BxKxSxH, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkqh,bkhs->bkqs", q_BxKxGTxH, k_BxKxHxS, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, N // K, T, -1) / np.float32(math.sqrt(H))
     scores = jnp.where(visible_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype).reshape(B, K, N // K * T, -1)
@@ -250,13 +259,13 @@ def attention_windows(slots: int, smallest: int = 128) -> tuple[int, ...]:
     return tuple(windows)
 
 
-def windowed_cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, visible_BxTxS, window):
+def windowed_cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, window):
     """`cached_attention` over the first attention_windows(S)[window] slots only: a decode step
     reads the slots in use (within 2x), not the whole cache, whose width is fixed."""
-    windows = attention_windows(k_BxKxSxH.shape[2])
+    windows = attention_windows(v_BxKxSxH.shape[2])
 
     def over(w):
-        return lambda: cached_attention(q_BxTxNxH, k_BxKxSxH[:, :, :w], v_BxKxSxH[:, :, :w], visible_BxTxS[..., :w])
+        return lambda: cached_attention(q_BxTxNxH, k_BxKxHxS[..., :w], v_BxKxSxH[:, :, :w], visible_BxTxS[..., :w])
 
     return jax.lax.switch(window, [over(w) for w in windows])
 
@@ -321,7 +330,7 @@ class Decoder(nnx.Module):
         if cache is None:
             keys = _KeySlots(mask_BxT, None, None)
         else:
-            slots = cache.k_BxKxSxH[0].shape[2]
+            slots = cache.v_BxKxSxH[0].shape[2]
             query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
             used = jnp.max(cache.length_B) + T
             window = jnp.searchsorted(jnp.asarray(attention_windows(slots)), used)
@@ -333,7 +342,7 @@ class Decoder(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions_BxT, inv_freq, keys,
-                          None if cache is None else (cache.k_BxKxSxH[i], cache.v_BxKxSxH[i]))
+                          None if cache is None else (cache.k_BxKxHxS[i], cache.v_BxKxSxH[i]))
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])

@@ -148,9 +148,7 @@ class Bridge:
                                                      tokenize=True, return_dict=False,
                                                      **self.cfg.bridge.chat_template_kwargs) if isinstance(p, str) else p
             groups.append(PromptGroup(np.asarray(ids, np.int32), f"generate-{i}"))
-        trajs = list(self.client.clients[0].rollout(groups, n, self._params(sampling),
-                                                    min_policy_version=self.version))
-        return [sorted((t for t in trajs if t.group_id == g.group_id), key=lambda t: t.index_in_group) for g in groups]
+        return self.client.rollout(groups, n, self._params(sampling), self.version)
 
     def episodes(self, tasks: Sequence[Task] | None = None, step: int = 0, group_size: int | None = None,
                  **sampling) -> list[list[TrajectoryData]]:
@@ -207,6 +205,7 @@ def start_bridge(cfg: TrainConfig, workdir: str | Path | None = None) -> Iterato
         started = start_services(cfg, model_dir, work / "logs", stack, token, work / "snapshots",
                                  use_persistent_cache(cfg.compilation_cache))
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        bridge = Bridge(cfg, RolloutClient(started.addresses, cfg, token), tokenizer, work / "snapshots")
+        client = RolloutClient(started.addresses, cfg, token, started.bridges)
+        bridge = Bridge(cfg, client, tokenizer, work / "snapshots")
         stack.callback(bridge.close)
         yield bridge

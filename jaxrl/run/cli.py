@@ -27,7 +27,7 @@ def _load_train_config(args, prog: str):
     flags = [f"{key}={getattr(args, flag)}" for flag, key in DISTRIBUTED_FLAGS.items()
              if getattr(args, flag, None) is not None]
     try:
-        return load_config(args.config, [*(args.set or []), *flags])
+        return load_config(args.config, [*(args.set or []), *flags], args.gin or [])
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
@@ -94,7 +94,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     worded, anything else with its type."""
     from bridge.client import BridgeError
     from bridge.envs.spec import RewardError, RolloutFnError
-    from jaxrl.run.collection import EnvironmentsDown
+    from jaxrl.run.collection import BridgesDown, EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
     from jaxrl.run.processes import ChildStartError, EnvServerDown
     from jaxrl.run.rewards import NothingScored
@@ -105,7 +105,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     if disk_full(e):
         return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
                 "--resume from its last checkpoint")
-    ours = (BridgeError, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
+    ours = (BridgeError, BridgesDown, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
             RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     lines = text.strip().splitlines() or [type(e).__name__]
@@ -144,7 +144,10 @@ def _replay_config(args):
         print("jaxrl train: error: --replay starts a fresh run directory; --resume does not apply", file=sys.stderr)
         return None
     try:
-        cfg = replay_config(args.replay, args.set or [])
+        from jaxrl.run.config import TrainConfig
+        from jaxrl.run.gin_config import gin_overrides
+
+        cfg = replay_config(args.replay, [*gin_overrides([], args.gin or [], TrainConfig), *(args.set or [])])
     except (ConfigError, ReplayError) as e:
         print(f"jaxrl train: error: {e}", file=sys.stderr)
         return None
@@ -261,14 +264,33 @@ def _eval(args) -> int:
 
 
 def _sweep(args) -> int:
-    """Runs a sweep's configs one after another (or, with --dry-run, writes them and prints commands)."""
-    from jaxrl.run.config import TrainConfig
-    from jaxrl.run.sweep import run_sweep
-    from jaxrl.run.typed_config import ConfigError, load, to_dict
+    """`jaxrl sweep SWEEP.yaml` launches a sweep's runs (or, with --dry-run, writes their configs and
+    prints the commands); `jaxrl sweep status|report OUT_DIR` shows a launched sweep's runs."""
+    from jaxrl.run import sweep
+    from jaxrl.run.config import TrainConfig, load_config
+    from jaxrl.run.gin_config import gin_key
+    from jaxrl.run.typed_config import ConfigError, to_dict
 
+    target = args.target
     try:
-        return run_sweep(args.sweep, lambda base, overrides: to_dict(load(TrainConfig, base, overrides)),
-                         dry_run=args.dry_run, train_command=[sys.executable, "-m", "jaxrl.run.cli", "train"])
+        if target[0] in ("status", "report"):
+            if len(target) != 2:
+                print(f"jaxrl sweep: error: usage: jaxrl sweep {target[0]} SWEEP_OUT_DIR", file=sys.stderr)
+                return 2
+            if target[0] == "status":
+                print(sweep.status_table(sweep.status(target[1])))
+            else:
+                print(sweep.report(target[1]))
+            return 0
+        if len(target) != 1:
+            print("jaxrl sweep: error: give one sweep file (or: status DIR, report DIR)", file=sys.stderr)
+            return 2
+        return sweep.run_sweep(
+            target[0],
+            lambda base, overrides: to_dict(load_config(base, [(gin_key(k, TrainConfig), v) for k, v in overrides])),
+            dry_run=args.dry_run, train_command=[sys.executable, "-m", "jaxrl.run.cli", "train"],
+            launcher=args.launcher, parallel=args.parallel, wait=not args.no_wait,
+            cancel_on_interrupt=args.cancel_on_interrupt)
     except ConfigError as e:
         print(f"jaxrl sweep: error: {e}", file=sys.stderr)
         return 2
@@ -333,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tr = sub.add_parser("train", help="train a model against environments (the main job)")
     what = tr.add_mutually_exclusive_group(required=True)
-    what.add_argument("config", nargs="?", help="YAML training config (see `jaxrl config`)")
+    what.add_argument("config", nargs="?", help="training config: YAML, or gin (.gin) (see `jaxrl config`)")
     what.add_argument("--replay", metavar="RUN_DIR",
                       help="rerun a run from its config.yaml into RUN_DIR/replay (--set run_dir=... elsewhere) and "
                            "compare its metrics step by step with the run's (timings excepted); exit 1 if they differ")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
+    tr.add_argument("--gin", action="append", metavar="BINDING",
+                    help="override in gin syntax, e.g. 'OptimizerConfig.learning_rate = 1e-5' (before --set), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
     tr.add_argument("--coordinator", metavar="HOST:PORT",
                     help="several processes: process 0's address and a free port, the same for every process")
@@ -357,13 +381,21 @@ def main(argv: list[str] | None = None) -> int:
     ev.set_defaults(func=_eval)
 
     sw = sub.add_parser("sweep", help="run a grid or list of config overrides, then compare the runs")
-    sw.add_argument("sweep", help="sweep YAML: base config + grid or runs")
+    sw.add_argument("target", nargs="+", metavar="SWEEP.yaml | status OUT_DIR | report OUT_DIR",
+                    help="a sweep file (base config + grid or runs) to launch; or `status OUT_DIR` (each run's state) "
+                         "or `report OUT_DIR` (the comparison of what has finished) of a launched sweep")
     sw.add_argument("--dry-run", action="store_true", help="write one resolved config per run and print the commands")
+    sw.add_argument("--launcher", choices=["local", "slurm"], help="overrides the sweep file's launcher")
+    sw.add_argument("--parallel", type=int, help="local: runs at once (overrides the sweep file's parallel)")
+    sw.add_argument("--no-wait", action="store_true", help="slurm: return once the jobs are submitted")
+    sw.add_argument("--cancel-on-interrupt", action="store_true",
+                    help="slurm: Ctrl-C cancels the submitted jobs (default: they keep running)")
     sw.set_defaults(func=_sweep)
 
     co = sub.add_parser("config", help="print the training config defaults, or a config file resolved")
     co.add_argument("config", nargs="?", help="a config file to check and print resolved")
     co.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted)")
+    co.add_argument("--gin", action="append", metavar="BINDING", help="override in gin syntax (before --set)")
     co.set_defaults(func=_config)
 
     assets = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer as an HF directory")

@@ -1,5 +1,6 @@
-"""From environment tasks to a step's groups: requests spread over bridges, group filters,
-DAPO dynamic sampling with refills, async prefetch with a staleness bound, and rollout metrics.
+"""From environment tasks to a step's groups: requests spread over bridges by load (and moved off
+bridges that die), group filters, DAPO dynamic sampling with refills, async prefetch with a
+staleness bound, and rollout metrics.
 
 Groups are the unit: GRPO advantages compare the samples of one task, so a group with a failed
 or stale episode is dropped whole (and refilled), never trained half. A truncated episode keeps
@@ -13,15 +14,18 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import signal
+import threading
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
-from bridge.client import BridgeClient
+from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from bridge.envs.spec import EnvSpec, RewardError, RolloutFnError
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.run.config import TrainConfig
+from jaxrl.run.processes import BridgeProcesses, ChildStartError
 from jaxrl.run.rewards import RewardWeights
 from jaxrl.run.tasks import Task, TaskSource
 
@@ -48,48 +52,311 @@ class StepRollouts:
         return [[EpisodeSummary.of(t) for t in g] for g in self.groups]
 
 
-class RolloutClient:
-    """Rollout requests for tasks, spread over one or more bridges, concurrently."""
+class BridgesDown(RuntimeError):
+    """No bridge is left: none has served for longer than `bridge.grace_s`, or every bridge the run
+    started kept dying. The first line names each bridge and why it died; their log tails follow."""
 
-    def __init__(self, addresses: list[str], cfg: TrainConfig, token: str):
+
+@dataclasses.dataclass(eq=False)
+class _Bridge:
+    """One bridge as the client sees it."""
+
+    index: int
+    address: str
+    client: BridgeClient
+    pid: int | None = None  # when the run started it
+    alive: bool = True
+    down: bool = False  # left down: it kept dying (bridge.max_restarts)
+    outstanding: int = 0  # episodes requested from it and not received yet: its load
+    died: str = ""  # why it last died (one line)
+    tail: str = ""  # the end of its log then, when the run started it
+
+
+class RolloutClient:
+    """Rollout requests spread over bridges by load, that survive bridges dying.
+
+    Groups go to the living bridge with the fewest episodes outstanding (every request under way
+    counts: a step's, a prefetch's, an evaluation's). A bridge is dead when its process exits,
+    its stream fails, or it misses a health check (`bridge.health_timeout_s`; a watcher thread
+    per bridge pings it): its unfinished groups are requested again from the others, its
+    complete ones kept, so each group is delivered once (and, seeded by its id, is the same
+    episodes wherever it runs). A bridge of the run's own (`started`) is restarted and given the
+    newest snapshot before it gets work; a running one (by address) gets work again once it
+    answers. With no bridge alive, requests wait up to `bridge.grace_s`, then raise BridgesDown.
+    """
+
+    def __init__(self, addresses: list[str], cfg: TrainConfig, token: str, started: BridgeProcesses | None = None):
         if not addresses:
             raise ValueError("no bridge addresses")
-        self.cfg = cfg
-        self.clients = [BridgeClient(a, timeout_s=60.0, token=token, tls_ca=cfg.bridge.tls_ca) for a in addresses]
-        self.pool = concurrent.futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout")
+        self.cfg, self.token, self.started = cfg, token, started
+        self.bridges = [_Bridge(i, a, self._connect(a), started.bridges[i].pid if started else None)
+                        for i, a in enumerate(addresses)]
+        self.pool = concurrent.futures.ThreadPoolExecutor(8 * len(self.bridges), thread_name_prefix="rollout")
+        self.snapshot: tuple[str, int] | None = None  # the newest the bridges were asked to serve
+        self.counts: collections.Counter = collections.Counter()  # deaths, restarts, returned, re_requested
+        self._changed = threading.Condition()  # guards the bridges' state; notified when it changes
+        self._none_since: float | None = None  # when the last living bridge died
+        self._closing = threading.Event()
+        for b in self.bridges:
+            threading.Thread(target=self._watch, args=(b,), daemon=True, name=f"bridge-{b.index}-watch").start()
+
+    def _connect(self, address: str) -> BridgeClient:
+        # The deadline of unary calls and of noticing a silent bridge while it streams (keepalive pings).
+        b = self.cfg.bridge
+        return BridgeClient(address, timeout_s=b.health_timeout_s, token=self.token, tls_ca=b.tls_ca)
 
     def request(self, tasks: list[Task], group_ids: list[str], group_size: int, params: SamplingParams,
                 min_version: int, policy: str = "") -> list[Group]:
         """Trajectories of each task's group, in task order (`policy="solver"`: the environments'
         solvers play)."""
+        groups = [PromptGroup(np.zeros(0, np.int32), g, env, fields) for g, (env, fields) in zip(group_ids, tasks)]
+        return self.rollout(groups, group_size, params, min_version, policy)
+
+    def rollout(self, groups: list[PromptGroup], group_size: int, params: SamplingParams, min_version: int,
+                policy: str = "") -> list[Group]:
+        """Each group's `group_size` trajectories (by index), in the order of `groups`."""
+        done: dict[str, Group] = {}
+        pending = list(groups)
+        running: dict[concurrent.futures.Future, tuple[_Bridge, BridgeClient, list[PromptGroup]]] = {}
+        while pending or running:
+            if pending:
+                shares = self._assign(pending, group_size)
+                for bridge, (client, share) in shares.items():
+                    future = self.pool.submit(self._stream, bridge, client, share, group_size, params, min_version,
+                                              policy)
+                    running[future] = (bridge, client, share)
+                if shares:
+                    pending = []
+                elif not running:
+                    self._wait_for_a_bridge()
+                    continue
+            finished, _ = concurrent.futures.wait(running, timeout=0.5 if pending else None,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                bridge, client, share = running.pop(future)
+                received, error = future.result()
+                by_group = collections.defaultdict(list)
+                for t in received:
+                    by_group[t.group_id].append(t)
+                unfinished = [g for g in share if len(by_group[g.group_id]) != group_size]
+                done.update({g.group_id: sorted(by_group[g.group_id], key=lambda t: t.index_in_group)
+                             for g in share if len(by_group[g.group_id]) == group_size})
+                if error is not None:
+                    self._failed(bridge, client, error)
+                    with self._changed:
+                        self.counts["re_requested"] += len(unfinished)
+                    log.warning("bridge %d at %s: %d unfinished group(s) requested again from the other bridges",
+                                bridge.index, bridge.address, len(unfinished))
+                pending += unfinished
+        return [done[g.group_id] for g in groups]
+
+    def _assign(self, groups: list[PromptGroup], group_size: int) -> dict[_Bridge, tuple[BridgeClient, list]]:
+        """Each group to the living bridge with the least outstanding; none when no bridge lives."""
+        shares: dict[_Bridge, tuple[BridgeClient, list]] = {}
+        with self._changed:
+            alive = [b for b in self.bridges if b.alive]
+            for g in groups if alive else ():
+                bridge = min(alive, key=lambda b: (b.outstanding, b.index))
+                bridge.outstanding += group_size
+                shares.setdefault(bridge, (bridge.client, []))[1].append(g)
+        return shares
+
+    def _stream(self, bridge: _Bridge, client: BridgeClient, groups: list[PromptGroup], group_size: int,
+                params: SamplingParams, min_version: int, policy: str) -> tuple[list[TrajectoryData], Exception | None]:
+        """The trajectories `bridge` streamed, and the BridgeUnavailable that cut them short, if one did."""
         r = self.cfg.rollout
-        shards = [list(range(i, len(tasks), len(self.clients))) for i in range(len(self.clients))]
+        received: list[TrajectoryData] = []
+        try:
+            for t in client.rollout(groups, group_size, params, min_policy_version=min_version, max_turns=r.max_turns,
+                                    max_total_tokens=r.max_total_tokens, timeout_s=self.cfg.rollout_timeout_s,
+                                    policy=policy):
+                received.append(t)
+                with self._changed:
+                    bridge.outstanding -= 1
+        except BridgeUnavailable as e:
+            return received, e
+        finally:
+            with self._changed:
+                bridge.outstanding -= len(groups) * group_size - len(received)
+        return received, None
 
-        def run(client: BridgeClient, idx: list[int]) -> list[TrajectoryData]:
-            groups = [PromptGroup(np.zeros(0, np.int32), group_ids[i], tasks[i][0], tasks[i][1]) for i in idx]
-            return list(client.rollout(groups, group_size, params, min_policy_version=min_version,
-                                       max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                       timeout_s=self.cfg.rollout_timeout_s, policy=policy))
+    def _failed(self, bridge: _Bridge, client: BridgeClient, error: BridgeUnavailable) -> None:
+        """A stream cut short: the bridge is dead, unless it was only the request's deadline that
+        passed and the bridge still answers (then the request is at fault, and `error` is raised)."""
+        if error.code is not None and error.code.name == "DEADLINE_EXCEEDED" and bridge.client is client:
+            try:
+                client.health(timeout_s=self.cfg.bridge.health_timeout_s)
+            except BridgeError:
+                pass
+            else:
+                raise error
+        self._mark_dead(bridge, client, f"stopped answering ({error})")
 
-        futures = [self.pool.submit(run, c, idx) for c, idx in zip(self.clients, shards) if idx]
-        by_group: dict[str, Group] = {g: [] for g in group_ids}
-        for f in futures:
-            for traj in f.result():
-                by_group[traj.group_id].append(traj)
-        return [sorted(by_group[g], key=lambda t: t.index_in_group) for g in group_ids]
+    def _mark_dead(self, bridge: _Bridge, client: BridgeClient, why: str) -> None:
+        process = self.started.bridges[bridge.index] if self.started is not None else None
+        if process is not None:
+            process.child.wait(0.2)  # a killed bridge's stream ends a moment before its process is reaped
+        with self._changed:
+            if self._closing.is_set() or not bridge.alive or bridge.client is not client:
+                return  # found dead already, or replaced since
+            if process is not None and process.proc.poll() is not None:
+                why = _exit_words(process.proc.returncode)
+            bridge.alive, bridge.died = False, why
+            bridge.tail = process.stderr_tail(10) if process is not None else ""
+            self.counts["deaths"] += 1
+            if not any(b.alive for b in self.bridges):
+                self._none_since = time.monotonic()
+            self._changed.notify_all()
+        client.close()  # ends its streams under way
+        log.warning("bridge %d at %s%s %s; %s", bridge.index, bridge.address,
+                    f" (pid {bridge.pid})" if bridge.pid else "", why,
+                    "restarting it" if process is not None else "waiting for it to answer again")
+
+    def _watch(self, bridge: _Bridge) -> None:
+        """Finds `bridge` dead (its process gone, a health check missed) and brings it back."""
+        period = min(1.0, self.cfg.bridge.health_timeout_s / 2)
+        while not self._closing.wait(period):
+            client = bridge.client
+            if bridge.alive:
+                why = self._check(bridge, client)
+                if why:
+                    self._mark_dead(bridge, client, why)
+            elif not bridge.down:
+                self._revive(bridge)
+
+    def _check(self, bridge: _Bridge, client: BridgeClient) -> str | None:
+        """Why `bridge` is dead, or None while it lives."""
+        if self.started is not None:
+            code = self.started.bridges[bridge.index].proc.poll()
+            if code is not None:
+                return _exit_words(code)
+        try:
+            client.health(timeout_s=self.cfg.bridge.health_timeout_s)
+        except BridgeUnavailable as e:
+            return f"missed a health check (bridge.health_timeout_s={self.cfg.bridge.health_timeout_s:g}: {e})"
+        except BridgeError:
+            pass  # it answers
+        return None
+
+    def _revive(self, bridge: _Bridge) -> None:
+        """A started bridge restarted, a running one probed; either given the newest snapshot, then work."""
+        pid = None
+        if self.started is not None:
+            try:
+                process = self.started.restart(bridge.index)
+            except ChildStartError as e:
+                log.warning("restarting bridge %d failed: %s", bridge.index, str(e).splitlines()[0])
+                return  # the next round tries again, counted against bridge.max_restarts
+            if process is None:
+                with self._changed:
+                    bridge.down = not self._closing.is_set()
+                    self._changed.notify_all()
+                if bridge.down:
+                    log.error("bridge %d kept dying: left down (bridge.max_restarts=%d within 10 minutes)",
+                              bridge.index, self.cfg.bridge.max_restarts)
+                return
+            address, pid = process.address, process.pid
+        else:
+            address = bridge.address
+        client = self._connect(address)
+        try:
+            client.health(timeout_s=self.cfg.bridge.health_timeout_s)
+            loaded = None
+            while True:
+                with self._changed:
+                    if self.snapshot == loaded and not self._closing.is_set():
+                        bridge.client, bridge.address, bridge.pid = client, address, pid
+                        bridge.alive, self._none_since = True, None
+                        self.counts["restarts" if pid else "returned"] += 1
+                        self._changed.notify_all()
+                        break
+                    if self._closing.is_set():
+                        client.close()
+                        return
+                    loaded = self.snapshot
+                client.load_snapshot(*loaded, timeout_s=self.cfg.bridge.start_timeout_s)
+        except BridgeError as e:
+            client.close()
+            if pid:
+                log.warning("bridge %d (pid %d) restarted but failed: %s", bridge.index, pid, e)
+            return
+        log.warning("bridge %d %s at %s%s, serving snapshot version %s", bridge.index,
+                    "restarted" if pid else "answers again", address, f" (pid {pid})" if pid else "",
+                    loaded[1] if loaded else "(none yet: the model)")
+
+    def _wait_for_a_bridge(self) -> None:
+        """Returns once a bridge lives; BridgesDown when none has for `bridge.grace_s`, or none can."""
+        grace = self.cfg.bridge.grace_s
+        with self._changed:
+            while not any(b.alive for b in self.bridges):
+                waited = time.monotonic() - (self._none_since or time.monotonic())
+                if self._closing.is_set() or all(b.down for b in self.bridges) or waited > grace:
+                    raise BridgesDown(self._down_message(waited))
+                self._changed.wait(min(1.0, grace - waited + 0.01))
+
+    def _down_message(self, waited: float) -> str:
+        b = self.cfg.bridge
+        if self._closing.is_set():
+            reason = "the rollout client was closed"
+        elif all(x.down for x in self.bridges):
+            reason = f"every bridge kept dying (bridge.max_restarts={b.max_restarts} within 10 minutes)"
+        else:
+            reason = f"none has served for {waited:.0f} s (bridge.grace_s={b.grace_s:g})"
+        died = "; ".join(f"bridge {x.index} at {x.address}{f' (pid {x.pid})' if x.pid else ''}: {x.died}"
+                         for x in self.bridges)
+        logs = ([p for p in (self.started.log_path(x.index) for x in self.bridges) if p]
+                if self.started is not None else [])
+        tails = "".join(f"\nbridge {x.index}'s log ends with:\n{x.tail}" for x in self.bridges if x.tail)
+        return f"no bridge left: {reason}; {died}" + (f" (logs: {', '.join(logs)})" if logs else "") + tails
+
+    def _living(self) -> list[tuple[_Bridge, BridgeClient]]:
+        with self._changed:
+            return [(b, b.client) for b in self.bridges if b.alive]
+
+    def _each(self, call, what: str) -> list:
+        """`call(client)` on every living bridge at once; a bridge that does not answer is dead (None)."""
+        def one(bridge_client):
+            bridge, client = bridge_client
+            try:
+                return call(client)
+            except BridgeUnavailable as e:
+                self._mark_dead(bridge, client, f"stopped answering during {what} ({e})")
+                return None
+
+        return list(self.pool.map(one, self._living()))
 
     def stats(self) -> list[dict[str, float]]:
-        """Every bridge's counters (`python -m bridge`'s Stats)."""
-        return list(self.pool.map(lambda c: c.stats(), self.clients))
+        """The living bridges' counters (`python -m bridge`'s Stats)."""
+        return [s for s in self._each(lambda c: c.stats(), "Stats") if s is not None]
 
     def load_snapshot(self, path: str, version: int) -> None:
-        list(self.pool.map(lambda c: c.load_snapshot(path, version, timeout_s=self.cfg.bridge.start_timeout_s),
-                           self.clients))
+        """Has every living bridge serve snapshot `version`; the others get it (or a newer one)
+        before they serve again."""
+        with self._changed:
+            self.snapshot = (path, version)
+        self._each(lambda c: c.load_snapshot(path, version, timeout_s=self.cfg.bridge.start_timeout_s),
+                   f"LoadSnapshot({version})")
+
+    def metrics(self) -> dict[str, float]:
+        """Bridges alive now; deaths, restarts (of the run's own), returns (of running ones) and
+        groups requested again, so far."""
+        with self._changed:
+            return {"bridges/alive": float(sum(b.alive for b in self.bridges)),
+                    **{f"bridges/{k}": float(self.counts[k]) for k in ("deaths", "restarts", "returned")},
+                    "groups/re_requested": float(self.counts["re_requested"])}
 
     def close(self) -> None:
+        self._closing.set()
+        with self._changed:
+            self._changed.notify_all()
+            clients = [b.client for b in self.bridges]
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for c in self.clients:
+        for c in clients:
             c.close()
+
+
+def _exit_words(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
 @dataclasses.dataclass(frozen=True)

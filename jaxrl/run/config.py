@@ -1,7 +1,8 @@
 """The training config: every key of `jaxrl train`, with its default and what it means.
 
-`jaxrl config` prints this file's defaults as commented YAML. A YAML config sets only what
-differs; `--set dotted.key=value` overrides on the command line. The resolved config is saved as
+`jaxrl config` prints this file's defaults as commented YAML. A YAML config (or a gin file: see
+jaxrl.run.gin_config) sets only what differs; `--set dotted.key=value` (or `--gin 'Class.key = value'`)
+overrides on the command line. The resolved config is saved as
 `config.yaml` in the run directory. Keys the run derives from others (`DERIVED`) are not user
 keys: setting one is an error naming the key to set instead.
 """
@@ -9,7 +10,7 @@ keys: setting one is an error naming the key to set instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -17,7 +18,8 @@ from typing import Any, ClassVar, Literal
 from bridge.envs.spec import BUNDLED_NAMES, ENV_REWARD, EnvSpec, RewardSpec
 from jaxrl.sharding import MeshConfig
 from jaxrl.train_step import LearnerConfig
-from jaxrl.run.typed_config import ConfigError, load
+from jaxrl.run.gin_config import gin_overrides
+from jaxrl.run.typed_config import ConfigError, apply_overrides, load
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 
@@ -47,7 +49,8 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class BridgeConfig:
     addresses: list[str] = _help(
-        "running bridges (host:port); empty: start one for this run; several: requests are spread over them. "
+        "running bridges (host:port); empty: start per_host for this run; several: groups go to the least loaded, "
+        "and a bridge that stops answering has its unfinished groups requested from the others. "
         "Each needs its token (token_file), the run's snapshot directory under its --snapshot-root, and serves a "
         "version no newer than the run's first (versions on a bridge only go forward: a new run, a new bridge)",
         default_factory=list)
@@ -68,6 +71,28 @@ class BridgeConfig:
     tool_parser: str = _help("tool-call format of the model family (qwen, hermes)", default="qwen")
     chat_template_kwargs: dict[str, Any] = _help("extra chat-template arguments, e.g. enable_thinking: false",
                                                  default_factory=dict)
+    per_host: int = _help("bridges the run starts on each host when `addresses` is empty, each its own process "
+                          "(with `devices`, its own GPUs); groups go to the least loaded", default=1)
+    devices: list[str] = _help(
+        "the GPUs of each started bridge, one entry per bridge (per_host of them), given to it as "
+        "CUDA_VISIBLE_DEVICES, e.g. ['0,1', '2,3'] for two vLLM bridges of two GPUs each; empty: every bridge "
+        "sees every device", default_factory=list)
+    health_timeout_s: float = _help(
+        "a bridge that does not answer a health check (or a ping while it streams) within this is dead: its "
+        "unfinished groups are requested again from the others", default=10.0)
+    max_restarts: int = _help("a started bridge that dies is restarted (and given the newest snapshot) at most "
+                              "this many times within 10 minutes; after that it is left down", default=3)
+    grace_s: float = _help("the run fails when no bridge has served for this long (none alive, none restarted "
+                           "meanwhile), naming the bridges that died and why", default=600.0)
+
+    def __post_init__(self):
+        if self.per_host < 1:
+            raise ValueError(f"per_host={self.per_host} must be >= 1")
+        if self.devices and len(self.devices) != self.per_host:
+            raise ValueError(f"devices lists {len(self.devices)} device group(s) but per_host={self.per_host}: "
+                             "give one per bridge, or none")
+        if self.health_timeout_s <= 0 or self.max_restarts < 0 or self.grace_s < 0:
+            raise ValueError("health_timeout_s must be > 0, max_restarts and grace_s >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +334,19 @@ class TrainConfig:
             optimizer=dataclasses.replace(lc.optimizer, total_steps=self.steps * lc.num_iterations))
 
 
-def load_config(path: str | Path | Mapping[str, Any], overrides: list[str] = ()) -> TrainConfig:
-    """The resolved training config from a YAML file (or a mapping of its keys), `--set` items or
-    (dotted key, value) pairs applied; ConfigError (one line naming the key) when it is wrong."""
-    return load(TrainConfig, path, overrides)
+def load_config(path: str | Path | Mapping[str, Any], overrides: list[str] = (),
+                gin_bindings: Sequence[str] = ()) -> TrainConfig:
+    """The resolved training config from a YAML or gin (`.gin`) file, or a mapping of its keys; then
+    `gin_bindings` (`--gin`, gin syntax) and `overrides` (`--set` items or (dotted key, value) pairs)
+    applied in that order; ConfigError (one line naming the key) when it is wrong."""
+    if isinstance(path, (str, Path)) and Path(path).suffix == ".gin":
+        data = apply_overrides({}, gin_overrides([path], gin_bindings, TrainConfig))
+        try:
+            return load(TrainConfig, data, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    pairs = gin_overrides([], gin_bindings, TrainConfig) if gin_bindings else []
+    return load(TrainConfig, path, [*pairs, *overrides])
 
 
 __all__ = ["ConfigError", "TrainConfig", "load_config"]

@@ -97,7 +97,7 @@ def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | 
     with contextlib.ExitStack() as stack:
         root = snapshot[0] if snapshot is not None else None
         started = start_services(cfg, Path(cfg.model.dir), logs, stack, token, root, bridge_env)
-        client = RolloutClient(started.addresses, cfg, token)
+        client = RolloutClient(started.addresses, cfg, token, started.bridges)
         stack.callback(client.close)
         version = 0
         if snapshot is not None:

@@ -11,13 +11,15 @@ out (normal return, exception or `sys.exit`).
         ...  # sessions over server.ws_url
 
 A run's bundled environment servers are kept running by `EnvServers`: one that exits is started
-again on its port, so the URL the bridge was given stays valid.
+again on its port, so the URL the bridge was given stays valid. Its bridges are held by
+`BridgeProcesses`, which restarts one when the run's rollout client finds it dead.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import ipaddress
 import json
 import logging
@@ -287,6 +289,76 @@ class BridgeProcess(ChildHandle):
         if self.client is not None:
             self.client.close()
         return code
+
+
+class BridgeProcesses:
+    """The bridges a run started, each kept with the arguments it was started with. `restart(i)`
+    stops bridge i (by PID; it may be hung rather than gone) and starts it again as it was, on a
+    fresh port; one restarted more than `max_restarts` times within `window_s` is left down. A
+    context manager: leaving it stops every bridge (a restart under way included).
+    """
+
+    def __init__(self, max_restarts: int = 3, window_s: float = 600.0):
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.bridges: list[BridgeProcess] = []
+        self._kwargs: list[dict] = []
+        self._restarts: list[collections.deque[float]] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def start(self, kwargs: Sequence[Mapping]) -> list[BridgeProcess]:
+        """Starts one bridge per `BridgeProcess.start` arguments in `kwargs`, all at once; if one
+        fails, the others are stopped and its BridgeStartError raised."""
+        with concurrent.futures.ThreadPoolExecutor(len(kwargs), thread_name_prefix="bridge-start") as pool:
+            futures = [pool.submit(BridgeProcess.start, **kw) for kw in kwargs]
+            concurrent.futures.wait(futures)
+        started = [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for bridge in started:
+                bridge.stop(grace_s=0.0)
+            raise failed[0]
+        with self._lock:
+            self.bridges += started
+            self._kwargs += [dict(kw) for kw in kwargs]
+            self._restarts += [collections.deque() for _ in kwargs]
+        return started
+
+    def restart(self, i: int) -> BridgeProcess | None:
+        """Bridge i stopped and started again (raises BridgeStartError like `start`); None when it
+        was restarted `max_restarts` times within `window_s` already, or the bridges are stopping."""
+        now = time.monotonic()
+        restarts = self._restarts[i]
+        while restarts and restarts[0] < now - self.window_s:
+            restarts.popleft()
+        self.bridges[i].stop(grace_s=0.0, term_s=1.0)
+        if len(restarts) >= self.max_restarts or self._stopping.is_set():
+            return None
+        restarts.append(now)
+        fresh = BridgeProcess.start(**self._kwargs[i])
+        with self._lock:
+            if self._stopping.is_set():
+                fresh.stop(grace_s=0.0)
+                return None
+            self.bridges[i] = fresh
+        return fresh
+
+    def log_path(self, i: int) -> str | None:
+        path = self._kwargs[i].get("log_path")
+        return None if path is None else str(path)
+
+    def __enter__(self) -> BridgeProcesses:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            bridges = list(self.bridges)
+        for bridge in bridges:
+            bridge.stop()
 
 
 class EnvServerDown(RuntimeError):

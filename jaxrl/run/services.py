@@ -1,6 +1,6 @@
-"""The processes a run talks to: its bundled environment servers (restarted when they die) and a
-bridge serving them (or the running bridges at `bridge.addresses`), checked before anything heavy
-and stopped with the run.
+"""The processes a run talks to: its bundled environment servers (restarted when they die) and
+`bridge.per_host` bridges serving them (or the running bridges at `bridge.addresses`), checked
+before anything heavy and stopped with the run.
 
 Bridges are locked (see `bridge.server`): the run gives the bridges it starts a fresh token of its
 own (through their environment), its snapshot directory as their only snapshot root, and limits
@@ -27,7 +27,7 @@ from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
 from bridge.wire import TOKEN_ENV, Limits, read_token_file
 from jaxrl.compilation import bucket
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.processes import BridgeProcess, EnvServers
+from jaxrl.run.processes import BridgeProcesses, EnvServers
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -141,19 +141,22 @@ def _check_health(url: str, timeout_s: float) -> None:
 
 @dataclasses.dataclass
 class Services:
-    """What `start_services` started: the bridges to request from, and the bundled environment
-    servers it keeps running (their `check()` and `metrics()` for the train loop)."""
+    """What `start_services` started: the bridges to request from (those it started, restartable,
+    in `bridges`), and the bundled environment servers it keeps running (their `check()` and
+    `metrics()` for the train loop)."""
 
     addresses: list[str]
     env_servers: EnvServers
+    bridges: BridgeProcesses | None = None
 
 
 def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack, token: str,
                    snapshot_root: Path | None = None, bridge_env: dict[str, str] | None = None) -> Services:
-    """Starts the run's bundled environment servers and a bridge serving every environment (with
-    `bridge_env` added to its environment), unless `bridge.addresses` names running bridges (which
-    serve their own `--envs`). The bridge requires `token` and loads snapshots from under
-    `snapshot_root` only (none: it serves the model). Each child is stopped when `stack` closes."""
+    """Starts the run's bundled environment servers and `bridge.per_host` bridges serving every
+    environment (with `bridge_env` added to their environment, and each its `bridge.devices`),
+    unless `bridge.addresses` names running bridges (which serve their own `--envs`). The bridges
+    require `token` and load snapshots from under `snapshot_root` only (none: they serve the model).
+    Each child is stopped when `stack` closes."""
     env_servers = stack.enter_context(EnvServers())
     if cfg.bridge.addresses:
         return Services(list(cfg.bridge.addresses), env_servers)
@@ -170,12 +173,16 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
         "envs": specs, "rewards": [dataclasses.asdict(r) for r in cfg.rewards],
         "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
     }, indent=1))
-    bridge = stack.enter_context(BridgeProcess.start(
-        model_dir, engine=cfg.bridge.engine, max_batch=cfg.bridge.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
-        engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=cfg.bridge.start_timeout_s,
-        env=bridge_env, log_path=logs / "bridge.log", token=token,
-        snapshot_roots=[snapshot_root] if snapshot_root is not None else [], limits=bridge_limits(cfg)))
-    return Services([bridge.address], env_servers)
+    b = cfg.bridge
+    bridges = stack.enter_context(BridgeProcesses(max_restarts=b.max_restarts))
+    common = dict(model=model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
+                  engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=b.start_timeout_s, token=token,
+                  snapshot_roots=[snapshot_root] if snapshot_root is not None else [], limits=bridge_limits(cfg))
+    started = bridges.start([
+        {**common, "log_path": logs / ("bridge.log" if i == 0 else f"bridge-{i}.log"),
+         "env": {**(bridge_env or {}), **({"CUDA_VISIBLE_DEVICES": b.devices[i]} if b.devices else {})}}
+        for i in range(b.per_host)])
+    return Services([bridge.address for bridge in started], env_servers, bridges)
 
 
 def _episodes_per_step(cfg: TrainConfig) -> int:

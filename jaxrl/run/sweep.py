@@ -11,7 +11,13 @@ grid:                            # the cartesian product, in key order ...
 #   - {learner.optimizer.learning_rate: 1e-5, learner.group_size: 4}
 set: {steps: 50}                 # set in every run
 metric: reward/mean              # the metric the runs are compared on
+launcher: local                  # local (this machine) or slurm (one SLURM job per run)
+parallel: 2                      # local: runs at once, each on its own CPUs (and GPUs)
+# slurm: {partition: gpu, nodes: 1, gpus_per_node: 8, time_min: 240, sbatch: {qos: high}}
 ```
+
+The base may be a gin file, and then the keys may be gin binding names too
+(`OptimizerConfig.learning_rate: [1e-5, 3e-5]`).
 
 Each run is named after the values that vary (`learning_rate=1e-05_group_size=8`) and gets
 OUT/<run>/config.yaml, the base config with the run's overrides and its run directory set.
@@ -21,19 +27,25 @@ Every config is resolved (validated) before the first run starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import json
+import os
 import re
 import shlex
 import signal
-import subprocess
+import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from jaxrl.run.launchers import LocalRun, SlurmSpec, cancel_slurm, launch_local, launch_slurm, read_state, slurm_states
 from jaxrl.run.report import compare_runs
 from jaxrl.run.run_dir import RunDir
-from jaxrl.run.typed_config import ConfigError, dump_yaml, load
+from jaxrl.run.tracking import read_metrics
+from jaxrl.run.typed_config import ConfigError, dump_yaml, load, read_yaml
 
 # resolve(base config path, [(dotted.key, value), ...]) -> the run's validated config as a dict.
 Resolve = Callable[[Path, list[tuple[str, Any]]], dict]
@@ -51,6 +63,11 @@ class SweepSpec:
     set: dict[str, Any] = dataclasses.field(
         default_factory=dict, metadata={"help": "dotted.key: value set in every run."})
     metric: str = dataclasses.field(default="reward/mean", metadata={"help": "The metric the runs are compared on."})
+    launcher: Literal["local", "slurm"] = dataclasses.field(
+        default="local", metadata={"help": "local: on this machine; slurm: one SLURM job per run (submitit)."})
+    parallel: int = dataclasses.field(
+        default=1, metadata={"help": "local: runs at once, each on its share of the CPUs and GPUs."})
+    slurm: SlurmSpec = dataclasses.field(default_factory=SlurmSpec, metadata={"help": "slurm: the jobs' resources."})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,51 +167,166 @@ def write_configs(runs: Sequence[SweepRun], resolve: Resolve, run_dir_key: str =
 
 
 def run_sweep(spec_path: str | Path, resolve: Resolve, dry_run: bool, train_command: Sequence[str],
-              run_dir_key: str = "run_dir") -> int:
+              run_dir_key: str = "run_dir", launcher: str | None = None, parallel: int | None = None,
+              wait: bool = True, cancel_on_interrupt: bool = False) -> int:
     """Writes the configs, then (unless `dry_run`, which prints the commands) trains the runs.
 
-    Runs go one after another as `train_command + [config_path]`, their output streamed; a
-    failed run is recorded and the sweep goes on. At the end the runs are compared
-    (report.compare_runs into out_dir) and the table printed. Returns the exit code: 0, 1 if
-    a run failed, 130 if interrupted.
+    Each run is `train_command + [config_path]` (with `--resume` on SLURM, so that a requeued job
+    continues), launched by the sweep's `launcher` (or this one) with its `parallel` (or this); a
+    failed run is recorded and the sweep goes on. OUT/sweep.json lists the runs (and their jobs) for
+    `jaxrl sweep status` and `report`. When the runs are over (or, on SLURM, with `wait` False, as
+    soon as they are submitted) the finished ones are compared (report.compare_runs into out_dir).
+    Returns the exit code: 0, 1 if a run failed, 130 if interrupted. Ctrl-C stops local runs at a
+    checkpoint; SLURM jobs keep running unless `cancel_on_interrupt`.
     """
     spec, runs = expand(spec_path)
+    spec = dataclasses.replace(spec, launcher=launcher or spec.launcher, parallel=parallel or spec.parallel)
+    if spec.parallel < 1:
+        raise ConfigError(f"parallel={spec.parallel}: run at least 1 run at a time")
     commands = write_configs(runs, resolve, run_dir_key)
     if dry_run:
         print("\n".join(commands))
         return 0
-    failed, code = [], 0
-    for number, run in enumerate(runs, 1):
-        print(f"sweep {spec.name}: run {number}/{len(runs)}: {run.name}", file=sys.stderr, flush=True)
-        try:
-            status = _run([*train_command, str(run.config_path)])
-            if status in (130, -signal.SIGINT):  # the run was Ctrl-C'd (its exit can beat our own handler)
-                raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            print(f"sweep {spec.name}: interrupted during {run.name}; the later runs did not start", file=sys.stderr)
-            code = 130
-            break
-        if status != 0:
-            failed.append(run.name)
-            print(f"sweep {spec.name}: {run.name} failed (exit code {status}); going on", file=sys.stderr, flush=True)
-    table, plot = compare_runs({run.name: run.run_dir for run in runs}, spec.out_dir, metric=spec.metric)
-    print(f"{table}\n\nplot: {plot}\nsummary: {Path(spec.out_dir) / 'summary.md'}")
-    if failed:
-        print(f"sweep {spec.name}: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}", file=sys.stderr)
-    return code or (1 if failed else 0)
+    out_dir = Path(spec.out_dir)
+    say = functools.partial(_say, spec.name)
+    if spec.launcher == "slurm":
+        command = [*train_command, "--resume"]
+        jobs = launch_slurm([LocalRun(r.name, [*command, str(r.config_path.absolute())], r.run_dir.absolute())
+                             for r in runs], spec.slurm, out_dir.absolute() / "slurm", spec.name)
+        _write_manifest(spec, runs, jobs)
+        say(f"submitted {len(jobs)} SLURM jobs: {', '.join(jobs)} (logs: {out_dir / 'slurm'}); "
+            f"`jaxrl sweep status {out_dir}` shows them")
+        code = _follow(spec, runs, jobs, say, cancel_on_interrupt) if wait else 0
+    else:
+        _write_manifest(spec, runs, None)
+        codes, interrupted = launch_local([LocalRun(r.name, [*train_command, str(r.config_path)], r.run_dir)
+                                           for r in runs], spec.parallel, say)
+        if interrupted:
+            not_run = [r.name for r in runs if r.name not in codes]
+            say("interrupted" + (f"; these runs did not start: {', '.join(not_run)}" if not_run else ""))
+        failed = [name for name, c in codes.items() if c not in (0, 130, -signal.SIGINT)]
+        if failed:
+            say(f"{len(failed)} of {len(runs)} runs failed: {', '.join(failed)}")
+        code = 130 if interrupted else 1 if failed else 0
+    print(report(out_dir))
+    return code
 
 
-def _run(command: list[str]) -> int:
-    """Runs `command` on this process's stdout and stderr; returns its exit code."""
+def _follow(spec: SweepSpec, runs: Sequence[SweepRun], jobs: Sequence[str], say, cancel: bool) -> int:
+    """Waits for the SLURM jobs, saying each run's state change; 1 if one failed, 130 after Ctrl-C."""
+    seen: dict[str, str] = {}
     try:
-        proc = subprocess.Popen(command)
-    except OSError as e:
-        print(f"sweep: cannot start {shlex.join(command)}: {e.strerror}", file=sys.stderr)
-        return 127  # the shell's code for a command that cannot run
-    with proc:
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            # The run got the same Ctrl-C: let it shut down its bridge and environment servers.
-            proc.wait()
-            raise
+        while True:
+            rows = status(spec.out_dir)
+            for row in rows:
+                if seen.get(row.name) != row.state:
+                    seen[row.name] = row.state
+                    say(f"{row.name}: {row.state}" + (f" ({row.detail})" if row.detail else ""))
+            if all(row.state in FINAL for row in rows):
+                return 1 if any(row.state != "done" for row in rows) else 0
+            time.sleep(5)
+    except KeyboardInterrupt:
+        if cancel:
+            cancel_slurm(jobs)
+            say(f"interrupted: cancelled jobs {', '.join(jobs)}")
+        else:
+            say(f"interrupted: the jobs keep running (scancel {' '.join(jobs)} to stop them); "
+                f"`jaxrl sweep status {spec.out_dir}` and `jaxrl sweep report {spec.out_dir}` follow them")
+        return 130
+
+
+def _say(name: str, text: str) -> None:
+    print(f"sweep {name}: {text}", file=sys.stderr, flush=True)
+
+
+# ---- what a sweep directory holds -------------------------------------------------------
+
+MANIFEST = "sweep.json"
+FINAL = ("done", "failed", "stopped")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus:
+    name: str
+    state: str  # queued, running, done, failed, stopped
+    step: int  # the last step it logged
+    steps: int  # the steps it trains
+    detail: str  # the job, the error line
+
+
+def _write_manifest(spec: SweepSpec, runs: Sequence[SweepRun], jobs: Sequence[str] | None) -> None:
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, run in enumerate(runs):
+        steps = read_yaml(run.config_path).get("steps")
+        entries.append({"name": run.name, "run_dir": str(run.run_dir.absolute()), "steps": steps,
+                        "job_id": jobs[i] if jobs else None})
+    (out / MANIFEST).write_text(json.dumps({"name": spec.name, "launcher": spec.launcher, "metric": spec.metric,
+                                            "runs": entries}, indent=1))
+
+
+def _manifest(out_dir: str | Path) -> dict:
+    path = Path(out_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{out_dir} is not a launched sweep's directory (no {MANIFEST}): give the sweep's "
+                          "out_dir") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+
+
+def status(out_dir: str | Path) -> list[RunStatus]:
+    """Each run's state: queued (not started, or its job pending), running (with its last step),
+    done, failed (with its error line) or stopped (by a signal, or its launcher went away)."""
+    manifest = _manifest(out_dir)
+    jobs = slurm_states([r["job_id"] for r in manifest["runs"] if r["job_id"]])
+    rows = []
+    for entry in manifest["runs"]:
+        run_dir = Path(entry["run_dir"])
+        rows_logged = read_metrics(run_dir) if RunDir(run_dir).metrics.exists() else []
+        step = rows_logged[-1]["step"] if rows_logged else 0
+        job = jobs.get(entry["job_id"] or "")
+        state = read_state(run_dir) or {}
+        detail = f"job {entry['job_id']}" if entry["job_id"] else ""
+        if job in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"):
+            name = "queued"
+        elif job is not None or (state.get("state") == "running" and _alive(state)):
+            name = "running"
+        elif state.get("state") == "running":  # its process or job is gone without a word
+            name, detail = "stopped", "its process or job ended without recording how"
+        else:
+            name = state.get("state", "queued")
+            if name in ("failed", "stopped") and state.get("error"):
+                detail = f"exit code {state['exit_code']}: {state['error']}"
+        rows.append(RunStatus(entry["name"], name, step, entry["steps"] or 0, detail))
+    return rows
+
+
+def _alive(state: dict) -> bool:
+    """Whether a local run's process still runs (a run on another host is taken at its word)."""
+    if state.get("job_id") or state.get("host") != socket.gethostname() or not state.get("pid"):
+        return True
+    try:
+        os.kill(state["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def status_table(rows: Sequence[RunStatus]) -> str:
+    lines = [("run", "state", "step", "detail")]
+    lines += [(r.name, r.state, f"{r.step}/{r.steps}", r.detail) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(3)]
+    return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in lines)
+
+
+def report(out_dir: str | Path) -> str:
+    """Compares the sweep's runs (those not finished with what they logged so far): OUT/summary.md and
+    OUT/compare_reward.png; returns the table with where they are."""
+    manifest = _manifest(out_dir)
+    table, plot = compare_runs({r["name"]: r["run_dir"] for r in manifest["runs"]}, out_dir, metric=manifest["metric"])
+    return f"{table}\n\nplot: {plot}\nsummary: {Path(out_dir) / 'summary.md'}"

@@ -174,7 +174,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             if primary:
                 tokenizer.save_pretrained(run.tokenizer)
-            client = RolloutClient(started.result().addresses, cfg, token)
+            client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
         summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
@@ -341,7 +341,8 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
             collector.prefetch_next(r.step + 1, r.version)
         trajs = [t for g in result.groups for t in g]
         t1 = time.perf_counter()
-        step = exchange_step(exchange, result, prompt_width(trajs, cfg), stop.requested, r.env_servers.metrics(),
+        step = exchange_step(exchange, result, prompt_width(trajs, cfg), stop.requested,
+                             r.env_servers.metrics() | r.client.metrics(),
                              {"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
                               "time/env_s": result.env_s})
         agreed_stop = step.stop
@@ -429,7 +430,7 @@ def _sample_rows(result: StepRollouts, tokenizer, k: int) -> list[dict[str, Any]
     rows = []
     for group in result.groups[:k]:
         t = group[0]
-        rows.append({"env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
+        rows.append({"group_id": t.group_id, "env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
                      "prompt": tokenizer.decode(t.prompt_ids), "completion": tokenizer.decode(t.completion_ids)})
     return rows
 

@@ -393,7 +393,7 @@ def _describe_lines(cls, values: Mapping[str, Any], pad: str, hidden: set[str] =
             continue
         tp = hints[name]
         lines += [f"{pad}# {line}" for line in field.metadata.get("help", "").splitlines()]
-        section = _section_type(tp)
+        section = section_type(tp)
         if name not in values:
             if section is not None:
                 lines.append(f"{pad}{name}:  # required")
@@ -445,7 +445,7 @@ def _label(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _section_type(tp):
+def section_type(tp):
     """The dataclass of a `Section` or `Section | None` annotation, else None."""
     options = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
     sections = [o for o in options if dataclasses.is_dataclass(o)]
