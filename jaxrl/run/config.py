@@ -182,7 +182,7 @@ class DistributedConfig:
                        "says the run has more than one process; false: one process unless coordinator or "
                        "num_processes is set", default=True)
     timeout_s: int = _help("how long a process waits for the others: at start-up, and for their share of a "
-                           "step", default=600)
+                           "step (process 0's evaluations included: it alone evaluates)", default=1800)
 
     def __post_init__(self):
         if self.num_processes is not None and self.num_processes < 1:
