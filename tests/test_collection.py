@@ -43,7 +43,7 @@ def test_metrics_per_environment_and_counts():
     cfg = config()
     result = StepRollouts([[traj("a", 0, [1], [1, 2], [1, 1], {"env": 1.0}), traj("a", 1, [1], [3], [1], {"env": 0.0})]],
                           collections.Counter(episodes=2, groups_zero_variance=1), 1.0, 0.7, 0.3)
-    m = rollout_metrics(result, cfg)
+    m = rollout_metrics([t for g in result.summaries() for t in g], result.counts, cfg)
     assert m["reward/mean"] == 0.5 and m["env/coin/success"] == 0.5 and m["env/coin/tool_calls"] == 1.0
     assert m["rollout/groups_zero_variance"] == 1 and m["completion/model_tokens"] == 1.5
 
@@ -53,7 +53,7 @@ def test_session_waits_are_the_steps_totals():
     result = StepRollouts([[traj("a", 0, [1], [2], [1], {"env": 1.0}, **waited),
                             traj("a", 1, [1], [2], [1], {"env": 1.0}, **waited, action_errors=1.0)],
                            [traj("b", 0, [1], [2], [1], {"env": 1.0}, env="dice")]], collections.Counter(), 1.0, 0.5, 0.5)
-    m = rollout_metrics(result, config())
+    m = rollout_metrics([t for g in result.summaries() for t in g], result.counts, config())
     assert (m["env/coin/pool_waits"], m["env/coin/pool_wait_s"], m["env/coin/capacity_refusals"]) == (2.0, 1.0, 4.0)
     assert m["env/coin/action_errors"] == 0.5 and "env/dice/pool_wait_s" not in m
 

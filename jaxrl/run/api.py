@@ -12,7 +12,8 @@ learner's weights, evaluate; or the processes alone: `BridgeProcess`, `EnvServer
 `BridgeClient`), learner batches from trajectories (`rl_batch`), trajectories on
 disk (`save_trajectories` / `load_trajectories`), metrics and reports (`MetricsLogger`,
 `read_metrics`, `compare_runs`, `summary_table`), a run's weights as a model directory
-(`export`); `restart_tuned()` first thing in a script runs it under the malloc settings
+(`export`), what the processes of a multi-host run exchange each step (`Exchange`,
+`exchange_step`: episode summaries of a `StepRollouts`, counts; `rollout_metrics` of them); `restart_tuned()` first thing in a script runs it under the malloc settings
 `jaxrl train` uses (XLA reuses its scratch memory). Custom rollout functions (an environment's `rollout_fn`) run in the bridge and use
 `bridge.envs.rollout_fn`. Everything else in `jaxrl.run`
 is private to the project and may change.
@@ -36,8 +37,9 @@ from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run.batches import rl_batch
-from jaxrl.run.collection import RolloutClient
+from jaxrl.run.collection import RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
+from jaxrl.run.distributed import Exchange, exchange_step
 from jaxrl.run.evaluation import EvalResult, evaluate_weights
 from jaxrl.run.evaluation import evaluate as evaluate_on
 from jaxrl.run.export import export
@@ -53,10 +55,10 @@ from jaxrl.sharding import make_mesh
 from jaxrl.snapshots import SnapshotWriter, snapshot_versions
 
 __all__ = [
-    "Bridge", "BridgeClient", "BridgeProcess", "ConfigError", "EnvServerProcess", "EvalResult", "Learner",
-    "MetricsLogger", "PromptGroup", "SamplingParams", "StartupError", "Task", "TrainConfig", "TrajectoryData",
-    "compare_runs", "config", "evaluate", "export", "load_learner", "load_trajectories", "make_learner",
-    "read_metrics", "restart_tuned", "rl_batch", "save_learner", "save_trajectories", "start_bridge", "summary_table", "train",
+    "Bridge", "BridgeClient", "BridgeProcess", "ConfigError", "EnvServerProcess", "EvalResult", "Exchange", "Learner",
+    "MetricsLogger", "PromptGroup", "SamplingParams", "StartupError", "StepRollouts", "Task", "TrainConfig",
+    "TrajectoryData", "compare_runs", "config", "evaluate", "exchange_step", "export", "load_learner",
+    "load_trajectories", "make_learner", "read_metrics", "restart_tuned", "rl_batch", "rollout_metrics", "save_learner", "save_trajectories", "start_bridge", "summary_table", "train",
 ]
 
 

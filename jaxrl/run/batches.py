@@ -60,12 +60,19 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
     return batch
 
 
-def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int) -> dict[str, np.ndarray]:
-    """A training step's batch as `cfg` shapes it: groups_per_step x group_size rows (rows beyond
-    `trajs` are padding), prompts `rollout.max_prompt_tokens` wide (one shape for the whole run; a
-    longer prompt widens its step), completions `rollout.max_total_tokens` wide, rewards weighed
+def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, rows: int | None = None,
+             prompt_len: int | None = None) -> dict[str, np.ndarray]:
+    """A training step's batch as `cfg` shapes it: groups_per_step x group_size rows (or `rows`, a
+    process's share of them; rows beyond `trajs` are padding), prompts `rollout.max_prompt_tokens`
+    wide (one shape for the whole run; a longer prompt widens its step, to `prompt_len` when the
+    processes of a run agreed on one), completions `rollout.max_total_tokens` wide, rewards weighed
     by `rewards[]`, sampler logprobs when the loss corrects by importance sampling."""
-    prompt_len = max([cfg.rollout.max_prompt_tokens] + [len(t.prompt_ids) for t in trajs])
-    return learner_batch(trajs, cfg.groups_per_step_rows, prompt_len, cfg.rollout.max_total_tokens, pad_id,
-                         RewardWeights(cfg.rewards), sampler_logp=cfg.learner.loss.is_level != "none",
-                         mask_truncated=cfg.rollout.drop_truncated)
+    prompt_len = prompt_width(trajs, cfg) if prompt_len is None else prompt_len
+    return learner_batch(trajs, cfg.groups_per_step_rows if rows is None else rows, prompt_len,
+                         cfg.rollout.max_total_tokens, pad_id, RewardWeights(cfg.rewards),
+                         sampler_logp=cfg.learner.loss.is_level != "none", mask_truncated=cfg.rollout.drop_truncated)
+
+
+def prompt_width(trajs: Sequence[TrajectoryData], cfg: TrainConfig) -> int:
+    """The prompt width `trajs` need: `rollout.max_prompt_tokens`, or their longest prompt."""
+    return max([cfg.rollout.max_prompt_tokens] + [len(t.prompt_ids) for t in trajs])

@@ -15,12 +15,19 @@ import yaml
 from jaxrl.host_memory import restart_tuned
 
 
+# `jaxrl train` flag -> the config key it sets (per process, so flags rather than the shared config)
+DISTRIBUTED_FLAGS = {"coordinator": "distributed.coordinator", "num_processes": "distributed.num_processes",
+                     "process_id": "distributed.process_id"}
+
+
 def _load_train_config(args, prog: str):
     from jaxrl.run.config import load_config
     from jaxrl.run.typed_config import ConfigError
 
+    flags = [f"{key}={getattr(args, flag)}" for flag, key in DISTRIBUTED_FLAGS.items()
+             if getattr(args, flag, None) is not None]
     try:
-        return load_config(args.config, args.set or [], args.gin or [])
+        return load_config(args.config, [*(args.set or []), *flags], args.gin or [])
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
@@ -61,13 +68,25 @@ def _train(args) -> int:
         return 130
     except Exception as e:
         print(f"jaxrl train: error: {_failure_line(e, cfg.run_dir)} (traceback: {_save_traceback(e, cfg.run_dir)})",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
+        _leave_the_others()
         return 1
     stopped = summary.get("stopped")
     if args.replay is not None and not stopped:
         return _compare_replay(args.replay, cfg, summary)
     print(json.dumps(summary), flush=True)
     return 128 + signal.Signals[stopped] if stopped else 0
+
+
+def _leave_the_others() -> None:
+    """A process of a multi-host run that failed exits now, without jax.distributed's shutdown
+    barrier (which would hold it for minutes, waiting for processes that wait for it): the
+    coordinator sees its heartbeats stop and ends the others (`distributed` in the README)."""
+    import jax
+
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def _failure_line(e: BaseException, run_dir: str) -> str:
@@ -344,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--gin", action="append", metavar="BINDING",
                     help="override in gin syntax, e.g. 'OptimizerConfig.learning_rate = 1e-5' (before --set), repeatable")
     tr.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
+    tr.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="several processes: process 0's address and a free port, the same for every process")
+    tr.add_argument("--num-processes", type=int, metavar="N", help="several processes: how many")
+    tr.add_argument("--process-id", type=int, metavar="I", help="several processes: this one's index, 0 to N - 1")
     tr.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="held-out episodes of a run or a model against its environments")

@@ -17,6 +17,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -46,6 +47,9 @@ class StepRollouts:
     wall_s: float
     generate_s: float  # the wall time split by the episodes' own generate/env shares
     env_s: float
+
+    def summaries(self) -> list[list[EpisodeSummary]]:
+        return [[EpisodeSummary.of(t) for t in g] for g in self.groups]
 
 
 class BridgesDown(RuntimeError):
@@ -355,11 +359,32 @@ def _exit_words(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
-class Collector:
-    """One step's groups: request, filter, refill; in async mode the next step is prefetched."""
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """The groups of every step that one process of a run collects: slots [first, first + count) of
+    the step's `total`, and for refills slots past `total`, interleaved with the other processes'
+    (whose shares are as large), so that group ids never collide. One process: slots 0, 1, 2..."""
 
-    def __init__(self, cfg: TrainConfig, client: RolloutClient, tasks: TaskSource, stop_ids: tuple[int, ...]):
+    first: int
+    count: int
+    total: int
+
+    def slot(self, i: int) -> int:
+        """The slot (group id STEP-SLOT, task) of this share's i-th group of a step."""
+        if i < self.count:
+            return self.first + i
+        return self.total + (i - self.count) * (self.total // self.count) + self.first // self.count
+
+
+class Collector:
+    """One step's groups (this process's share of them): request, filter, refill; in async mode the
+    next step is prefetched."""
+
+    def __init__(self, cfg: TrainConfig, client: RolloutClient, tasks: TaskSource, stop_ids: tuple[int, ...],
+                 share: Share | None = None):
         self.cfg = cfg
+        g = cfg.rollout.groups_per_step
+        self.share = Share(0, g, g) if share is None else share
         self.client = client
         self.tasks = tasks
         self.rewards = RewardWeights(cfg.rewards)
@@ -398,16 +423,17 @@ class Collector:
 
     def _collect(self, step: int, min_version: int, learner_version_at_use: int) -> StepRollouts:
         r = self.cfg.rollout
-        need, slot = r.groups_per_step, 0
+        need, taken = self.share.count, 0
         kept: list[Group] = []
         counts: collections.Counter = collections.Counter()
         start = time.perf_counter()
         gen = env = 0.0
         for attempt in range(r.max_refills + 1):
             n = need - len(kept)
-            tasks = [self.tasks.train(step, slot + i) for i in range(n)]
-            ids = [f"{step}-{slot + i}" for i in range(n)]
-            slot += n
+            slots = [self.share.slot(taken + i) for i in range(n)]
+            tasks = [self.tasks.train(step, slot) for slot in slots]
+            ids = [f"{step}-{slot}" for slot in slots]
+            taken += n
             groups = self.client.request(tasks, ids, self.cfg.learner.group_size, self.params, min_version)
             counts["requests"] += 1
             episodes = [t for g in groups for t in g]
@@ -519,11 +545,31 @@ def check_rewards(episodes: list[TrajectoryData]) -> None:
                 raise error(t.error[len(prefix):])
 
 
-def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
-    """Rewards (summed and per function), per-environment reward/success/tool use, lengths, counts."""
+@dataclasses.dataclass(frozen=True)
+class EpisodeSummary:
+    """What a step's metrics read of one trajectory: small enough for the processes of a
+    multi-host run to exchange every step (jaxrl.run.distributed), where a trajectory is not."""
+
+    env: str
+    rewards: dict[str, float]
+    metrics: dict[str, float]
+    finish_reason: str
+    num_turns: int
+    model_tokens: int
+    total_tokens: int
+    policy_version: int
+
+    @classmethod
+    def of(cls, t: TrajectoryData) -> EpisodeSummary:
+        return cls(t.env, dict(t.rewards), dict(t.metrics), t.finish_reason, t.num_turns, int(t.loss_mask.sum()),
+                   len(t.completion_ids), t.policy_version)
+
+
+def rollout_metrics(trajs: list[EpisodeSummary], counts: Mapping[str, float], cfg: TrainConfig) -> dict[str, float]:
+    """Rewards (summed and per function), per-environment reward/success/tool use, lengths, and the
+    step's `counts`, of the episodes kept for training."""
     weights = RewardWeights(cfg.rewards)
-    trajs = [t for g in result.groups for t in g]
-    out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in result.counts.items()}
+    out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in counts.items()}
     if not trajs:
         return out
     summed = [weights.total(t.rewards) for t in trajs]
@@ -554,9 +600,8 @@ def rollout_metrics(result: StepRollouts, cfg: TrainConfig) -> dict[str, float]:
             if total:
                 out[f"env/{env}/{m}"] = float(total)
         out[f"env/{env}/episodes"] = float(len(ts))
-    model_tokens = [int(t.loss_mask.sum()) for t in trajs]
-    out["completion/model_tokens"] = float(np.mean(model_tokens))
-    out["completion/total_tokens"] = float(np.mean([len(t.completion_ids) for t in trajs]))
+    out["completion/model_tokens"] = float(np.mean([t.model_tokens for t in trajs]))
+    out["completion/total_tokens"] = float(np.mean([t.total_tokens for t in trajs]))
     out["completion/turns"] = float(np.mean([t.num_turns for t in trajs]))
     out["completion/truncated"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
     versions = [t.policy_version for t in trajs]

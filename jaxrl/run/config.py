@@ -167,6 +167,37 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """One run over several processes (hosts): see jaxrl.run.distributed. Launch settings, not the run's:
+    a run resumes on another process count, and config.yaml keeps none of them."""
+
+    coordinator: str | None = _help(
+        "host:port of process 0's jax.distributed coordinator (every process gives the same); null: the one "
+        "the cluster environment gives (SLURM, Open MPI, TPU pods), else one process", default=None)
+    num_processes: int | None = _help("processes in the run (flag --num-processes); null: from the cluster "
+                                      "environment", default=None)
+    process_id: int | None = _help("this process's index, 0 to num_processes - 1 (flag --process-id); null: "
+                                   "from the cluster environment", default=None)
+    auto: bool = _help("initialise jax.distributed when the cluster environment (SLURM, Open MPI, a TPU pod) "
+                       "says the run has more than one process; false: one process unless coordinator or "
+                       "num_processes is set", default=True)
+    timeout_s: int = _help("how long a process waits for the others: at start-up, and for their share of a "
+                           "step (process 0's evaluations included: it alone evaluates)", default=1800)
+
+    def __post_init__(self):
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"distributed.num_processes={self.num_processes} must be >= 1")
+        if self.process_id is not None and not (
+                0 <= self.process_id < (self.num_processes if self.num_processes is not None else 2 ** 31)):
+            raise ValueError(f"distributed.process_id={self.process_id} must be in [0, num_processes="
+                             f"{self.num_processes})")
+        if self.coordinator is not None and ":" not in self.coordinator:
+            raise ValueError(f"distributed.coordinator={self.coordinator!r} must be host:port")
+        if self.timeout_s < 1:
+            raise ValueError(f"distributed.timeout_s={self.timeout_s} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     run_dir: str = _help("where checkpoints, snapshots, metrics and plots go")
     model: ModelConfig = _help("the policy model")
@@ -188,6 +219,7 @@ class TrainConfig:
     eval: EvalConfig = _help("held-out evaluation", default_factory=EvalConfig)
     sft: SFTConfig = _help("supervised warm start before RL", default_factory=SFTConfig)
     log: LogConfig = _help("what the run shows and writes", default_factory=LogConfig)
+    distributed: DistributedConfig = _help("several processes (hosts) in one run", default_factory=DistributedConfig)
     sync_every: int = _help("publish weights to the bridge every N steps", default=1)
     snapshot_dir: str | None = _help(
         "where weight snapshots go while the run trains (every bridge must read it); null: a directory of "

@@ -5,7 +5,7 @@ on: other versions may compile other kernels and round differently (see `jaxrl t
 ```
 {"seeds": {"seed": 0, "data.seed": 0, "model.tiny.seed": 0, "envs.echo.seed": 0, "sampling": "..."},
  "sessions": [{"started": "2026-11-22T20:01:02+00:00", "start_step": 0, "python": "3.11.7",
-               "platform": "Linux x86_64", "devices": "cpu x8", "packages": {"jax": "0.10.2", ...}}]}
+               "processes": 1, "platform": "Linux x86_64", "devices": "cpu x8", "packages": {"jax": "0.10.2", ...}}]}
 ```
 """
 
@@ -65,7 +65,7 @@ def record_session(run: RunDir, cfg: TrainConfig, start_step: int | None) -> Non
         record = json.loads(path.read_text())
     record["sessions"].append({
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "start_step": start_step or 0, **environment()})
+        "start_step": start_step or 0, "processes": jax.process_count(), **environment()})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)

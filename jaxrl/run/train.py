@@ -8,6 +8,12 @@ Weight versions: the bridge starts serving version 0 (the model directory); the 
 weights after k updates are published as version k + 1 (the warm start's as version 1). Ctrl-C /
 SIGTERM finish the current step, write a checkpoint and stop every child process; a second Ctrl-C
 stops at once (children are still stopped). `--resume` continues from the newest checkpoint.
+
+Several processes (hosts) run one job together when jax.distributed is set up (`distributed.*`,
+or the cluster's environment; see jaxrl.run.distributed): each collects its share of a step's
+groups from bridges of its own and feeds the learner its rows; process 0 alone evaluates and
+writes the run directory's metrics, logs, plots and samples; processes other than 0 put their
+children's logs in RUN/logs/process-<i>/. A run resumes on any process count.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from jaxrl.compilation import compiles, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained
 from jaxrl.run import report
-from jaxrl.run.batches import rl_batch
-from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, StepRollouts, rollout_metrics
-from jaxrl.run.config import TrainConfig
+from jaxrl.run.batches import prompt_width, rl_batch
+from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, Share, StepRollouts, rollout_metrics
+from jaxrl.run.config import DistributedConfig, TrainConfig
+from jaxrl.run.distributed import Exchange, exchange_step, initialize, share_of
 from jaxrl.run.evaluation import evaluate
 from jaxrl.run.processes import EnvServers
 from jaxrl.run.record import record_session
@@ -102,11 +109,17 @@ class _Run:
     summary: dict[str, Any]
     snapshots: Path  # where snapshots are published and the bridges read them (see snapshot_directory)
     env_servers: EnvServers  # the bundled environment servers, restarted when they die
+    share: Share  # this process's groups of every step (all of them with one process)
     step: int = 0
     version: int = 0  # the weights the bridges serve
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
     writer: SnapshotWriter | None = None
-    logger: MetricsLogger | None = None
+    logger: MetricsLogger | None = None  # process 0's
+
+    @property
+    def primary(self) -> bool:
+        """Process 0: the one that evaluates and writes the run directory's logs."""
+        return jax.process_index() == 0
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -125,20 +138,26 @@ class _Run:
 
 
 def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
-    """Runs the training job `cfg`; returns the summary printed as the last line."""
+    """Runs the training job `cfg` (this process's part of it); returns the summary printed as the last line."""
     wall_start = time.perf_counter()
+    initialize(cfg.distributed)
+    primary = jax.process_index() == 0
     check_services(cfg)
-    model_dir = ensure_model(cfg)
+    share = share_of(make_mesh(cfg.mesh), cfg)  # this process's groups of every step
+    model_dir = _ensure_model_once(cfg)
     run = RunDir.create(cfg.run_dir)
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = _start_step(run, ckpt, resume)
-    dump_yaml(cfg, run.config)
+    if primary:  # launch settings are not the run's: it resumes on any process count
+        dump_yaml(dataclasses.replace(cfg, distributed=DistributedConfig()), run.config)
     record_session(run, cfg, start_step)
+    logs = run.logs if primary else run.logs / f"process-{jax.process_index()}"
+    logs.mkdir(exist_ok=True)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     token = bridge_token(cfg)
     with _Stop() as stop, contextlib.ExitStack() as stack:
-        stack.enter_context(_log_file(run.logs / "train.log"))
+        stack.enter_context(_log_file(logs / "train.log"))
         stack.callback(ckpt.close)
         # Entered before the bridges start, so that a memory directory goes after they stop. Room
         # for the snapshots kept and the one being written, each about the model's own weights.
@@ -149,22 +168,23 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         # The children start (seconds: imports, model load, compiles) while this process loads the tokenizer.
         services = stack.enter_context(contextlib.ExitStack())
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
-            started = pool.submit(start_services, cfg, model_dir, run.path / "logs", services, token, snapshots,
-                                  bridge_env)
+            started = pool.submit(start_services, cfg, model_dir, logs, services, token, snapshots, bridge_env)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            tokenizer.save_pretrained(run.tokenizer)
+            if primary:
+                tokenizer.save_pretrained(run.tokenizer)
             client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
         summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         stack.callback(client.close)
         r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
-                 started.result().env_servers)
+                 started.result().env_servers, share)
         if start_step is None:
             _timed(r, "eval_before_s", _evaluate_base, r, model_dir)
         learner = _make_learner(r, model_dir, start_step, stack)
         r.summary["startup"]["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
-        print("start-up: first step at {first_step_at_s:.1f} s ({phases})".format(
+        print(f"process {jax.process_index()} of {jax.process_count()}: " * (jax.process_count() > 1) +
+              "start-up: first step at {first_step_at_s:.1f} s ({phases})".format(
             **r.summary["startup"], phases=", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r.summary["startup"].items()
                                                      if k != "first_step_at_s")), file=out, flush=True)
         stack.callback(_keep_steps, r, learner)
@@ -173,13 +193,25 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
             ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
         ckpt.wait()
         summary["steps"] = r.step
-        if r.step >= cfg.steps and cfg.eval.episodes:
+        if r.step >= cfg.steps and cfg.eval.episodes and primary:
             _final_evaluation(r)
-        if stop.requested and r.step < cfg.steps:
-            summary["stopped"] = stop.signal.name  # `jaxrl train` exits 128 + its number
+        if r.step < cfg.steps:  # stopped: by a signal to this process or to another one
+            summary["stopped"] = (stop.signal or signal.SIGTERM).name  # `jaxrl train` exits 128 + its number
     summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
-    summary["final"] = _finish_report(run.path, out)
+    summary["final"] = _finish_report(run.path, out) if primary else {}
     return summary
+
+
+def _ensure_model_once(cfg: TrainConfig) -> Path:
+    """`ensure_model`, by process 0 first: the others find a tiny model it built on a shared file
+    system, and build their own (the same: it is seeded) on one of their own."""
+    if jax.process_count() == 1:
+        return ensure_model(cfg)
+    from orbax.checkpoint import multihost
+
+    model_dir = ensure_model(cfg) if jax.process_index() == 0 else None
+    multihost.sync_global_processes("jaxrl-train:model")
+    return model_dir or ensure_model(cfg)
 
 
 def _start_step(run: RunDir, ckpt: TrainCheckpointer, resume: bool) -> int | None:
@@ -202,7 +234,7 @@ def _evaluate_base(r: _Run, model_dir: Path) -> None:
         with contextlib.closing(SnapshotWriter(r.snapshots, base.cfg, keep=SNAPSHOTS_KEPT)) as writer:
             writer.publish(nnx.split(base)[1], 0)
         r.client.load_snapshot(str(r.snapshots), 0)
-    if r.cfg.eval.before and r.cfg.eval.episodes:
+    if r.cfg.eval.before and r.cfg.eval.episodes and r.primary:
         before = r.evaluate("before training")
         r.summary["eval_before"], r.summary["eval_before_stderr"] = before.success, before.stderr
 
@@ -234,14 +266,14 @@ def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: conte
     stack.callback(_close_writer, r)
     for stale in [v for v in r.writer.versions() if v > r.step]:
         r.writer.delete(stale)  # published after the checkpoint we resume from
-    if r.snapshots != r.run.snapshots.absolute():  # one process (see snapshot_directory)
+    if r.snapshots != r.run.snapshots.absolute() and r.primary:
         # What the run directory keeps of an earlier run: up to the version of the checkpoint resumed from.
         for stale in [v for v in snapshot_versions(r.run.snapshots) if v > r.step + 1]:
             delete_snapshot(r.run.snapshots, stale)
     if r.step > 0 or warm:
         _publish(r, learner, r.step + 1)
     r.summary["startup"]["learner_s"] = round(time.perf_counter() - t0, 2)
-    if warm and cfg.eval.episodes:
+    if warm and cfg.eval.episodes and r.primary:
         r.summary["eval_after_warm_start"] = _timed(r, "eval_after_warm_start_s", r.evaluate,
                                                     "after the warm start").success
     return learner
@@ -269,7 +301,7 @@ def _close_writer(r: _Run) -> None:
     """However the run ends: the snapshot the bridges serve also lands in RUN/snapshots when the
     snapshots live elsewhere (for `jaxrl eval RUN`, `jaxrl export`)."""
     r.writer.close()
-    if r.snapshots != r.run.snapshots.absolute() and r.version in r.writer.versions():
+    if r.snapshots != r.run.snapshots.absolute() and r.version in r.writer.versions() and r.primary:
         try:
             copy_snapshot(r.snapshots, r.version, r.run.snapshots, keep=r.writer.keep)
         except OSError as e:
@@ -278,16 +310,26 @@ def _close_writer(r: _Run) -> None:
 
 
 def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -> None:
-    """Rollouts, update, publish, evaluate, checkpoint, log: one step at a time until done or stopped."""
+    """Rollouts, update, publish, evaluate, checkpoint, log: one step at a time until done or stopped.
+
+    With several processes, each collects its share of the step's groups and trains on its rows;
+    what they exchange after collecting (`exchange_step`) makes the metrics the run's and the
+    decisions (prompt width, stopping) the same on every process.
+    """
     cfg = r.cfg
-    collector = stack.enter_context(contextlib.closing(Collector(cfg, r.client, r.tasks, r.stop_ids)))
-    logger = stack.enter_context(MetricsLogger(r.run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
-                                               resume_step=r.step + 1 if r.step > 0 else None))
-    r.logger = logger
-    progress = stack.enter_context(Progress(cfg.steps, initial=r.step)) if cfg.log.progress else None
+    collector = stack.enter_context(contextlib.closing(Collector(cfg, r.client, r.tasks, r.stop_ids, r.share)))
+    rows = r.share.count * cfg.learner.group_size
+    exchange = Exchange(cfg.distributed.timeout_s)
+    if r.primary:
+        r.logger = stack.enter_context(MetricsLogger(r.run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
+                                                     resume_step=r.step + 1 if r.step > 0 else None))
+    progress = stack.enter_context(Progress(cfg.steps, initial=r.step)) if cfg.log.progress and r.primary else None
     seen = (compiles(), _bridge_compiles(r.client))
     signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
-    while r.step < cfg.steps and not stop.requested:
+    agreed_stop = False
+    # One process stops when it is asked to; several at the step they agreed on in the exchange.
+    stopping = (lambda: stop.requested) if jax.process_count() == 1 else (lambda: agreed_stop)
+    while r.step < cfg.steps and not stopping():
         t0 = time.perf_counter()
         r.env_servers.check()  # a bundled environment server that keeps dying stops the run
         try:
@@ -297,20 +339,28 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
             raise
         if r.step + 1 < cfg.steps:
             collector.prefetch_next(r.step + 1, r.version)
-        signal_metrics = signal_watch.observe(r.step + 1, result.groups, result.counts["episodes_unscored"],
-                                              result.counts["episodes_scored"])
-        batch = rl_batch([t for g in result.groups for t in g], cfg, r.pad_id)
+        trajs = [t for g in result.groups for t in g]
+        t1 = time.perf_counter()
+        step = exchange_step(exchange, result, prompt_width(trajs, cfg), stop.requested,
+                             r.env_servers.metrics() | r.client.metrics(),
+                             {"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
+                              "time/env_s": result.env_s})
+        agreed_stop = step.stop
+        signal_metrics = signal_watch.observe(r.step + 1, step.groups, step.counts["episodes_unscored"],
+                                              step.counts["episodes_scored"])
+        batch = rl_batch(trajs, cfg, r.pad_id, rows=rows, prompt_len=step.prompt_len)
+        share_s = time.perf_counter() - t1
         t1 = time.perf_counter()
         metrics = learner.update(batch)
         learn_s = time.perf_counter() - t1
         r.step += 1
-        metrics.update(rollout_metrics(result, cfg) | signal_metrics | r.env_servers.metrics() | r.client.metrics())
+        metrics.update(rollout_metrics([e for g in step.groups for e in g], step.counts, cfg) | signal_metrics | step.sums)
         # The update is done: a bridge failing from here on (publish, stats, evaluation) must not lose
         # the step's metrics and samples, which are written before the run stops, and before its checkpoint.
         failure = None
         try:
             sync_s = 0.0
-            if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stop.requested:
+            if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stopping():
                 sync_s = _publish(r, learner, r.step + 1)
             metrics.update({"time/sync_s": sync_s})
             now = (compiles(), _bridge_compiles(r.client))  # after step 1, a compile is a shape the config missed
@@ -318,16 +368,18 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
             if r.step > 1:
                 r.summary["compiles_after_step_1"] = r.summary.get("compiles_after_step_1", 0) + sum(now) - sum(seen)
             seen = now
-            if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps:
+            if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps and r.primary:
                 metrics.update(r.evaluate().metrics())
         except Exception as e:
             failure = e
-        metrics.update({"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
-                        "time/env_s": result.env_s, "time/learn_s": learn_s,
-                        "time/step_s": time.perf_counter() - t0, "version": float(r.version)})
-        logger.log(r.step, metrics)
-        if cfg.log.samples_per_step:
-            logger.samples(r.step, _sample_rows(result, r.tokenizer, cfg.log.samples_per_step))
+        metrics.update({**step.maxima, "time/learn_s": learn_s, "time/step_s": time.perf_counter() - t0,
+                        "version": float(r.version)})
+        if jax.process_count() > 1:
+            metrics["time/share_s"] = share_s  # the exchange and this process's rows of the batch
+        if r.logger is not None:
+            r.logger.log(r.step, metrics)
+            if cfg.log.samples_per_step:
+                r.logger.samples(r.step, _sample_rows(result, r.tokenizer, cfg.log.samples_per_step))
         if failure is not None:
             raise failure  # the step's checkpoint is written on the way out (_keep_steps)
         r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
@@ -335,12 +387,11 @@ def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -
             progress.update(r.step, metrics)
 
 
-
 def _bridge_compiles(client: RolloutClient) -> int:
     return int(sum(stats.get("engine.compiles", 0) for stats in client.stats()))
 
 
-def _final_evaluation(r: _Run) -> None:
+def _final_evaluation(r: _Run) -> None:  # process 0's
     after = r.evaluate("after training")
     r.logger.log(r.step, after.metrics())
     r.summary["eval_after"], r.summary["eval_stderr"] = after.success, after.stderr
@@ -349,8 +400,9 @@ def _final_evaluation(r: _Run) -> None:
 
 
 def _keep_steps(r: _Run, learner: Learner) -> None:
-    """However the run ends, the steps it took are kept."""
-    if r.step > 0 and r.ckpt.latest_step() != r.step:
+    """However the run ends, the steps it took are kept (by one process: with several, the save is
+    collective, and a process that failed would wait for the others forever)."""
+    if r.step > 0 and r.ckpt.latest_step() != r.step and jax.process_count() == 1:
         try:
             r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
             r.ckpt.wait()
