@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -429,7 +430,9 @@ def test_a_run_whose_only_bridge_hangs_for_good_fails_in_one_line_keeps_its_step
     assert proc.returncode == 1 and took < 20
     [line] = [line for line in err.strip().splitlines() if line.startswith("jaxrl train: error:")]
     assert line.startswith("jaxrl train: error: no bridge left: every bridge kept dying (bridge.max_restarts=0 "
-                           f"within 10 minutes); bridge 0 at ") and f"(pid {bridge}): missed a health check" in line
+                           f"within 10 minutes); bridge 0 at ")
+    # Found by the watcher's health check, or first by a call under way whose deadline passed.
+    assert re.search(rf"\(pid {bridge}\): (missed a health check|stopped answering)", line), line
     assert f"(logs: {run_dir / 'logs' / 'bridge.log'})" in line
     assert "bridge 0's log ends with:" in (run_dir / "logs" / "train_error.log").read_text()
     steps = [r["step"] for r in read_metrics(run_dir)]
@@ -446,7 +449,10 @@ def test_bridges_killed_and_stopped_mid_step_cost_re_requests_and_restarts_not_t
     one is restarted first and given the newest snapshot, and the run ends its 6 steps with every
     group trained exactly once."""
     run_dir = tmp_path / "run"
+    # Long episodes, so that the groups in flight at the kill are still in flight when it lands.
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=6, eval={"episodes": 0},
+                          rollout={"groups_per_step": 2, "max_tokens": 96, "max_total_tokens": 128,
+                                   "max_prompt_tokens": 64},
                           bridge={"per_host": 2, "health_timeout_s": 4.0}, log={"progress": False, "samples_per_step": 2})
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
