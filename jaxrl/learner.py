@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.models import Decoder
@@ -19,6 +20,7 @@ from jaxrl.train_step import (
     TrainState,
     init_state,
     jit_train_step,
+    shared_prompt_rows,
     validate_train_batch,
 )
 
@@ -58,7 +60,7 @@ class Learner:
             lambda p: init_state(p, cfg), out_shardings=self.shardings
         )(params)
         self.num_batch_shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-        self._step_fn = None
+        self._step_fns: dict[int, object] = {}  # by prompt_group: rows sharing each prompt
 
     @property
     def step(self) -> int:
@@ -70,16 +72,19 @@ class Learner:
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One train step on this process's rows of the batch; returns host metrics."""
         validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
+        group = shared_prompt_rows(batch, self.cfg)
+        if jax.process_count() > 1:  # every process must run the same program
+            group = int(multihost_utils.process_allgather(np.int32(group)).min())
         arrays = put_batch(batch, self.mesh)
-        if self._step_fn is None:
-            self._step_fn = jit_train_step(
+        if group not in self._step_fns:
+            self._step_fns[group] = jit_train_step(
                 self.graphdef, self.cfg, self.shardings,
-                {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()},
+                {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()}, group,
             )
         step = self.step
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self._step_fn(self.state, arrays)
+            self.state, metrics = self._step_fns[group](self.state, arrays)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - start
         tokens = int(np.sum(batch["prompt_mask_BxP"]) + np.sum(batch["completion_mask_BxC"]))

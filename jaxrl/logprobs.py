@@ -140,18 +140,26 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk: int = 128,
     with_entropy: bool = False,
+    prompt_group: int = 1,
 ):
     """Log-probabilities (B, C) of each completion token given everything before it.
 
     Prompts are left-padded, completions right-padded; the masks mark real tokens (tool
-    results included: they are context even where the loss ignores them).
+    results included: they are context even where the loss ignores them). With `prompt_group`
+    n > 1, rows come in blocks of n that share one prompt (a GRPO group), and each block's
+    prompt goes through the model once instead of n times.
     """
-    P = prompt_BxP.shape[1]
-    tokens = jnp.concatenate([prompt_BxP, completion_BxC], axis=1)
-    mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxC], axis=1)
-    h_BxTxD, _ = model.hidden(tokens, positions_from_mask(mask), mask)
-    # The hidden state at t predicts token t + 1.
-    h_BxCxD = h_BxTxD[:, P - 1:-1]
+    if prompt_group > 1:
+        h_GxPxD, h_BxCxD = model.prefixed_hidden(prompt_BxP[::prompt_group], prompt_mask_BxP[::prompt_group],
+                                                 completion_BxC, completion_mask_BxC)
+        # The hidden state at t predicts token t + 1: the prompt's last one, the first completion token.
+        h_BxCxD = jnp.concatenate([jnp.repeat(h_GxPxD[:, -1:], prompt_group, axis=0), h_BxCxD[:, :-1]], axis=1)
+    else:
+        P = prompt_BxP.shape[1]
+        tokens = jnp.concatenate([prompt_BxP, completion_BxC], axis=1)
+        mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxC], axis=1)
+        h_BxTxD, _ = model.hidden(tokens, positions_from_mask(mask), mask)
+        h_BxCxD = h_BxTxD[:, P - 1:-1]
     # The stored weight, not `head_weight()`: a tied embedding's transpose would be copied.
     tied = model.lm_head is None
     w = model.embed_tokens[...] if tied else model.lm_head[...]

@@ -49,6 +49,9 @@ class LearnerConfig:
                 "rollout.temperature)"})
     logp_chunk: int = dataclasses.field(
         default=128, metadata={"help": "sequence positions per chunk of the vocabulary projection (memory vs speed)"})
+    shared_prompts: bool = dataclasses.field(
+        default=True, metadata={"help": "run a group's prompt through the model once for its group_size samples "
+                "when they share it (a batch whose groups' prompts differ runs one per sample, compiled apart)"})
     loss: LossConfig = dataclasses.field(default=LossConfig(), metadata={"help": "policy loss"})
     advantages: AdvantageConfig = dataclasses.field(
         default=AdvantageConfig(), metadata={"help": "how rewards become advantages"})
@@ -121,11 +124,13 @@ def init_state(params: nnx.State, cfg: LearnerConfig) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ref)
 
 
-def _micro_batches(x, grad_accum: int):
-    # Interleaved split (row i goes to micro-batch i % A): each device's contiguous rows stay
-    # on that device in every micro-batch, so splitting moves no data.
+def _micro_batches(x, grad_accum: int, block: int = 1):
+    # Interleaved split (block i of `block` rows goes to micro-batch i % A): each device's
+    # contiguous rows stay on that device in every micro-batch, so splitting moves no data;
+    # blocks keep a group that shares its prompt in one micro-batch.
     B = x.shape[0]
-    x = x.reshape(B // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+    x = x.reshape(B // (grad_accum * block), grad_accum, block, *x.shape[1:]).swapaxes(0, 1)
+    x = x.reshape(grad_accum, B // grad_accum, *x.shape[3:])
     spec = jax.sharding.PartitionSpec(None, BATCH_AXES, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, spec)
 
@@ -146,8 +151,11 @@ def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
     return out
 
 
-def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig):
-    """One batch: `cfg.num_iterations` optimiser updates. Pure; jit it with `jit_train_step`."""
+def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig, prompt_group: int = 1):
+    """One batch: `cfg.num_iterations` optimiser updates. Pure; jit it with `jit_train_step`.
+
+    `prompt_group`: rows come in blocks of this many sharing one prompt (`shared_prompt_rows`),
+    computed once per block."""
     tx = make_optimizer(cfg.optimizer)
     schedule = learning_rate_schedule(cfg.optimizer)
     A = cfg.grad_accum
@@ -158,14 +166,14 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
         adv_B, adv_stats = compute_advantages(batch["rewards_BxR"], cfg.group_size, cfg.advantages)
     loss_mask = batch["loss_mask_BxC"].astype(jnp.float32)
     normalizer = loss_normalizer(cfg.loss, loss_mask)
-    micro = {k: _micro_batches(v, A) for k, v in batch.items() if k != "rewards_BxR"}
-    micro["adv_B"] = _micro_batches(adv_B, A)
+    micro = {k: _micro_batches(v, A, prompt_group) for k, v in batch.items() if k != "rewards_BxR"}
+    micro["adv_B"] = _micro_batches(adv_B, A, prompt_group)
 
     def logprobs(params, mb, with_entropy=False):
         model = nnx.merge(graphdef, params)
         return completion_logprobs(
             model, mb["prompt_BxP"], mb["prompt_mask_BxP"], mb["completion_BxC"],
-            mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy,
+            mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy, prompt_group,
         )
 
     def frozen_logprobs(params):
@@ -213,10 +221,23 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     return TrainState(step, params, opt_state, state.ref_params), metrics
 
 
-def jit_train_step(graphdef, cfg: LearnerConfig, shardings: TrainState, batch_shardings: dict):
+def shared_prompt_rows(batch: dict, cfg: LearnerConfig) -> int:
+    """How many consecutive rows of `batch` share each prompt: `group_size` when every group's
+    rows have the same prompt (as a GRPO group's samples do, unless an environment starts them
+    differently) and groups fit the micro-batches whole, else 1. Off with `shared_prompts: false`."""
+    n = cfg.group_size
+    prompts, masks = batch["prompt_BxP"], batch["prompt_mask_BxP"]
+    B = prompts.shape[0]
+    if not cfg.shared_prompts or n < 2 or cfg.loss.loss_type == "sft" or B % (n * cfg.grad_accum):
+        return 1
+    grouped = [np.asarray(x).reshape(B // n, n, -1) for x in (prompts, masks)]
+    return n if all((x == x[:, :1]).all() for x in grouped) else 1
+
+
+def jit_train_step(graphdef, cfg: LearnerConfig, shardings: TrainState, batch_shardings: dict, prompt_group: int = 1):
     """`train_step` compiled once for these shardings; the state's buffers are donated."""
     def step(state, batch):
-        return train_step(state, batch, graphdef, cfg)
+        return train_step(state, batch, graphdef, cfg, prompt_group)
 
     return jax.jit(
         step,

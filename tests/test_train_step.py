@@ -101,6 +101,30 @@ def test_metrics_cover_the_promised_scalars(single_device):
     assert all(np.isfinite(v) for m in metrics for v in m.values())
 
 
+def _shared_prompt_batch(seed: int) -> dict:
+    """make_batch with each group's rows on one prompt, as a GRPO group's samples are."""
+    batch = make_batch(seed)
+    for key in ("prompt_BxP", "prompt_mask_BxP"):
+        batch[key] = np.repeat(batch[key][::BASE.group_size], BASE.group_size, axis=0)
+    return batch
+
+
+def test_groups_sharing_prompts_run_each_prompt_once_to_the_same_step():
+    # Against one prompt per row on one device: grouped micro-batches, over a mesh.
+    batches = [_shared_prompt_batch(s) for s in range(2)]
+    per_row, m_row, learner_row = run(dataclasses.replace(BASE, shared_prompts=False), MeshConfig(fsdp=1),
+                                      jax.devices()[:1], batches=batches)
+    shared, m_shared, learner = run(dataclasses.replace(BASE, grad_accum=2), MeshConfig(fsdp=2),
+                                    jax.devices()[:2], batches=batches)
+    assert set(learner_row._step_fns) == {1} and set(learner._step_fns) == {BASE.group_size}
+    assert max_diff(shared, per_row) < 1e-5
+    for a, b in zip(m_row, m_shared):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # A group whose rows start differently sends the batch down the per-row program.
+    learner.update(make_batch(5))
+    assert set(learner._step_fns) == {1, BASE.group_size}
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -121,7 +145,7 @@ def test_bad_batches_are_refused_before_compilation(change, message):
     change(batch)
     with pytest.raises(ValueError, match=message):
         learner.update(batch)
-    assert learner._step_fn is None, "nothing may be compiled for a bad batch"
+    assert not learner._step_fns, "nothing may be compiled for a bad batch"
 
 
 def test_group_size_must_divide_the_batch():

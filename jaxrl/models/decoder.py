@@ -158,23 +158,39 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
 
-    def __call__(self, x_BxTxD, positions_BxT, inv_freq, keys: _KeySlots, layer_cache):
+    def _qkv(self, x_BxTxD, positions_BxT, inv_freq):
         B, T, _ = x_BxTxD.shape
-        K, G, H = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = self.q_proj(x_BxTxD).reshape(B, T, K * G, H)
+        K, H = self.num_kv_heads, self.head_dim
+        q = self.q_proj(x_BxTxD).reshape(B, T, self.num_heads, H)
         k = self.k_proj(x_BxTxD).reshape(B, T, K, H)
         v = self.v_proj(x_BxTxD).reshape(B, T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions_BxT, inv_freq)
-        k = apply_rope(k, positions_BxT, inv_freq)
+        return apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq), v
+
+    def __call__(self, x_BxTxD, positions_BxT, inv_freq, keys: _KeySlots, layer_cache):
+        B, T, _ = x_BxTxD.shape
+        q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
         if layer_cache is not None:
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
             out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
         else:
             out = causal_attention(q, k, v, keys.mask_BxT)
-        out = out.reshape(B, T, K * G * H)
-        return self.o_proj(out), layer_cache
+        return self.o_proj(out.reshape(B, T, -1)), layer_cache
+
+    def prefixed(self, x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT):
+        """Attention of G prefixes and of B = G * n rows continuing them (row b: prefix b // n).
+        A continuation's queries see its prefix's real keys, repeated to its rows, before its own."""
+        (G, P, _), (B, T, _) = x_GxPxD.shape, x_BxTxD.shape
+        q_p, k_p, v_p = self._qkv(x_GxPxD, positions_GxP, inv_freq)
+        q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
+        out_p = causal_attention(q_p, k_p, v_p, mask_GxP)
+
+        def with_prefix(prefix_GxP, own_BxT):
+            return jnp.concatenate([jnp.repeat(prefix_GxP, B // G, axis=0), own_BxT], axis=1)
+
+        out = causal_attention(q, with_prefix(k_p, k), with_prefix(v_p, v), with_prefix(mask_GxP, mask_BxT))
+        return self.o_proj(out_p.reshape(G, P, -1)), self.o_proj(out.reshape(B, T, -1))
 
 
 @jax.custom_vjp
@@ -210,8 +226,9 @@ def _softmax_attention_bwd(residuals, dout_BxNxTxH):
 _softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
-    """Each query over the real keys at or before it (slots = positions, no cache).
+def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
+    """Each query over the real keys at or before it (no cache): query t sits at key slot
+    S - T + t, so keys before the queries' own (S > T) are a prefix every query sees.
 
     Blocks of queries see only the keys up to their last query: that skips most of the masked
     upper triangle (about half the work) and keeps each block's scores small enough to stay in
@@ -221,18 +238,19 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxT):
     and unused.
     """
     B, T, N, H = q_BxTxNxH.shape
-    G = N // k_BxTxKxH.shape[2]
+    G, offset = N // k_BxSxKxH.shape[2], k_BxSxKxH.shape[1] - T
     q_BxNxTxH = q_BxTxNxH.transpose(0, 2, 1, 3)
-    k_BxNxTxH = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
-    v_BxNxTxH = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    k_BxNxSxH = jnp.repeat(k_BxSxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    v_BxNxSxH = jnp.repeat(v_BxSxKxH, G, axis=2).transpose(0, 2, 1, 3)
     block = max(_MIN_QUERY_BLOCK, -(-T // _MAX_QUERY_BLOCKS))
     outs = []
     for start in range(0, T, block):
         end = min(start + block, T)
-        causal_QxS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        visible_BxQxS = causal_QxS[None] & mask_BxT[:, None, :end]
+        seen = offset + end
+        causal_QxS = jnp.arange(seen)[None, :] <= offset + jnp.arange(start, end)[:, None]
+        visible_BxQxS = causal_QxS[None] & mask_BxS[:, None, :seen]
         outs.append(_softmax_attention(
-            q_BxNxTxH[:, :, start:end], k_BxNxTxH[:, :, :end], v_BxNxTxH[:, :, :end], visible_BxQxS
+            q_BxNxTxH[:, :, start:end], k_BxNxSxH[:, :, :seen], v_BxNxSxH[:, :, :seen], visible_BxQxS
         ))
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
 
@@ -293,6 +311,14 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
+    def prefixed(self, x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT):
+        """The layer over G prefixes and the B rows continuing them (see `Attention.prefixed`)."""
+        attn_p, attn = self.self_attn.prefixed(self.input_layernorm(x_GxPxD), self.input_layernorm(x_BxTxD),
+                                               positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT)
+        x_GxPxD, x_BxTxD = x_GxPxD + attn_p, x_BxTxD + attn
+        return (x_GxPxD + self.mlp(self.post_attention_layernorm(x_GxPxD)),
+                x_BxTxD + self.mlp(self.post_attention_layernorm(x_BxTxD)))
+
 
 class _KeySlots(NamedTuple):
     mask_BxT: jax.Array  # True on real tokens
@@ -337,7 +363,7 @@ class Decoder(nnx.Module):
             keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None],
                              jnp.minimum(window, len(attention_windows(slots)) - 1))
 
-        x = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
+        x = self._embed(tokens_BxT)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -349,6 +375,24 @@ class Decoder(nnx.Module):
         if cache is not None:
             cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32))
         return self.norm(x), cache
+
+    def prefixed_hidden(self, prefix_GxP, prefix_mask_GxP, tokens_BxT, mask_BxT):
+        """`hidden` of B = G * n rows that share prefixes, each prefix computed once: row b is
+        prefix b // n (left-padded) followed by its own tokens (right-padded, real ones first).
+        Returns the prefixes' final normed hidden states (G, P, D) and the rows' (B, T, D)."""
+        G, B = prefix_GxP.shape[0], tokens_BxT.shape[0]
+        prefix_mask_GxP, mask_BxT = prefix_mask_GxP.astype(bool), mask_BxT.astype(bool)
+        positions_GxP = positions_from_mask(prefix_mask_GxP)
+        positions_BxT = positions_from_mask(mask_BxT, jnp.repeat(prefix_mask_GxP.sum(-1, dtype=jnp.int32), B // G))
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        x_GxPxD, x_BxTxD = self._embed(prefix_GxP), self._embed(tokens_BxT)
+        for layer in self.layers:
+            x_GxPxD, x_BxTxD = layer.prefixed(x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq,
+                                              prefix_mask_GxP, mask_BxT)
+        return self.norm(x_GxPxD), self.norm(x_BxTxD)
+
+    def _embed(self, tokens_BxT):
+        return jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
 
     def head_weight(self):
         """The (D, V) output projection: the embedding's transpose when tied."""
