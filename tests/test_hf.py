@@ -1,6 +1,8 @@
 """Hugging Face checkpoint loading and saving: round trips, sharded indexes, and bad directories."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -17,6 +19,7 @@ from jaxrl.models import (
     ModelConfigError,
     from_hf_tensors,
     load_pretrained,
+    load_tokenizer,
     params_from_hf_tensors,
     save_pretrained,
     to_hf_tensors,
@@ -24,6 +27,7 @@ from jaxrl.models import (
 from jaxrl.models.hf import read_safetensors
 from jaxrl.sharding import MeshConfig, make_mesh, param_shardings
 from jaxrl.tiny import tiny_config
+from jaxrl.tiny_tokenizer import build_tokenizer
 
 
 def _tensors(path):
@@ -161,3 +165,19 @@ def test_params_from_hf_tensors_are_from_hf_tensors_placed_like_the_old_ones(fam
         params_from_hf_tensors(cfg, {k: v for k, v in tensors.items() if k != name}, old, "snap")
     with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['model.extra'\]"):
         params_from_hf_tensors(cfg, {**tensors, "model.extra": tensors[name]}, old, "snap")
+
+
+def test_load_tokenizer_is_autotokenizers_without_importing_torch(tmp_path):
+    build_tokenizer(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = "<|im_start|>user\nguess 17<|im_end|>"
+    code = ("import sys; from jaxrl.models import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+            "print(type(t).__name__, t.encode(sys.argv[2]), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), text], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == f"{type(auto).__name__} {auto.encode(text)} False"
+    # A class transformers does not have: AutoTokenizer decides, as it would.
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "NoSuchTokenizer"}))
+    fallback = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert type(load_tokenizer(tmp_path)) is type(fallback)

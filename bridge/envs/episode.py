@@ -795,11 +795,11 @@ def runtime_from_dict(data: dict[str, Any], tokenizer: Any) -> EnvRuntime:
 
 def runtime_from_file(path: str, model_dir: str) -> EnvRuntime:
     """The runtime a `jaxrl bridge --envs FILE` serves, with the model directory's tokenizer."""
-    from transformers import AutoTokenizer
+    from jaxrl.models import load_tokenizer
 
     try:
         data = json.loads(open(path).read())
     except (OSError, json.JSONDecodeError) as e:
         raise EnvConfigError(f"environments file {path}: {e}") from None
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(model_dir)
     return runtime_from_dict(data, tokenizer)

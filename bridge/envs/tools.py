@@ -60,8 +60,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import sys
 import types
 import typing
+import unittest.mock
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Union
 
@@ -241,7 +243,10 @@ def tool_schema(fn: Callable) -> dict:
                 f"(write '{p.name}: <what it is>' under 'Args:')"
             )
     try:
-        return ctu.get_json_schema(fn)
+        # transformers imports PyTorch (1.5 s of start-up) only to know torch.Tensor hints; a
+        # hint can name torch.Tensor only where torch is imported already.
+        with unittest.mock.patch.object(ctu, "is_torch_available", lambda: "torch" in sys.modules):
+            return ctu.get_json_schema(fn)
     except (ctu.TypeHintParsingException, ctu.DocstringParsingException) as e:
         raise ToolSchemaError(f"tool {name}: {e}") from e
 

@@ -213,6 +213,23 @@ def load_pretrained(path: str | Path, param_dtype: str | None = None, dtype: str
     return from_hf_tensors(cfg, read_safetensors(path), source=str(path))
 
 
+def load_tokenizer(path: str | Path):
+    """The directory's tokenizer as `AutoTokenizer.from_pretrained` loads it: the class that
+    tokenizer_config.json names, imported alone. AutoTokenizer's own import pulls in PyTorch
+    where it is installed (~2.5 s of every process's start-up); it is used only for a directory
+    that names no class transformers has."""
+    import transformers
+
+    try:
+        name = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(path, local_files_only=True)
+
+
 def save_pretrained(
     model: Decoder,
     path: str | Path,

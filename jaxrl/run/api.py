@@ -35,7 +35,7 @@ from jaxrl.checkpoints import TrainCheckpointer, abstract_like
 from jaxrl.compilation import use_persistent_cache
 from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
-from jaxrl.models import load_pretrained
+from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.run.batches import rl_batch
 from jaxrl.run.collection import RolloutClient, StepRollouts, rollout_metrics
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
@@ -195,8 +195,6 @@ def start_bridge(cfg: TrainConfig, workdir: str | Path | None = None) -> Iterato
     environments (or connects to the running bridges of `bridge.addresses`), stopped on the way
     out. Snapshots go to WORKDIR/snapshots and logs to WORKDIR/logs (default: `run_dir`).
     StartupError (one line) when something cannot start."""
-    from transformers import AutoTokenizer
-
     check_services(cfg)
     model_dir = ensure_model(cfg)
     work = Path(workdir or cfg.run_dir).absolute()
@@ -204,7 +202,7 @@ def start_bridge(cfg: TrainConfig, workdir: str | Path | None = None) -> Iterato
     with contextlib.ExitStack() as stack:
         started = start_services(cfg, model_dir, work / "logs", stack, token, work / "snapshots",
                                  use_persistent_cache(cfg.compilation_cache))
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = load_tokenizer(model_dir)
         client = RolloutClient(started.addresses, cfg, token, started.bridges)
         bridge = Bridge(cfg, client, tokenizer, work / "snapshots")
         stack.callback(bridge.close)

@@ -19,6 +19,7 @@ import numpy as np
 
 from bridge.wire import SamplingParams
 from jaxrl.compilation import use_persistent_cache
+from jaxrl.models import load_tokenizer
 from jaxrl.run.collection import RolloutClient, check_rewards
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -88,10 +89,8 @@ def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | 
     """`jaxrl eval`: the run's services started on `model.dir` (logs in `logs`), the bridges given
     snapshot `(directory, version)` if any, then the held-out tasks of `env` (default: every
     environment, as `jaxrl train` evaluates) from `split`."""
-    from transformers import AutoTokenizer
-
     check_services(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, local_files_only=True)
+    tokenizer = load_tokenizer(cfg.model.dir)
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     token = bridge_token(cfg)
     with contextlib.ExitStack() as stack:

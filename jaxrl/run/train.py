@@ -36,7 +36,7 @@ from flax import nnx
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
 from jaxrl.compilation import compiles, use_persistent_cache
 from jaxrl.learner import Learner
-from jaxrl.models import load_pretrained
+from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.run import report
 from jaxrl.run.batches import prompt_width, rl_batch
 from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, Share, StepRollouts, rollout_metrics
@@ -169,9 +169,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         services = stack.enter_context(contextlib.ExitStack())
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
             started = pool.submit(start_services, cfg, model_dir, logs, services, token, snapshots, bridge_env)
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            tokenizer = load_tokenizer(model_dir)
             if primary:
                 tokenizer.save_pretrained(run.tokenizer)
             client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
