@@ -1,5 +1,6 @@
 """One run over several processes: start-up decisions, each process's share of a step, and `jaxrl
-train` on 2 processes x 4 CPU devices against 1 process x 8 (the same steps, then a resume on 1)."""
+train` on 2 processes x 4 CPU devices against 1 process x 8 (the same warm start and steps, then a
+resume on 1)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def setup(tmp_path_factory):
         "steps": STEPS,
         "rollout": {"groups_per_step": 2, "max_tokens": 12, "max_total_tokens": 24, "max_prompt_tokens": 64},
         "learner": {"group_size": 4, "optimizer": {"learning_rate": 1e-3}},
+        # A warm start first: each process trains on its share of the same demonstrations.
+        "sft": {"steps": 2, "batch_size": 8, "demonstrations": 16},
         "eval": {"episodes": 0}, "checkpoint_every": 1, "keep_checkpoints": STEPS,
         "log": {"progress": False, "tensorboard": False},
     }))
@@ -164,7 +167,9 @@ def _params(run_dir: Path, step: int) -> dict[str, np.ndarray]:
 def _assert_same_params(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
-        np.testing.assert_allclose(a[name], b[name], atol=1e-5, rtol=0, err_msg=name)
+        # Sums over 4 devices instead of 8 round differently; AdamW's early steps (the warm start's
+        # at 3e-3) turn a near-zero gradient's rounding into up to ~5e-5 on a rare element.
+        np.testing.assert_allclose(a[name], b[name], atol=1e-4, rtol=0, err_msg=name)
 
 
 def _assert_same_steps(rows: list[dict], reference: list[dict]) -> None:
