@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from jaxrl.run.run_dir import RunDir
 from jaxrl.run.tracking import read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # The reward curve: the first of these keys a run logged.
 REWARD_KEYS = ("reward/mean", "reward")
@@ -60,7 +63,7 @@ def plot_run(run_dir: str | Path, metrics: Sequence[str] = PANEL_METRICS) -> lis
     reward = next((k for k in REWARD_KEYS if _points(rows, k)), None)
     evals = [k for k in _metric_keys(rows) if k.startswith("eval/") and "reward" in k]
     if reward or evals:
-        fig = Figure(figsize=(7, 4), layout="constrained")
+        fig = _figure((7, 4))
         ax = fig.subplots()
         if reward:
             _curve(ax, rows, reward, label=reward)
@@ -80,7 +83,7 @@ def plot_run(run_dir: str | Path, metrics: Sequence[str] = PANEL_METRICS) -> lis
     if present:
         cols = min(3, len(present))
         grid_rows = math.ceil(len(present) / cols)
-        fig = Figure(figsize=(4.2 * cols, 2.8 * grid_rows), layout="constrained")
+        fig = _figure((4.2 * cols, 2.8 * grid_rows))
         axes = list(fig.subplots(grid_rows, cols, squeeze=False).flat)
         for ax, key in zip(axes, present):
             _curve(ax, rows, key)
@@ -128,7 +131,7 @@ def compare_runs(run_dirs: Mapping[str, str | Path], out_dir: str | Path, metric
 
 
 def _overlay(runs: Mapping[str, list[dict]], metric: str) -> Figure:
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    fig = _figure((8, 4.5))
     ax = fig.subplots()
     plotted = 0
     for name, rows in runs.items():
@@ -200,6 +203,12 @@ def _table(header: list[str], body: list[list[str]], markdown: bool = False) -> 
         return "\n".join("| " + " | ".join(r) + " |" for r in [cells(header), rule, *map(cells, body)])
     rule = ["-" * w for w in widths]
     return "\n".join("  ".join(r).rstrip() for r in [cells(header), rule, *map(cells, body)])
+
+
+def _figure(size: tuple[float, float]) -> Figure:
+    from matplotlib.figure import Figure  # imported when the first plot is drawn: 0.3 s of start-up
+
+    return Figure(figsize=size, layout="constrained")
 
 
 def _save(fig: Figure, path: Path) -> Path:
