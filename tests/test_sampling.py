@@ -197,3 +197,31 @@ def test_a_row_samples_the_same_tokens_alone_batched_or_from_the_prefix_cache(mo
     cached = generate_rows(graphdef, params, [others[1], turn], rows([1, seed]), shapes, cache)
     assert cache.stats["cached_tokens"] == len(target[:4]) + len(first.tokens[0]) - 1
     same(cached, fresh)
+
+
+def test_a_batch_prefills_its_leaders_in_blocks_and_every_row_samples_what_it_samples_alone(model):
+    """16 rows (blocks of 2 prefilled together): groups sharing a prompt interleaved with rows of
+    their own, prompt rests of one to four chunks, one row continuing from the prefix cache, and
+    padding. Each row samples the tokens it samples alone."""
+    graphdef, params = nnx.split(model)
+    shapes = Shapes(max_seq_len=32, chunk=4, max_batch=16)
+    rng = np.random.default_rng(0)
+    shared = [list(rng.integers(1, 128, n)) for n in (3, 14)]
+    earlier = list(rng.integers(1, 128, 6))
+    prompts = [shared[0], list(rng.integers(1, 128, 9)), shared[1], shared[0], earlier + [7, 8, 9],
+               shared[1], list(rng.integers(1, 128, 16)), shared[0], shared[1], [5]]
+    seeds = np.arange(len(prompts), dtype=np.uint64) + 100
+
+    def rows(seeds, max_tokens=6):
+        n = len(seeds)
+        return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
+                         np.full(n, max_tokens, np.int32), np.asarray(seeds, np.uint64), [()] * n)
+
+    cache = PrefixCache(model.cfg, shapes, rows=16)
+    generate_rows(graphdef, params, [earlier], rows([1], 1), shapes, cache)
+    batched = generate_rows(graphdef, params, prompts, rows(seeds), shapes, cache)
+    assert cache.stats["cached_tokens"] == len(earlier) + 3 * len(shared[0]) - len(shared[0]) + len(shared[1]) * 2
+    for prompt, seed, tokens, logprobs in zip(prompts, seeds, batched.tokens, batched.logprobs):
+        alone = generate_rows(graphdef, params, [prompt], rows([seed]), shapes, PrefixCache(model.cfg, shapes, 0))
+        assert tokens == alone.tokens[0]
+        np.testing.assert_allclose(logprobs, alone.logprobs[0], atol=1e-5)

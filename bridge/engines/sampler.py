@@ -91,38 +91,76 @@ def _sample(logits_BxV, key_B, temperature_B, top_p_B, top_k_B):
     return token_B, jnp.take_along_axis(logp_BxV, token_B[:, None], -1)[:, 0]
 
 
+def prefill_block_rows(batch: int) -> int:
+    """Rows prefilled together: an eighth of the batch, so that a batch of groups that share
+    their prompts (one row to prefill in each group of 8) prefills about 1/8 of its rows."""
+    return max(1, batch // 8)
+
+
+def prefill_order(prompt_len: np.ndarray, cached: np.ndarray, leader: np.ndarray, real_rows: int,
+                  chunk: int, width: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
+    """The batch's rows reordered for the prefill: (order, the rows with a prompt rest to prefill
+    first; block_I, for each prefill step the block of `prefill_block_rows` rows (of the new
+    order) it runs, as many steps as the block's longest rest needs; the number of steps). Rows
+    that copy a leader's prefill and padding rows (from `real_rows` on) prefill nothing."""
+    B = len(prompt_len)
+    R = prefill_block_rows(B)
+    todo = [b for b in range(real_rows) if leader[b] == b and cached[b] < prompt_len[b]]
+    planned = set(todo)
+    order = np.asarray(todo + [b for b in range(B) if b not in planned], np.int32)
+    steps = []
+    for j in range(-(-len(todo) // R)):
+        block = order[j * R:(j + 1) * R]
+        steps += [j] * int(-(-max(prompt_len[block] - np.minimum(cached[block], prompt_len[block])) // chunk))
+    block_I = np.zeros((B // R) * -(-width // chunk), np.int32)
+    block_I[:len(steps)] = steps
+    return order, block_I, np.int32(len(steps))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("pool",))
-def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B, tokens_BxW, prompt_len_B,
-              stop_ids_BxS, temperature_B, top_p_B, top_k_B, max_tokens_B, seed_lo_B, seed_hi_B, chunk: int):
+def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B, prefill_block_I, prefill_steps,
+              tokens_BxW, prompt_len_B, stop_ids_BxS, temperature_B, top_p_B, top_k_B, max_tokens_B,
+              seed_lo_B, seed_hi_B, chunk: int):
     """Row b starts from pool row src_B[b], whose first cached_B[b] slots hold its prompt's first
     tokens; prefills the rest `chunk` tokens at a time (a row whose leader_B[b] is another row
-    has the same prompt and copies that row's prefill); decodes until every row stops or reaches
-    its max_tokens; writes its cache (prompt and completion but the last token, never fed back)
-    to pool row dst_B[b]. One program per batch size: the cache width W and `chunk` are the
-    engine's, so prompt and completion lengths never change a shape.
+    has the same prompt and copies that row's prefill), one block of `prefill_block_rows`
+    consecutive rows per step (the blocks of `prefill_order`: rows come in its order); decodes until every row stops or reaches its max_tokens; writes its cache (prompt and
+    completion but the last token, never fed back) to pool row dst_B[b]. One program per batch
+    size: the cache width W and `chunk` are the engine's, so prompt and completion lengths never
+    change a shape.
 
     Returns the completions (B, W; -1 past a row's end), their logprobs, and the pool.
     """
     model: Decoder = nnx.merge(graphdef, params)
     B, W = tokens_BxW.shape
+    R = prefill_block_rows(B)
     leads_B = leader_B == jnp.arange(B)
     cache = KVCache(tuple(k[src_B] for k in pool.k_BxKxHxS), tuple(v[src_B] for v in pool.v_BxKxSxH),
                     jnp.where(leads_B, cached_B, prompt_len_B))
 
     def prefill_body(carry):
-        cache, logits_BxV = carry
-        start_B = cache.length_B
-        tokens_BxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(tokens_BxW, start_B)
-        slot_BxC = start_B[:, None] + jnp.arange(chunk)
-        h_BxCxD, cache = model.hidden(tokens_BxC, slot_BxC, slot_BxC < prompt_len_B[:, None], cache)
-        last_B = prompt_len_B - 1 - start_B  # the prompt's last token, for rows it is in this chunk
-        h_BxD = jnp.take_along_axis(h_BxCxD, jnp.clip(last_B, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        ends_here_B = (start_B < prompt_len_B) & (last_B < chunk)
-        return cache, jnp.where(ends_here_B[:, None], model.logits(h_BxD[:, None])[:, 0], logits_BxV)
+        i, cache, logits_BxV = carry
+        lo = prefill_block_I[i] * R
+
+        def rows(x):
+            return jax.lax.dynamic_slice_in_dim(x, lo, R)
+
+        # Consecutive rows: sliced and written back in place (gathered rows copied the whole cache).
+        part = jax.tree.map(rows, cache)
+        start_R, prompt_len_R = part.length_B, rows(prompt_len_B)
+        tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(rows(tokens_BxW), start_R)
+        slot_RxC = start_R[:, None] + jnp.arange(chunk)
+        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
+        last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
+        h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        ends_here_R = (start_R < prompt_len_R) & (last_R < chunk)
+        logits_RxV = jnp.where(ends_here_R[:, None], model.logits(h_RxD[:, None])[:, 0], rows(logits_BxV))
+        cache = jax.tree.map(lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, lo, 0), cache, part)
+        return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(logits_BxV, logits_RxV, lo, 0)
 
     logits_BxV = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
-    cache, logits_BxV = jax.lax.while_loop(
-        lambda carry: jnp.any(carry[0].length_B < prompt_len_B), prefill_body, (cache, logits_BxV))
+    _, cache, logits_BxV = jax.lax.while_loop(
+        lambda carry: carry[0] < prefill_steps, prefill_body, (jnp.int32(0), cache, logits_BxV))
     cache, logits_BxV = jax.tree.map(lambda x: x[leader_B], (cache, logits_BxV))
     # Both halves of a 64-bit seed (a key takes 32 bits): distinct seeds give distinct streams.
     base_keys = jax.vmap(lambda lo, hi: jax.random.fold_in(jax.random.key(lo), hi))(seed_lo_B, seed_hi_B)
@@ -265,13 +303,17 @@ def generate_rows(graphdef, params, prompts: list[list[int]], rows: RowParams, s
         stops[b, :len(ids)] = ids
     seed = pad(rows.seed.astype(np.uint64), 0)
     src, dst, cached, leader = prefix.plan(prompts, B)
+    order, block_I, steps = prefill_order(prompt_len, cached, leader, n, shapes.chunk, W)
+    position = np.argsort(order).astype(np.int32)  # of each row in `order`
     out_tokens, out_logp, prefix.pool = _generate(
-        params, graphdef, prefix.pool, src, dst, cached, leader, tokens, prompt_len, stops,
-        pad(rows.temperature.astype(np.float32), 0.0), pad(rows.top_p.astype(np.float32), 1.0),
-        pad(rows.top_k.astype(np.int32), 0), pad(rows.max_tokens.astype(np.int32), 0),
-        (seed & 0xFFFFFFFF).astype(np.uint32), (seed >> 32).astype(np.uint32), chunk=shapes.chunk,
+        params, graphdef, prefix.pool, src[order], dst[order], cached[order], position[leader[order]], block_I,
+        steps, tokens[order], prompt_len[order], stops[order],
+        *(x[order] for x in (pad(rows.temperature.astype(np.float32), 0.0), pad(rows.top_p.astype(np.float32), 1.0),
+                             pad(rows.top_k.astype(np.int32), 0), pad(rows.max_tokens.astype(np.int32), 0),
+                             (seed & 0xFFFFFFFF).astype(np.uint32), (seed >> 32).astype(np.uint32))),
+        chunk=shapes.chunk,
     )
-    out_tokens, out_logp = jax.device_get((out_tokens, out_logp))
+    out_tokens, out_logp = (x[position] for x in jax.device_get((out_tokens, out_logp)))
     result = Generation([], [], [])
     for b in range(n):
         length = int((out_tokens[b] >= 0).sum())
