@@ -27,7 +27,7 @@ The workload, the same on both sides:
 
 Printed per side: median s/step over steps 3..N and per-phase medians (rollout = generate +
 tools/environment, learn, weight sync), wall time including start-up, time to the first step,
-and per episode the tool calls and completion tokens (model-written and total) so a reader can
+jaxrl's XLA compiles after its first step (learner and bridge; 0 expected), and per episode the tool calls and completion tokens (model-written and total) so a reader can
 see both sides did the same work; the bench fails (exit 1, after printing) if either side makes
 ~0 tool calls. The last line is one JSON object; its `ratios` are jaxrl / TRL (lower is better
 for jaxrl): `jaxrl_over_trl_step` and one per phase.
@@ -310,7 +310,7 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str) -> dict:
         r["prompt_tokens"] = prompt_tokens
     out = summarize(rows, launch, first_begin, end, args.skip)
     out.update(framework=f"jaxrl ({mode})", run_wall_s=summary.get("wall_s"), startup_phases=summary.get("startup"),
-               log=str(tmp / f"jaxrl_{mode}.log"))
+               compiles_after_step_1=summary.get("compiles_after_step_1"), log=str(tmp / f"jaxrl_{mode}.log"))
     return out
 
 
@@ -319,9 +319,9 @@ def _prompt_tokens(run_dir: Path, model_dir: Path) -> float | None:
     path = run_dir / "samples.jsonl"
     if not path.is_file():
         return None
-    from transformers import AutoTokenizer
+    from jaxrl.models import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = load_tokenizer(model_dir)
     lengths = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
@@ -345,7 +345,7 @@ def ratios(jaxrl: dict, trl: dict) -> dict:
 
 def _print_table(sides: dict[str, dict]) -> None:
     keys = ("s_per_step", "rollout_s", "generate_s", "env_s", "learn_s", "sync_s", "other_s", "wall_per_step_s",
-            "first_step_s", "startup_s", "wall_s")
+            "first_step_s", "startup_s", "wall_s", "compiles_after_step_1")
     names = list(sides)
     print(f"{'':>22}" + "".join(f"{n:>14}" for n in names))
     for k in keys:
