@@ -37,6 +37,7 @@ def test_shipped_configs_load(path):
     ({"bridge": {"per_host": 2, "devices": ["0,1"]}},
      r"^config key 'bridge': devices lists 1 device group\(s\) but per_host=2: give one per bridge, or none$"),
     ({"bridge": {"per_host": 0}}, r"^config key 'bridge': per_host=0 must be >= 1$"),
+    ({"snapshot_dir": "gs://bucket/snaps"}, r"snapshot_dir='gs://bucket/snaps': a URL; .* mount the bucket"),
 ])
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):

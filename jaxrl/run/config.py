@@ -244,6 +244,11 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
+        for key in ("run_dir", "snapshot_dir"):
+            value = getattr(self, key)
+            if isinstance(value, str) and "://" in value:
+                raise ValueError(f"{key}={value!r}: a URL; runs and snapshots are POSIX directories (committed by "
+                                 "rename): mount the bucket (e.g. gcsfuse) and give the mount's path")
         if not self.envs:
             raise ValueError("envs: list at least one environment")
         names = [e.name for e in self.envs]
