@@ -200,16 +200,17 @@ def test_a_row_samples_the_same_tokens_alone_batched_or_from_the_prefix_cache(mo
 
 
 def test_a_batch_prefills_its_leaders_in_blocks_and_every_row_samples_what_it_samples_alone(model):
-    """16 rows (blocks of 2 prefilled together): groups sharing a prompt interleaved with rows of
-    their own, prompt rests of one to four chunks, one row continuing from the prefix cache, and
-    padding. Each row samples the tokens it samples alone."""
+    """17 rows (blocks of 2 prefilled together, the last one partial): groups sharing a prompt
+    interleaved with rows of their own, prompt rests of one to four chunks, one row continuing
+    from the prefix cache. Each row samples the tokens it samples alone."""
     graphdef, params = nnx.split(model)
-    shapes = Shapes(max_seq_len=32, chunk=4, max_batch=16)
+    shapes = Shapes(max_seq_len=32, chunk=4, max_batch=17)
     rng = np.random.default_rng(0)
     shared = [list(rng.integers(1, 128, n)) for n in (3, 14)]
     earlier = list(rng.integers(1, 128, 6))
     prompts = [shared[0], list(rng.integers(1, 128, 9)), shared[1], shared[0], earlier + [7, 8, 9],
                shared[1], list(rng.integers(1, 128, 16)), shared[0], shared[1], [5]]
+    prompts += [list(rng.integers(1, 128, n)) for n in (2, 5, 11, 1, 7, 13, 4)]
     seeds = np.arange(len(prompts), dtype=np.uint64) + 100
 
     def rows(seeds, max_tokens=6):
@@ -217,7 +218,7 @@ def test_a_batch_prefills_its_leaders_in_blocks_and_every_row_samples_what_it_sa
         return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
                          np.full(n, max_tokens, np.int32), np.asarray(seeds, np.uint64), [()] * n)
 
-    cache = PrefixCache(model.cfg, shapes, rows=16)
+    cache = PrefixCache(model.cfg, shapes, rows=17)
     generate_rows(graphdef, params, [earlier], rows([1], 1), shapes, cache)
     batched = generate_rows(graphdef, params, prompts, rows(seeds), shapes, cache)
     assert cache.stats["cached_tokens"] == len(earlier) + 3 * len(shared[0]) - len(shared[0]) + len(shared[1]) * 2

@@ -112,7 +112,7 @@ def prefill_order(prompt_len: np.ndarray, cached: np.ndarray, leader: np.ndarray
     for j in range(-(-len(todo) // R)):
         block = order[j * R:(j + 1) * R]
         steps += [j] * int(-(-max(prompt_len[block] - np.minimum(cached[block], prompt_len[block])) // chunk))
-    block_I = np.zeros((B // R) * -(-width // chunk), np.int32)
+    block_I = np.zeros(-(-B // R) * -(-width // chunk), np.int32)  # a last, partial block is slid back in place
     block_I[:len(steps)] = steps
     return order, block_I, np.int32(len(steps))
 
@@ -124,10 +124,12 @@ def _generate(params, graphdef, pool: KVCache, src_B, dst_B, cached_B, leader_B,
     """Row b starts from pool row src_B[b], whose first cached_B[b] slots hold its prompt's first
     tokens; prefills the rest `chunk` tokens at a time (a row whose leader_B[b] is another row
     has the same prompt and copies that row's prefill), one block of `prefill_block_rows`
-    consecutive rows per step (the blocks of `prefill_order`: rows come in its order); decodes until every row stops or reaches its max_tokens; writes its cache (prompt and
-    completion but the last token, never fed back) to pool row dst_B[b]. One program per batch
-    size: the cache width W and `chunk` are the engine's, so prompt and completion lengths never
-    change a shape.
+    consecutive rows per step (the blocks of `prefill_order`: rows come in its order); decodes
+    until every row stops or reaches its max_tokens; writes its cache (prompt and completion but
+    the last token, never fed back) to pool row dst_B[b]. One program per batch size: the cache
+    width W and `chunk` are the engine's, so prompt and completion lengths never change a shape.
+    A row whose prompt is in its cache already, run again by an overlapping block, changes
+    nothing: its chunk is all padding, written past its length.
 
     Returns the completions (B, W; -1 past a row's end), their logprobs, and the pool.
     """
