@@ -489,15 +489,15 @@ def test_bridges_killed_and_stopped_mid_step_cost_re_requests_and_restarts_not_t
     # Every group of the 6 steps trained once: none twice, none lost.
     trained = sorted(json.loads(line)["group_id"] for line in (run_dir / "samples.jsonl").read_text().splitlines())
     assert trained == sorted(f"{step}-{slot}" for step in range(6) for slot in range(2))
-    # The killed bridge's replacement started on the newest snapshot (step 2's weights, version 3) and
-    # served every one published after it.
+    # The killed bridge's replacement started on the newest snapshot (step 2's weights, version 3, or
+    # a later one when the run went on with the other bridge first) and served every one after it.
     [killed_line] = [line for line in err.splitlines() if f"(pid {killed}) was killed by SIGKILL" in line]
     index = int(killed_line.split("bridge ", 1)[1].split()[0])
     log = (run_dir / "logs" / ("bridge.log" if index == 0 else f"bridge-{index}.log")).read_text()
     replacement = log.rsplit("BRIDGE_LISTENING ", 1)[1]
     served = [int(line.split(" version ")[1].split()[0]) for line in replacement.splitlines()
               if "serving snapshot " in line]
-    assert served == [3, 4, 5, 6, 7]
+    assert served[0] >= 3 and served == list(range(served[0], 8)), served
 
 
 def _wait_until_both_generate(pid: int, run_dir: Path) -> None:
