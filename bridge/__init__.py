@@ -2,6 +2,6 @@
 
 Its own program (`python -m bridge serve|env`, see `bridge/cli.py`); its public contract for
 trainers is `bridge.client`, `bridge.wire` and `bridge.envs.spec`. Of the learner core it uses
-only the model, the snapshot reader, `jaxrl.compilation` and `jaxrl.host_memory`, and never imports
+only the model, the snapshot reader and its stores, `jaxrl.compilation` and `jaxrl.host_memory`, and never imports
 the run layer.
 """

@@ -132,7 +132,8 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     br.add_argument("--insecure", action="store_true",
                     help="listen beyond loopback without TLS (the token travels in clear text)")
     br.add_argument("--snapshot-root", action="append", default=[], metavar="DIR",
-                    help="LoadSnapshot reads only under these directories (repeatable); none: the model only")
+                    help="LoadSnapshot reads only under these directories or gs:// / s3:// prefixes (repeatable); "
+                         "none: the model only")
     limits = wire.Limits()
     for f, what in (("max_group_size", "most samples per group of a request"),
                     ("max_groups", "most groups per request"),

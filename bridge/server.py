@@ -37,6 +37,7 @@ from bridge.envs.session import EndpointUnavailable, SessionLost
 from bridge.envs.solver import solver_episode
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
+from jaxrl.snapshot_store import check_location, is_url
 from bridge.rollout import EpisodeHook, Trajectory, run_episode
 
 if TYPE_CHECKING:
@@ -108,13 +109,14 @@ class BridgeServicer(pb_grpc.BridgeServicer):
     interface (tests, custom loops). With `envs`, an episode whose session is lost is replayed
     from the start, with growing waits, until its environment's `retry_budget_s` has passed
     since the first loss; then it is dropped (finish_reason "error") and counted.
-    `snapshot_roots`: the directories LoadSnapshot may read under (none: the model only)."""
+    `snapshot_roots`: the directories or gs:// / s3:// prefixes LoadSnapshot may read under (none:
+    the model only)."""
 
     def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
                  on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None,
                  snapshot_roots: Sequence[str | Path] = (), limits: wire.Limits = wire.Limits()):
         self.engine = engine
-        self.snapshot_roots = [Path(r).resolve() for r in snapshot_roots]
+        self.snapshot_roots = [str(r).rstrip("/") if is_url(r) else Path(r).resolve() for r in snapshot_roots]
         self.limits = limits
         self._admitted = 0  # episodes of the requests under way (their limit: limits.max_episodes_in_flight)
         self.envs = envs
@@ -327,16 +329,27 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         await self._check_unary(request, context)
         if not request.path:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "LoadSnapshot needs a path")
-        try:
-            path = Path(request.path).resolve()  # symlinks and `..` resolved before the check
-        except (OSError, RuntimeError) as e:  # a symlink loop
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"{request.path}: {e}")
-        if not any(path == root or root in path.parents for root in self.snapshot_roots):
+        if is_url(request.path):
+            try:
+                check_location(request.path)
+            except ValueError as e:
+                await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            path = request.path.rstrip("/")
+            allowed = any(isinstance(root, str) and (path == root or path.startswith(root + "/"))
+                          for root in self.snapshot_roots)
+        else:
+            try:
+                path = Path(request.path).resolve()  # symlinks and `..` resolved before the check
+            except (OSError, RuntimeError) as e:  # a symlink loop
+                await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"{request.path}: {e}")
+            allowed = any(isinstance(root, Path) and (path == root or root in path.parents)
+                          for root in self.snapshot_roots)
+        if not allowed:
             roots = ", ".join(map(str, self.snapshot_roots)) or "none"
             await self._fail(context, grpc.StatusCode.PERMISSION_DENIED,
                              f"{request.path} is not under this bridge's snapshot roots ({roots}); start the "
                              "bridge with --snapshot-root DIR for the trainer's snapshot directory")
-        if not path.exists():
+        if isinstance(path, Path) and not path.exists():
             await self._fail(context, grpc.StatusCode.NOT_FOUND, f"{request.path}: does not exist")
         async with self._load_lock:  # one load at a time: versions land in request order
             served = self.engine.policy_version

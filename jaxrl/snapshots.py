@@ -7,7 +7,8 @@ lists and restores it (`ocp.CheckpointManager` with a `PyTreeCheckpointHandler` 
 `JsonCheckpointHandler`; tests/test_snapshots.py checks that). A snapshot is written as
 `<version>.orbax-checkpoint-tmp` and renamed on commit, so readers only ever list finished ones;
 the checksums catch the rest (uncompressed zarr has no checksum of its own, so a damaged data
-file would read back silently).
+file would read back silently). On an object store (`gs://`, `s3://`), where there is no rename,
+`<version>/commit_success.txt` written last commits it instead (jaxrl.snapshot_store).
 
 The bytes go through TensorStore directly, in Orbax's layout: each tensor a zarr3 array in one
 OCDBT database (uncompressed, one chunk per shard: its bytes as they lie in memory),
@@ -40,8 +41,6 @@ import itertools
 import json
 import math
 import operator
-import os
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -54,12 +53,12 @@ from jax.experimental import multihost_utils
 
 from jaxrl.models import ModelConfig, hf_names
 from jaxrl.models.config import DTYPES
+from jaxrl.snapshot_store import DirectoryStore, ObjectStore, copy_keys, open_store
 
 FORMAT = "jaxrl-weights-v2"  # v2: checksums of 2-byte dtypes sum column pairs as uint32 words
 # With Orbax's default (2 GiB) a 512 MB snapshot took ~1.5x as long to publish; 16-128 MB were
 # measured and 64 MB was best.
 DATA_FILE_BYTES = 64 << 20
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's: its step listings skip these
 # Pieces smaller than this are written as key-value pairs, larger ones through the zarr driver.
 _SMALL_BYTES = 1 << 20
 _PROCESS_PREFIX = "ocdbt.process_"  # Orbax's per-process databases, merged on commit
@@ -78,7 +77,7 @@ class Snapshot:
     version: int
     hf_config: dict
     tensors: dict[str, np.ndarray]
-    path: Path
+    path: Path | str  # a URL on an object store
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
@@ -143,14 +142,14 @@ def _checksums(shards: dict[str, list[tuple[tuple, np.ndarray]]]) -> dict[str, i
 # --- the Orbax layout, through TensorStore -----------------------------------------------------
 
 
-def _kvstore_spec(directory: Path) -> dict:
-    """The OCDBT database at `directory`, as Orbax opens it (single-file manifest, data files of
-    at most DATA_FILE_BYTES, small values such as zarr.json inline in the tree)."""
-    base = {"driver": "file", "path": f"{directory}/"}
+def _kvstore_spec(base: dict) -> dict:
+    """The OCDBT database in the kvstore `base`, as Orbax opens it (single-file manifest, data
+    files of at most DATA_FILE_BYTES, small values such as zarr.json inline in the tree)."""
+    # In a directory data files are written once under fresh names: no locking. The manifest is renamed in.
+    unlocked = {"file_io_locking": {"mode": "non_atomic"}} if base["driver"] == "file" else {}
     return {
         "driver": "ocdbt",
-        # Data files are written once under fresh names: no locking. The manifest is renamed in.
-        "base": {**base, "file_io_locking": {"mode": "non_atomic"}},
+        "base": {**base, **unlocked},
         "manifest": base,
         "target_data_file_size": DATA_FILE_BYTES,
         "config": {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000,
@@ -198,17 +197,16 @@ def _tree_metadata(tensors: dict[str, jax.Array]) -> dict:
     }
 
 
-def _write_arrays(directory: Path, tensors: dict[str, jax.Array], shards: dict[str, list]) -> None:
-    """Writes this process's shards of every tensor into the OCDBT database at `directory`, in one
-    commit. Every process writes each array's zarr.json (the same everywhere), as Orbax does.
+def _write_arrays(base: dict, tensors: dict[str, jax.Array], shards: dict[str, list]) -> None:
+    """Writes this process's shards of every tensor into the OCDBT database in kvstore `base`, in
+    one commit. Every process writes each array's zarr.json (the same everywhere), as Orbax does.
 
     Pieces under `_SMALL_BYTES` go in as plain key-value writes: opening a TensorStore array costs
     ~60 us, a few times the write of a small piece. Larger ones go through TensorStore's zarr3
     driver, which writes them from the array itself instead of a bytes copy (the same layout).
     """
-    directory.mkdir(parents=True, exist_ok=True)
     context = ts.Context()
-    kvstore = ts.KvStore.open(_kvstore_spec(directory), context=context).result()
+    kvstore = ts.KvStore.open(_kvstore_spec(base), context=context).result()
     txn = ts.Transaction(atomic=False)
     staged = kvstore.with_transaction(txn)
     writes, opening = [], []
@@ -233,20 +231,20 @@ def _write_arrays(directory: Path, tensors: dict[str, jax.Array], shards: dict[s
     txn.commit_async().result()
 
 
-def _merge_process_databases(directory: Path) -> None:
-    """Makes the per-process databases under `directory` one (Orbax's merge: the tree refers to
-    their data files; nothing is copied)."""
+def _merge_process_databases(store: DirectoryStore | ObjectStore, key: str) -> None:
+    """Makes the per-process databases under `key` one (Orbax's merge: the tree refers to their
+    data files; nothing is copied)."""
     context = ts.Context()
-    parent = ts.KvStore.open(_kvstore_spec(directory), context=context).result()
+    parent = ts.KvStore.open(_kvstore_spec(store.kvstore_base(key)), context=context).result()
     txn = ts.Transaction(atomic=True)
-    for child_dir in sorted(directory.glob(f"{_PROCESS_PREFIX}*")):
-        child = ts.KvStore.open(_kvstore_spec(child_dir), context=context).result()
+    for child_key in store.subdirectories(key, _PROCESS_PREFIX):
+        child = ts.KvStore.open(_kvstore_spec(store.kvstore_base(child_key)), context=context).result()
         child.experimental_copy_range_to(parent.with_transaction(txn)).result()
     txn.commit_async().result()
 
 
-def _read_arrays(directory: Path, tensors: dict[str, dict]) -> dict[str, np.ndarray]:
-    """The arrays `tensors` (name -> manifest entry) of the OCDBT database at `directory`, as
+def _read_arrays(base: dict, tensors: dict[str, dict]) -> dict[str, np.ndarray]:
+    """The arrays `tensors` (name -> manifest entry) of the OCDBT database in kvstore `base`, as
     NumPy arrays, every read in flight at once.
 
     The manifest gives each array's shape, dtype and piece shape (`chunk`): pieces under
@@ -257,7 +255,7 @@ def _read_arrays(directory: Path, tensors: dict[str, dict]) -> dict[str, np.ndar
     """
     # A fresh context per snapshot: no cache can serve another snapshot's bytes.
     context = ts.Context(ts.Context.Spec({"file_io_mode": {"mode": "memmap"}}))
-    kvstore = ts.KvStore.open(_kvstore_spec(directory), context=context).result()
+    kvstore = ts.KvStore.open(_kvstore_spec(base), context=context).result()
     plans = {}
     for name, meta in tensors.items():
         dtype = np.dtype(DTYPES[meta["dtype"]])
@@ -296,86 +294,60 @@ def _assemble(name: str, shape: tuple, chunk: tuple, dtype: np.dtype, index: lis
     return x
 
 
-def _write_json(path: Path, value) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value))
-
-
-def _unlist(path: Path) -> Path | None:
-    """Takes a snapshot directory out of the listings at once (a rename, so no reader lists half of
-    one); returns its new path, to delete (a writer's next start deletes it, if nothing else does)."""
-    doomed = path.with_name(f"{path.name}{TMP_SUFFIX}-deleted-{time.monotonic_ns()}")
-    try:
-        os.rename(path, doomed)
-    except FileNotFoundError:
-        return None
-    return doomed
-
-
-def _remove(path: Path) -> None:
-    doomed = _unlist(path)
-    if doomed is not None:
-        shutil.rmtree(doomed, ignore_errors=True)
+def _json(value) -> bytes:
+    return json.dumps(value).encode()
 
 
 def snapshot_versions(directory: str | Path) -> list[int]:
-    """The finished snapshots under `directory`, oldest first ([] if it does not exist)."""
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return []
-    return sorted(int(e.name) for e in entries if e.name.isdigit() and e.is_dir())
+    """The finished snapshots under `directory` (a path or a gs:// or s3:// URL), oldest first
+    ([] if there is none)."""
+    return open_store(directory).versions()
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    if final.exists():
-        _remove(final)
-    os.rename(tmp, final)  # the commit: readers list it from now on
-
-
-def _prune(directory: Path, keep: int, in_use: Iterable[int] = ()) -> list[Path]:
-    """Unlists every snapshot but the newest `keep` and `in_use`; returns the paths to delete."""
-    versions = snapshot_versions(directory)
+def _prune(store: DirectoryStore | ObjectStore, keep: int, in_use: Iterable[int] = ()) -> list:
+    """Unlists every snapshot but the newest `keep` and `in_use`; returns what to delete."""
+    versions = store.versions()
     kept = set(versions[-keep:]) | set(in_use)
-    return [doomed for old in versions if old not in kept
-            for doomed in [_unlist(directory / str(old))] if doomed is not None]
+    return [doomed for old in versions if old not in kept for doomed in [store.unlist(old)] if doomed is not None]
 
 
 def delete_snapshot(directory: str | Path, version: int) -> None:
     """Removes snapshot `version` under `directory` (one process; see SnapshotWriter.delete)."""
-    _remove(Path(directory) / str(version))
+    store = open_store(directory)
+    store.delete(store.unlist(version))
 
 
-def copy_snapshot(source: str | Path, version: int, directory: str | Path, keep: int | None = None) -> Path:
-    """Copies finished snapshot `version` from the snapshots directory `source` into `directory`,
-    committed as a publish is (an existing `version` there is replaced); then keeps the newest
-    `keep` there, if given. One process. Returns the copy's path."""
-    source, directory = Path(source).absolute(), Path(directory).absolute()
-    if version not in snapshot_versions(source):
-        raise SnapshotError(f"{source / str(version)}: no finished snapshot with version {version} "
-                            f"(have {snapshot_versions(source)})")
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp, final = directory / f"{version}{TMP_SUFFIX}", directory / str(version)
-    shutil.rmtree(tmp, ignore_errors=True)
+def copy_snapshot(source: str | Path, version: int, directory: str | Path, keep: int | None = None) -> Path | str:
+    """Copies finished snapshot `version` from the snapshots directory `source` into `directory`
+    (either may be an object store's URL), committed as a publish is (an existing `version` there
+    is replaced); then keeps the newest `keep` there, if given. One process. Returns the copy's
+    location."""
+    src, dst = open_store(source), open_store(directory)
+    if version not in src.versions():
+        raise SnapshotError(f"{src.location(str(version))}: no finished snapshot with version {version} "
+                            f"(have {src.versions()})")
+    dst.open_for_writing()
+    dst.begin(version)
     try:
-        shutil.copytree(source / str(version), tmp)
+        copy_keys(src, str(version), dst, dst.staging(version))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-copied stays visible (a full disk)
+        dst.discard(version)  # nothing half-copied stays visible (a full disk)
         raise
-    _commit(tmp, final)
-    for doomed in _prune(directory, keep) if keep is not None else ():
-        shutil.rmtree(doomed, ignore_errors=True)
-    return final
+    dst.commit(version)
+    for doomed in _prune(dst, keep) if keep is not None else ():
+        dst.delete(doomed)
+    return dst.location(str(version))
 
 
 class SnapshotWriter:
     """Publishes snapshots of a model's params under `directory`, keeping the newest `keep`.
 
-    Every process of a multi-host run calls `publish` with the same arguments.
+    `directory` is a path, or a `gs://` or `s3://` URL (see jaxrl.snapshot_store). Every process
+    of a multi-host run calls `publish` with the same arguments.
     """
 
     def __init__(self, directory: str | Path, model_cfg: ModelConfig, dtype: str | None = None, keep: int = 3):
-        self.directory = Path(directory).absolute()
+        self.store = open_store(directory)
         self.model_cfg = model_cfg
         self.dtype = dtype or model_cfg.dtype
         if self.dtype not in DTYPES:
@@ -388,23 +360,21 @@ class SnapshotWriter:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         if self._primary:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for leftover in self.directory.glob(f"*{TMP_SUFFIX}*"):  # from a writer that was killed
-                shutil.rmtree(leftover, ignore_errors=True)
+            self.store.open_for_writing()
         self._sync("open")
 
     def versions(self) -> list[int]:
         """The finished snapshots, oldest first."""
-        return snapshot_versions(self.directory)
+        return self.store.versions()
 
     def delete(self, version: int) -> None:
         """Removes snapshot `version` (the primary process does; every process calls this)."""
         self.wait()
         if self._primary:
-            _remove(self.directory / str(version))
+            self.store.delete(self.store.unlist(version))
         self._sync(f"delete-{version}")
 
-    def publish(self, params: nnx.State, version: int, wait: bool = True, in_use: Iterable[int] = ()) -> Path:
+    def publish(self, params: nnx.State, version: int, wait: bool = True, in_use: Iterable[int] = ()) -> Path | str:
         """Writes snapshot `version`; with `wait`, returns once it is committed and visible.
 
         Once it is committed, snapshots beyond the newest `keep` are deleted, except `in_use`.
@@ -429,7 +399,7 @@ class SnapshotWriter:
             write()
         else:
             self._pending = self._background().submit(write)
-        return self.directory / str(version)
+        return self.store.location(str(version))
 
     def _background(self) -> concurrent.futures.ThreadPoolExecutor:
         """One thread for writes that do not wait and for deleting pruned snapshots, in order."""
@@ -438,29 +408,28 @@ class SnapshotWriter:
         return self._executor
 
     def _write(self, version: int, tensors, shards, manifest: dict, in_use: frozenset[int]) -> None:
-        tmp = self.directory / f"{version}{TMP_SUFFIX}"
+        store, tmp = self.store, self.store.staging(version)
         start_ns = time.time_ns()
         if self._primary:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "weights").mkdir(parents=True)
+            store.begin(version)
         self._sync(f"start-{version}")
         multiprocess = jax.process_count() > 1
-        weights = tmp / "weights"
-        _write_arrays(weights / f"{_PROCESS_PREFIX}{jax.process_index()}" if multiprocess else weights,
-                      tensors, shards)
+        weights = f"{tmp}/weights"
+        _write_arrays(store.kvstore_base(f"{weights}/{_PROCESS_PREFIX}{jax.process_index()}" if multiprocess
+                                         else weights), tensors, shards)
         self._sync(f"written-{version}")
         if self._primary:
             if multiprocess:
-                _merge_process_databases(weights)
-            _write_json(weights / "_METADATA", _tree_metadata(tensors))
-            _write_json(tmp / "manifest" / "metadata", manifest)
-            _write_json(tmp / "_CHECKPOINT_METADATA", {
+                _merge_process_databases(store, weights)
+            store.write(f"{weights}/_METADATA", _json(_tree_metadata(tensors)))
+            store.write(f"{tmp}/manifest/metadata", _json(manifest))
+            store.write(f"{tmp}/_CHECKPOINT_METADATA", _json({
                 "item_handlers": _HANDLERS, "metrics": {}, "performance_metrics": {},
-                "init_timestamp_nsecs": start_ns, "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
-            _commit(tmp, self.directory / str(version))
-            doomed = _prune(self.directory, self.keep, in_use)
+                "init_timestamp_nsecs": start_ns, "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}}))
+            store.commit(version)
+            doomed = _prune(store, self.keep, in_use)
             if doomed:  # deleted off the critical path: already out of the listings
-                self._background().submit(lambda: [shutil.rmtree(p, ignore_errors=True) for p in doomed])
+                self._background().submit(lambda: [store.delete(d) for d in doomed])
         self._sync(f"committed-{version}")
 
     def _sync(self, what: str) -> None:
@@ -468,7 +437,7 @@ class SnapshotWriter:
         if jax.process_count() > 1:
             from orbax.checkpoint import multihost
 
-            multihost.sync_global_processes(f"jaxrl-snapshots:{self.directory}:{next(self._barriers)}:{what}")
+            multihost.sync_global_processes(f"jaxrl-snapshots:{self.store}:{next(self._barriers)}:{what}")
 
     def wait(self) -> None:
         """Blocks until a `publish(..., wait=False)` is committed (and old snapshots pruned)."""
@@ -487,12 +456,15 @@ class SnapshotReader:
     """Finds and restores finished snapshots as NumPy arrays, without knowing jaxrl's tree."""
 
     def __init__(self, directory: str | Path):
-        self.directory = Path(directory).absolute()
-        if not self.directory.is_dir():
-            raise SnapshotError(f"{self.directory}: snapshot directory does not exist")
+        try:
+            self.store = open_store(directory)
+        except ValueError as e:
+            raise SnapshotError(str(e)) from None
+        if not self.store.exists():
+            raise SnapshotError(f"{self.store}: snapshot directory does not exist")
 
     def versions(self) -> list[int]:
-        return snapshot_versions(self.directory)
+        return self.store.versions()
 
     def latest_version(self) -> int | None:
         versions = self.versions()
@@ -503,17 +475,17 @@ class SnapshotReader:
         if version is None:
             version = self.latest_version()
             if version is None:
-                raise SnapshotError(f"{self.directory}: no finished snapshot yet")
-        path = self.directory / str(version)
+                raise SnapshotError(f"{self.store}: no finished snapshot yet")
+        path = self.store.location(str(version))
+        if not self.store.committed(version):
+            raise SnapshotError(f"{path}: no finished snapshot with version {version} (have {self.versions()})")
         try:
-            manifest = json.loads((path / "manifest" / "metadata").read_bytes())
-        except FileNotFoundError as e:
-            if not path.is_dir():
-                raise SnapshotError(
-                    f"{path}: no finished snapshot with version {version} (have {self.versions()})") from None
-            raise SnapshotError(f"{path}: manifest cannot be read ({type(e).__name__}: {e})") from e
+            data = self.store.read(f"{version}/manifest/metadata")
+            if data is None:
+                raise FileNotFoundError("manifest/metadata is missing")
+            manifest = json.loads(data)
         except (OSError, ValueError) as e:
-            raise SnapshotError(f"{path}: manifest cannot be read ({type(e).__name__}: {e})") from e
+            raise SnapshotError(f"{path}: manifest cannot be read ({type(e).__name__}: {_one_line(e)})") from e
         found = manifest.get("format") if isinstance(manifest, dict) else None
         if found != FORMAT or not isinstance(manifest.get("tensors"), dict):
             raise SnapshotError(
@@ -522,7 +494,7 @@ class SnapshotReader:
             )
         # The manifest names the tensors, so the weights need no metadata pass of their own.
         try:
-            tensors = _read_arrays(path / "weights", manifest["tensors"])
+            tensors = _read_arrays(self.store.kvstore_base(f"{version}/weights"), manifest["tensors"])
         except Exception as e:  # tensorstore raises ValueError/OSError and more for damaged files
             raise SnapshotError(f"{path}: cannot be restored ({type(e).__name__}: {_one_line(e)})") from e
         _verify(path, manifest["tensors"], tensors)
@@ -534,7 +506,7 @@ def _one_line(e: Exception) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _verify(path: Path, expected: dict, tensors: dict[str, np.ndarray]) -> None:
+def _verify(path: Path | str, expected: dict, tensors: dict[str, np.ndarray]) -> None:
     for name, meta in expected.items():
         x = tensors[name]
         if list(x.shape) != meta["shape"] or str(x.dtype) != meta["dtype"]:

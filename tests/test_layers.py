@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-BRIDGE_MAY_USE_OF_CORE = ("jaxrl.models", "jaxrl.snapshots", "jaxrl.compilation", "jaxrl.host_memory")
+BRIDGE_MAY_USE_OF_CORE = ("jaxrl.models", "jaxrl.snapshots", "jaxrl.snapshot_store", "jaxrl.compilation",
+                          "jaxrl.host_memory")
 RUN_MAY_USE_OF_BRIDGE = ("bridge.client", "bridge.wire", "bridge.envs.spec")
 PACKAGES = ("jaxrl", "jaxrl.run", "bridge", "bridge.envs", "bridge.engines")
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from bridge.envs.spec import BUNDLED_NAMES, ENV_REWARD, EnvSpec, RewardSpec
 from jaxrl.sharding import MeshConfig
+from jaxrl.snapshot_store import check_location
 from jaxrl.train_step import LearnerConfig
 from jaxrl.run.gin_config import gin_overrides
 from jaxrl.run.typed_config import ConfigError, apply_overrides, load
@@ -222,7 +223,9 @@ class TrainConfig:
     distributed: DistributedConfig = _help("several processes (hosts) in one run", default_factory=DistributedConfig)
     sync_every: int = _help("publish weights to the bridge every N steps", default=1)
     snapshot_dir: str | None = _help(
-        "where weight snapshots go while the run trains (every bridge must read it); null: a directory of "
+        "where weight snapshots go while the run trains (every bridge must read it): a directory, or a gs:// or "
+        "s3:// URL (the bucket's credentials and endpoint come from the environment, as for Google's and AWS's "
+        "tools); null: a directory of "
         "the run's own in /dev/shm (memory, removed at the end) when the run starts its bridges on one host and "
         "its snapshots fit in half the memory free there, else RUN/snapshots. Outside RUN/snapshots, the last "
         "snapshot served is copied there at the end (for `jaxrl eval`, `jaxrl export`)", default=None)
@@ -244,11 +247,14 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
-        for key in ("run_dir", "snapshot_dir"):
-            value = getattr(self, key)
-            if isinstance(value, str) and "://" in value:
-                raise ValueError(f"{key}={value!r}: a URL; runs and snapshots are POSIX directories (committed by "
-                                 "rename): mount the bucket (e.g. gcsfuse) and give the mount's path")
+        if "://" in str(self.run_dir):
+            raise ValueError(f"run_dir={self.run_dir!r}: a URL; a run directory is a POSIX one (shared by the hosts of "
+                             "a multi-host run): mount the bucket (e.g. gcsfuse) and give the mount's path")
+        if self.snapshot_dir is not None:
+            try:
+                check_location(self.snapshot_dir)
+            except ValueError as e:
+                raise ValueError(f"snapshot_dir: {e}") from None
         if not self.envs:
             raise ValueError("envs: list at least one environment")
         names = [e.name for e in self.envs]

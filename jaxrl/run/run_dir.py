@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from jaxrl.snapshot_store import is_url
+
 log = logging.getLogger("jaxrl.run")
 SHM = Path("/dev/shm")
 SHM_PREFIX = "jaxrl-snapshots-"  # + the trainer's pid + "-" + a random part
@@ -92,11 +94,11 @@ def disk_full(e: BaseException) -> bool:
 
 @contextlib.contextmanager
 def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool, needs_bytes: int = 0,
-                       shm: Path = SHM) -> Iterator[tuple[Path, bool]]:
+                       shm: Path = SHM) -> Iterator[tuple[Path | str, bool]]:
     """Where the run's snapshots live while it trains, and whether that is a memory directory of
     its own: (directory, in_memory).
 
-    `configured` (the `snapshot_dir` key), if set; else, with `local_bridges` (this host's one
+    `configured` (the `snapshot_dir` key: a path, or an object store's URL), if set; else, with `local_bridges` (this host's one
     process starts the bridges) and a writable `shm` with room for `needs_bytes` in at most half
     of its free space and of the memory available, a fresh directory under `shm`, removed on exit
     however the run ends (one left by a run killed outright goes at the next run's start); else
@@ -104,7 +106,7 @@ def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool,
     """
     _remove_orphans(shm)
     if configured:
-        yield Path(configured).expanduser().absolute(), False
+        yield (configured.rstrip("/") if is_url(configured) else Path(configured).expanduser().absolute()), False
         return
     if not (local_bridges and shm.is_dir() and os.access(shm, os.W_OK)):
         yield run.snapshots.absolute(), False

@@ -151,7 +151,7 @@ class Services:
 
 
 def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack, token: str,
-                   snapshot_root: Path | None = None, bridge_env: dict[str, str] | None = None) -> Services:
+                   snapshot_root: Path | str | None = None, bridge_env: dict[str, str] | None = None) -> Services:
     """Starts the run's bundled environment servers and `bridge.per_host` bridges serving every
     environment (with `bridge_env` added to their environment, and each its `bridge.devices`),
     unless `bridge.addresses` names running bridges (which serve their own `--envs`). The bridges

@@ -107,7 +107,7 @@ class _Run:
     tokenizer: Any
     out: Any
     summary: dict[str, Any]
-    snapshots: Path  # where snapshots are published and the bridges read them (see snapshot_directory)
+    snapshots: Path | str  # where snapshots are published and the bridges read them (see snapshot_directory)
     env_servers: EnvServers  # the bundled environment servers, restarted when they die
     share: Share  # this process's groups of every step (all of them with one process)
     step: int = 0
@@ -302,7 +302,7 @@ def _close_writer(r: _Run) -> None:
     if r.snapshots != r.run.snapshots.absolute() and r.version in r.writer.versions() and r.primary:
         try:
             copy_snapshot(r.snapshots, r.version, r.run.snapshots, keep=r.writer.keep)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # TensorStore's errors (an object store) are ValueErrors
             if not disk_full(e):  # when it is, the run's own error says so
                 log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
 
