@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,13 +24,18 @@ def s3_server(bucket: str = "snapshots") -> Iterator[dict[str, str]]:
     """Starts the server with `bucket` in it; yields the AWS variables that point a process at it."""
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
+    # Its log (a line per request) goes to a file: into a pipe nobody reads, it would fill the pipe
+    # and block the server mid-run.
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=log, stderr=subprocess.STDOUT)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, f"moto's S3 server exited: {proc.stderr.read()[-2000:]}"
+            if proc.poll() is not None:
+                log.seek(0)
+                raise AssertionError(f"moto's S3 server exited: {log.read()[-2000:]}")
             assert time.monotonic() < deadline, "moto's S3 server did not answer within 60 s"
             try:
                 opener.open(urllib.request.Request(f"{endpoint}/{bucket}", method="PUT"), timeout=5).read()
@@ -45,3 +51,4 @@ def s3_server(bucket: str = "snapshots") -> Iterator[dict[str, str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()

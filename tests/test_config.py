@@ -37,11 +37,18 @@ def test_shipped_configs_load(path):
     ({"bridge": {"per_host": 2, "devices": ["0,1"]}},
      r"^config key 'bridge': devices lists 1 device group\(s\) but per_host=2: give one per bridge, or none$"),
     ({"bridge": {"per_host": 0}}, r"^config key 'bridge': per_host=0 must be >= 1$"),
-    ({"snapshot_dir": "gs://bucket/snaps"}, r"snapshot_dir='gs://bucket/snaps': a URL; .* mount the bucket"),
+    ({"run_dir": "gs://bucket/run"}, r"run_dir='gs://bucket/run': a URL; .* mount the bucket"),
+    ({"snapshot_dir": "http://host/snaps"}, r"snapshot_dir: http://host/snaps: snapshots go to a directory or to "
+                                           r"a gs:// or s3:// bucket, not to a http:// URL"),
+    ({"snapshot_dir": "s3://bucket/../x"}, r"snapshot_dir: s3://bucket/../x: give the bucket and a path in it"),
 ])
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(TrainConfig, {**BASE, **extra})
+
+
+def test_snapshots_may_go_to_a_bucket():
+    assert from_dict(TrainConfig, {**BASE, "snapshot_dir": "gs://bucket/snaps"}).snapshot_dir == "gs://bucket/snaps"
 
 
 def test_the_learner_config_takes_the_values_the_run_derives(tmp_path):

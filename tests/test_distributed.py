@@ -20,15 +20,19 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
+from object_store import s3_server
 from jaxrl.run.collection import Share, StepRollouts
 from jaxrl.run.config import DistributedConfig, load_config
 from jaxrl.run.distributed import Exchange, cluster_processes, exchange_step, initialize, share_of
 from jaxrl.run.services import StartupError
 from jaxrl.run.tracking import read_metrics
+from jaxrl.run.train import SNAPSHOTS_KEPT
 from jaxrl.sharding import MeshConfig, make_mesh
+from jaxrl.snapshots import snapshot_versions
 from jaxrl.tiny import build_tiny_model
 
 ROOT = Path(__file__).parents[1]
+BUCKET_SNAPSHOTS = "s3://snapshots/two"
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
          "SLURM_LOCALID": "0"}
 
@@ -132,13 +136,26 @@ def reference(setup):
 
 @pytest.fixture(scope="module")
 def two_processes(setup):
-    """2 processes x 4 devices with a bridge each, process 1 sent SIGTERM once step 3 is logged:
-    both stop after the same step (the run directory, that step)."""
+    """2 processes x 4 devices with a bridge each, snapshots in an S3 bucket (as on a pod, where no
+    file system is shared), process 1 sent SIGTERM once step 3 is logged: both stop after the same
+    step (the run directory, that step, the bucket's snapshot versions)."""
     tmp, config = setup
     run_dir = tmp / "two"
     address = f"127.0.0.1:{_free_port()}"
-    procs = [_train(config, run_dir, 4, "--coordinator", address, "--num-processes", "2", "--process-id", str(i))
-             for i in range(2)]
+    with s3_server() as s3, pytest.MonkeyPatch.context() as mp:
+        for k, v in s3.items():
+            mp.setenv(k, v)
+        procs = [_train(config, run_dir, 4, "--coordinator", address, "--num-processes", "2", "--process-id", str(i),
+                        "--set", f"snapshot_dir={BUCKET_SNAPSHOTS}")
+                 for i in range(2)]
+        summaries = _stop_after_step_3(procs, run_dir)
+        bucket_versions = snapshot_versions(BUCKET_SNAPSHOTS)
+    assert summaries[0]["steps"] == summaries[1]["steps"]
+    assert [s["stopped"] for s in summaries] == ["SIGTERM", "SIGTERM"]
+    return run_dir, summaries[0]["steps"], bucket_versions
+
+
+def _stop_after_step_3(procs: list[subprocess.Popen], run_dir: Path) -> list[dict]:
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 3:
@@ -146,14 +163,11 @@ def two_processes(setup):
             assert time.monotonic() < deadline, "no third step logged"
             time.sleep(0.05)
         procs[1].send_signal(signal.SIGTERM)
-        summaries = [_finish(p, 128 + signal.SIGTERM) for p in procs]
+        return [_finish(p, 128 + signal.SIGTERM) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert summaries[0]["steps"] == summaries[1]["steps"]
-    assert [s["stopped"] for s in summaries] == ["SIGTERM", "SIGTERM"]
-    return run_dir, summaries[0]["steps"]
 
 
 def _params(run_dir: Path, step: int) -> dict[str, np.ndarray]:
@@ -180,7 +194,7 @@ def _assert_same_steps(rows: list[dict], reference: list[dict]) -> None:
 
 
 def test_two_processes_take_the_steps_one_process_takes(reference, two_processes):
-    run_dir, steps = two_processes
+    run_dir, steps, bucket_versions = two_processes
     assert 4 <= steps < STEPS
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # process 0's alone
@@ -191,11 +205,14 @@ def test_two_processes_take_the_steps_one_process_takes(reference, two_processes
     assert (run_dir / "logs" / "process-1" / "bridge.log").is_file()  # process 1's children, apart
     record = json.loads((run_dir / "run.json").read_text())
     assert [s["processes"] for s in record["sessions"]] == [2]
+    # The bridges served the bucket's snapshots; the last one served was copied into the run directory.
+    assert bucket_versions[-1] == steps + 1 and len(bucket_versions) == SNAPSHOTS_KEPT
+    assert snapshot_versions(run_dir / "snapshots") == [steps + 1]
 
 
 def test_a_two_process_run_resumes_on_one_process_and_ends_as_an_unbroken_run(setup, reference, two_processes):
     _, config = setup
-    run_dir, stopped_at = two_processes
+    run_dir, stopped_at, _ = two_processes
     summary = _finish(_train(config, run_dir, 8, "--resume"))
     assert summary["steps"] == STEPS
     rows = read_metrics(run_dir)

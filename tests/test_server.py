@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import socket
 import threading
 import time
 
@@ -22,7 +23,7 @@ import pytest
 from flax import nnx
 
 from bridge import wire
-from bridge.client import BridgeClient, BridgeRequestError, BridgeUnauthenticated
+from bridge.client import BridgeClient, BridgeError, BridgeRequestError, BridgeUnauthenticated
 from bridge.engines.base import Completion, SamplingParams, derive_seed
 from bridge.engines.jax_engine import JaxEngine
 from bridge.proto import bridge_pb2 as pb
@@ -33,6 +34,7 @@ from jaxrl.models import Decoder, load_pretrained
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import build_tiny_model, tiny_config
 from jaxrl.tiny_tokenizer import build_tokenizer
+from object_store import s3_server
 from scripted_engine import ScriptedEngine
 
 SNAPSHOT_VERSION = 5
@@ -314,6 +316,44 @@ def test_snapshots_load_only_from_under_the_roots_and_never_go_back(bridge, snap
         assert after["snapshot_refusals"] == before["snapshot_refusals"] + 1
     finally:
         link.unlink()
+
+
+def test_snapshots_load_from_a_bucket_prefix_and_only_from_under_it(model_dir, snapshots, monkeypatch):
+    with s3_server("bucket") as variables:
+        for k, v in variables.items():
+            monkeypatch.setenv(k, v)
+        model = load_pretrained(model_dir)
+        for prefix in ("run", "run-sibling"):
+            with contextlib.closing(SnapshotWriter(f"s3://bucket/{prefix}", model.cfg)) as writer:
+                writer.publish(nnx.state(model, nnx.Param), SNAPSHOT_VERSION)
+        with running(JaxEngine(model_dir), snapshot_roots=["s3://bucket/run/", snapshots]) as b:
+            for path, code, message in [
+                ("s3://bucket/run-sibling", grpc.StatusCode.PERMISSION_DENIED, "not under this bridge's snapshot roots"),
+                ("s3://other/run", grpc.StatusCode.PERMISSION_DENIED, "not under this bridge's snapshot roots"),
+                ("s3://bucket/run/../run-sibling", grpc.StatusCode.INVALID_ARGUMENT, "without '..'"),
+                ("ftp://bucket/run", grpc.StatusCode.INVALID_ARGUMENT, "not to a ftp:// URL"),
+                ("s3://bucket/run/empty", grpc.StatusCode.FAILED_PRECONDITION, "no finished snapshot with version 5"),
+            ]:
+                with pytest.raises(BridgeRequestError) as e:
+                    b.client.load_snapshot(path, SNAPSHOT_VERSION)
+                assert e.value.code == code and message in e.value.details, (path, e.value.details)
+            loaded = b.client.load_snapshot("s3://bucket/run", SNAPSHOT_VERSION)
+            assert loaded.version == b.client.health().policy_version == SNAPSHOT_VERSION
+            assert b.client.stats()["snapshot_refusals"] == 1
+
+
+def test_a_snapshot_read_stuck_on_storage_does_not_keep_the_bridge_from_stopping(model_dir, monkeypatch):
+    with socket.socket() as silent:  # an S3 endpoint that takes connections and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}", "AWS_REGION": "us-east-1",
+                     "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}.items():
+            monkeypatch.setenv(k, v)
+        # `running` fails unless the server stops within 10 s of Shutdown: a stuck read in the
+        # loop's default executor kept asyncio from finishing (and an orphaned bridge alive) for good.
+        with running(JaxEngine(model_dir), snapshot_roots=["s3://bucket/run"]) as b:
+            with pytest.raises(BridgeError, match="DEADLINE_EXCEEDED"):
+                b.client.load_snapshot("s3://bucket/run", SNAPSHOT_VERSION, timeout_s=2)
 
 
 def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):

@@ -6,8 +6,11 @@ vocabulary, the quantity the learner recomputes (top-p / top-k truncation only s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
+import threading
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -77,3 +80,35 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Frees the engine's resources."""
+
+
+async def read_off_loop(fn: Callable, *args):
+    """`await fn(*args)` run on a daemon thread of its own, for snapshot reads.
+
+    A read stuck on storage (an object store that stopped answering) must not keep the bridge
+    from exiting once its parent is gone: the default executor's threads are joined at exit.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if future.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting task
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody awaits it any more
+            pass
+
+    threading.Thread(target=run, name="snapshot-read", daemon=True).start()
+    return await future

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused, derive_seed
+from bridge.engines.base import (Completion, EngineError, SamplingParams, SnapshotRefused, derive_seed,
+                                 read_off_loop)
 from bridge.engines.sampler import Generation, PrefixCache, RowParams, Shapes, generate_rows
 from jaxrl.compilation import compiles
 from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
@@ -207,7 +208,7 @@ class JaxEngine:
 
     async def load_snapshot(self, path: str, version: int) -> float:
         start = time.perf_counter()
-        params = await asyncio.to_thread(self._read_snapshot, path, version)
+        params = await read_off_loop(self._read_snapshot, path, version)
         async with self._swap_lock:
             self.params, self.policy_version = params, version
         return time.perf_counter() - start

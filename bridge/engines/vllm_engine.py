@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused
+from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused, read_off_loop
 
 # For CPU (tests, laptops); also set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the engine.
 # Without kv_cache_memory_bytes vLLM reserves ~12 GiB of KV cache; dtype "auto" is bf16 on CPU.
@@ -231,7 +231,7 @@ class VLLMEngine:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         # Read and check off the lock: generation goes on with the old weights meanwhile.
-        weights = await loop.run_in_executor(None, self._read_snapshot, path, version)
+        weights = await read_off_loop(self._read_snapshot, path, version)
         async with self._engine_lock():
             if self._broken:
                 raise EngineError(self._broken)

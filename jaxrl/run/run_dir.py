@@ -98,11 +98,12 @@ def snapshot_directory(run: RunDir, configured: str | None, local_bridges: bool,
     """Where the run's snapshots live while it trains, and whether that is a memory directory of
     its own: (directory, in_memory).
 
-    `configured` (the `snapshot_dir` key: a path, or an object store's URL), if set; else, with `local_bridges` (this host's one
-    process starts the bridges) and a writable `shm` with room for `needs_bytes` in at most half
-    of its free space and of the memory available, a fresh directory under `shm`, removed on exit
-    however the run ends (one left by a run killed outright goes at the next run's start); else
-    `run.snapshots`, which any bridge that reads the run directory can read.
+    `configured` (the `snapshot_dir` key: a path, or a gs:// or s3:// URL), if set; else, with
+    `local_bridges` (this host's one process starts the bridges) and a writable `shm` with room for
+    `needs_bytes` in at most half of its free space and of the memory available, a fresh directory
+    under `shm`, removed on exit however the run ends (one left by a run killed outright goes at
+    the next run's start); else `run.snapshots`, which any bridge that reads the run directory can
+    read.
     """
     _remove_orphans(shm)
     if configured:
