@@ -17,8 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
+from jaxrl.models import load_tokenizer
 from jaxrl.run import api
 
 ABLATIONS = {
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, overrides in (list(ABLATIONS.items())[::3] if args.toy else ABLATIONS.items()):
         run_cfg = api.config(cfg, {**overrides, "steps": epochs * len(batches)})
         learner = api.make_learner(run_cfg)  # builds the toy model first when --trajectories skipped collecting
-        pad_id = AutoTokenizer.from_pretrained(run_cfg.model.dir, local_files_only=True).pad_token_id
+        pad_id = load_tokenizer(run_cfg.model.dir).pad_token_id
         runs[name] = out / name
         with api.MetricsLogger(runs[name], tensorboard=False) as logger:
             for epoch in range(epochs):

@@ -28,6 +28,11 @@ SCHEMES = ("gs", "s3")
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's: its step listings skip these
 COMMIT_MARKER = "commit_success.txt"  # Orbax's on object stores
 _COPY_BATCH = 8  # keys copied at once: data files are up to 64 MB each
+# A store that stops answering on an open connection is an error after these, not a hang: by
+# default TensorStore waits on it for good (JAX sets the same variables on TPUs). With the retries
+# below (3 attempts), a dead store fails a request after about 3 minutes.
+_STALL_LIMITS = {"TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "60", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "256"}
+_RETRIES = {"max_retries": 3, "initial_delay": "1s", "max_delay": "8s"}
 
 
 def is_url(location: str | Path) -> bool:
@@ -141,6 +146,8 @@ class ObjectStore:
 
     def __init__(self, url: str):
         check_location(url)
+        for name, value in _STALL_LIMITS.items():  # read when TensorStore makes its first HTTP request
+            os.environ.setdefault(name, value)
         self.url = url.rstrip("/")
         self._base = _url_spec(self.url + "/")
         self._kvstore: ts.KvStore | None = None
@@ -221,6 +228,7 @@ def _url_spec(url: str) -> dict:
     """TensorStore's kvstore spec of `url`; on S3 with what the AWS variables say (TensorStore
     itself reads none of them but the keys)."""
     spec = ts.KvStore.Spec(url).to_json()
+    spec["context"] = {f"{spec['driver']}_request_retries": _RETRIES}
     if spec["driver"] == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")

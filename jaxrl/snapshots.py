@@ -477,7 +477,11 @@ class SnapshotReader:
             if version is None:
                 raise SnapshotError(f"{self.store}: no finished snapshot yet")
         path = self.store.location(str(version))
-        if not self.store.committed(version):
+        try:
+            committed = self.store.committed(version)
+        except ValueError as e:  # TensorStore's errors: a store that does not answer, refused credentials
+            raise SnapshotError(f"{path}: cannot be read ({_one_line(e)})") from e
+        if not committed:
             raise SnapshotError(f"{path}: no finished snapshot with version {version} (have {self.versions()})")
         try:
             data = self.store.read(f"{version}/manifest/metadata")

@@ -4,6 +4,12 @@ written, and what an interrupted write left is deleted by the next writer."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import boto3
 import numpy as np
 import pytest
@@ -137,6 +143,23 @@ def test_an_empty_bucket_prefix_has_no_snapshots(s3):
         reader.load()
 
 
+def test_a_bucket_that_stops_answering_is_a_one_line_error_not_a_hang():
+    with socket.socket() as silent:  # takes connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+               "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+               "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1"}  # 60 s by default: a long test
+        code = ("from jaxrl.snapshots import SnapshotError, SnapshotReader\n"
+                "try:\n    SnapshotReader('s3://bucket/run').load(1)\nexcept SnapshotError as e:\n    print(e)")
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("s3://bucket/run/1: cannot be read (") and "retry" in lines[0], lines
+    assert time.monotonic() - started < 60  # 3 attempts of 1 s and the waits between them
+
+
 @pytest.mark.parametrize("location, message", [
     ("http://host/x", "not to a http:// URL"),
     ("s3://", "give the bucket and a path in it"),
@@ -153,4 +176,5 @@ def test_a_directory_and_a_url_open_the_store_they_name(tmp_path):
     assert str(open_store(tmp_path / "a")) == str(tmp_path / "a")
     assert str(open_store("gs://bucket/run/snapshots/")) == "gs://bucket/run/snapshots"
     assert open_store("gs://bucket/run/snapshots").kvstore_base("3/weights") == {
-        "driver": "gcs", "bucket": "bucket", "path": "run/snapshots/3/weights/"}
+        "driver": "gcs", "bucket": "bucket", "path": "run/snapshots/3/weights/",
+        "context": {"gcs_request_retries": {"max_retries": 3, "initial_delay": "1s", "max_delay": "8s"}}}
