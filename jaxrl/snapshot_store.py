@@ -44,10 +44,12 @@ def check_location(location: str) -> None:
     if is_url(location):
         scheme, _, rest = location.partition("://")
         if scheme not in SCHEMES:
-            raise ValueError(f"{location}: snapshots go to a directory or to a {' or '.join(f'{s}://' for s in SCHEMES)} "
-                             f"bucket, not to a {scheme}:// URL")
+            schemes = " or ".join(f"{s}://" for s in SCHEMES)
+            raise ValueError(f"{location}: snapshots go to a directory or to a {schemes} bucket, not to a "
+                             f"{scheme}:// URL")
         if not rest.split("/")[0] or ".." in rest.split("/"):
-            raise ValueError(f"{location}: give the bucket and a path in it, without '..' (e.g. {scheme}://bucket/snapshots)")
+            raise ValueError(f"{location}: give the bucket and a path in it, without '..' "
+                             f"(e.g. {scheme}://bucket/snapshots)")
 
 
 def open_store(location: str | Path) -> DirectoryStore | ObjectStore:
