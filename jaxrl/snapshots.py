@@ -360,7 +360,10 @@ class SnapshotWriter:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         if self._primary:
-            self.store.open_for_writing()
+            try:
+                self.store.open_for_writing()
+            except ValueError as e:  # TensorStore's errors, as in `_write`
+                raise SnapshotError(f"{self.store}: cannot be opened for writing ({_one_line(e)})") from e
         self._sync("open")
 
     def versions(self) -> list[int]:
@@ -408,6 +411,13 @@ class SnapshotWriter:
         return self._executor
 
     def _write(self, version: int, tensors, shards, manifest: dict, in_use: frozenset[int]) -> None:
+        try:
+            self._write_and_commit(version, tensors, shards, manifest, in_use)
+        except ValueError as e:  # TensorStore's errors: a store that does not answer, refused credentials
+            raise SnapshotError(f"{self.store.location(str(version))}: cannot be written "
+                                f"({type(e).__name__}: {_one_line(e)})") from e
+
+    def _write_and_commit(self, version: int, tensors, shards, manifest: dict, in_use: frozenset[int]) -> None:
         store, tmp = self.store, self.store.staging(version)
         start_ns = time.time_ns()
         if self._primary:

@@ -160,6 +160,19 @@ def test_a_bucket_that_stops_answering_is_a_one_line_error_not_a_hang():
     assert time.monotonic() - started < 60  # 3 attempts of 1 s and the waits between them
 
 
+def test_a_bucket_gone_between_publishes_fails_the_next_one_in_one_line(monkeypatch):
+    cfg = tiny_config("qwen3")
+    with s3_server("going") as variables:
+        for k, v in variables.items():
+            monkeypatch.setenv(k, v)
+        writer = SnapshotWriter("s3://going/run", cfg)
+        writer.publish(_params(cfg, 1), 1)
+    # The server is stopped: connections are refused (3 attempts, 1 s and 2 s apart).
+    with pytest.raises(SnapshotError, match=r"^s3://going/run/2: cannot be written \(ValueError: .*retry attempts "
+                                            r"failed.*Could not connect"):
+        writer.publish(_params(cfg, 2), 2)
+
+
 @pytest.mark.parametrize("location, message", [
     ("http://host/x", "not to a http:// URL"),
     ("s3://", "give the bucket and a path in it"),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from object_store import s3_server
 from processes import gone
 from jaxrl.run.run_dir import SHM, SHM_PREFIX
 from jaxrl.snapshots import snapshot_versions
@@ -548,6 +549,37 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_last_finished_check
     exported = jaxrl("export", kept, "--checkpoint-step", newest, "--out", tmp_path / "export")
     assert exported.returncode == 0, exported.stderr  # the newest checkpoint restores
     assert read_metrics(kept)[-1]["step"] >= newest
+
+
+def test_a_snapshot_bucket_that_goes_away_stops_the_run_in_one_line_and_it_resumes_on_another(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=6, eval={"episodes": 0}, checkpoint_every=1,
+                          snapshot_dir="s3://snapshots/run")
+    with s3_server() as s3:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                                env={**os.environ, **s3}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _logged_steps(proc, run_dir, more_than=1)
+        except BaseException:
+            proc.kill()
+            raise
+    try:  # the bucket's server is gone: the next snapshot cannot be written (or a bridge cannot read it)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.strip().splitlines()
+             if "no learning signal" not in line and "WARNING: copying snapshot" not in line]
+    assert len(lines) == 1 and re.match(r"jaxrl train: error: (snapshot )?.*s3://snapshots/run/\d+: cannot be "
+                                        r"(written|read) \(.*Could not connect", lines[0]), err
+    stopped_at = read_metrics(run_dir)[-1]["step"]
+    assert stopped_at < 6 and (run_dir / "checkpoints" / str(stopped_at)).is_dir()
+    with s3_server() as s3:  # another, empty bucket
+        resumed = jaxrl("train", config, "--resume", env={**os.environ, **s3})
+    assert summary_of(resumed)["steps"] == 6
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
+    assert snapshot_versions(run_dir / "snapshots") == [7]  # the last one served, copied from the bucket
 
 
 def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_dir, tmp_path):

@@ -101,10 +101,13 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     from jaxrl.run.run_dir import disk_full
     from jaxrl.run.tasks import TaskError
     from jaxrl.run.warm_start import WarmStartError
+    from jaxrl.snapshots import SnapshotError
 
     if disk_full(e):
         return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
                 "--resume from its last checkpoint")
+    if isinstance(e, SnapshotError):
+        return f"snapshot {e}; once the snapshot store answers, --resume from the last checkpoint"
     ours = (BridgeError, BridgesDown, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
             RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"

@@ -299,12 +299,14 @@ def _close_writer(r: _Run) -> None:
     """However the run ends: the snapshot the bridges serve also lands in RUN/snapshots when the
     snapshots live elsewhere (for `jaxrl eval RUN`, `jaxrl export`)."""
     r.writer.close()
-    if r.snapshots != r.run.snapshots.absolute() and r.version in r.writer.versions() and r.primary:
-        try:
+    if r.snapshots == r.run.snapshots.absolute() or not r.primary:
+        return
+    try:
+        if r.version in r.writer.versions():
             copy_snapshot(r.snapshots, r.version, r.run.snapshots, keep=r.writer.keep)
-        except (OSError, ValueError) as e:  # TensorStore's errors (an object store) are ValueErrors
-            if not disk_full(e):  # when it is, the run's own error says so
-                log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
+    except (OSError, ValueError) as e:  # TensorStore's errors (a bucket that stopped answering) are ValueErrors
+        if not disk_full(e):  # when it is, the run's own error says so
+            log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
 
 
 def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -> None:
