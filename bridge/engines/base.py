@@ -7,6 +7,7 @@ vocabulary, the quantity the learner recomputes (top-p / top-k truncation only s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import threading
@@ -88,27 +89,15 @@ async def read_off_loop(fn: Callable, *args):
     A read stuck on storage (an object store that stopped answering) must not keep the bridge
     from exiting once its parent is gone: the default executor's threads are joined at exit.
     """
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error) -> None:
-        if future.done():  # the awaiting task was cancelled
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+    future = concurrent.futures.Future()
 
     def run() -> None:
-        result, error = None, None
+        if not future.set_running_or_notify_cancel():  # the awaiting task was cancelled first
+            return
         try:
-            result = fn(*args)
+            future.set_result(fn(*args))
         except BaseException as e:  # handed to the awaiting task
-            error = e
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody awaits it any more
-            pass
+            future.set_exception(e)
 
     threading.Thread(target=run, name="snapshot-read", daemon=True).start()
-    return await future
+    return await asyncio.wrap_future(future)
