@@ -134,10 +134,7 @@ class Bridge:
         self._writer: SnapshotWriter | None = None
 
     def _params(self, sampling: Mapping[str, Any]) -> SamplingParams:
-        r = self.cfg.rollout
-        base = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.cfg.seed)
-        return dataclasses.replace(base, **sampling)
+        return dataclasses.replace(self.cfg.sampling_params((self.tokenizer.eos_token_id,)), **sampling)
 
     def generate(self, prompts: Sequence[Sequence[int] | str], n: int = 1, **sampling) -> list[list[TrajectoryData]]:
         """`n` completions of each prompt (token ids, or a text sent as one user chat message), with no

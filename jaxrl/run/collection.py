@@ -388,13 +388,11 @@ class Collector:
         self.client = client
         self.tasks = tasks
         self.rewards = RewardWeights(cfg.rewards)
-        r = cfg.rollout
         # Seeds each group by the run seed and its id (step-slot): the same episodes on every rerun.
-        self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                     stop_token_ids=stop_ids, seed=cfg.seed)
+        self.params = cfg.sampling_params(stop_ids)
         self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending: tuple[int, concurrent.futures.Future] | None = None
-        self.watch = EnvWatch(r.max_turns, {e.name: e for e in cfg.envs})
+        self.watch = EnvWatch(cfg.rollout.max_turns, {e.name: e for e in cfg.envs})
 
     def _keep(self, group: Group, learner_version: int, counts: collections.Counter) -> bool:
         if any(t.finish_reason == "error" for t in group):

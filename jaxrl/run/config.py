@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.spec import BUNDLED_NAMES, ENV_REWARD, EnvSpec, RewardSpec
+from bridge.wire import SamplingParams
 from jaxrl.sharding import MeshConfig
 from jaxrl.snapshot_store import check_location
 from jaxrl.train_step import LearnerConfig
@@ -327,6 +328,16 @@ class TrainConfig:
         if self.bridge.request_timeout_s is not None:
             return self.bridge.request_timeout_s
         return None if self.longest_episode_s is None else self.longest_episode_s + 60.0
+
+    def sampling_params(self, stop_ids: tuple[int, ...], evaluation: bool = False) -> SamplingParams:
+        """How training episodes sample, or held-out ones (`eval.temperature`, no top-p); seeded by the
+        run seed, so the same run samples the same episodes."""
+        r = self.rollout
+        if evaluation:
+            return SamplingParams(temperature=self.eval.temperature, max_tokens=r.max_tokens,
+                                  stop_token_ids=stop_ids, seed=self.seed)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                              stop_token_ids=stop_ids, seed=self.seed)
 
     @property
     def groups_per_step_rows(self) -> int:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.wire import SamplingParams
 from jaxrl.compilation import use_persistent_cache
 from jaxrl.models import load_tokenizer
 from jaxrl.run.collection import RolloutClient, check_rewards
@@ -56,9 +55,8 @@ class EvalResult:
 def evaluate(client: RolloutClient, tasks: list[Task], cfg: TrainConfig, version: int,
              stop_ids: tuple[int, ...]) -> EvalResult:
     """Held-out episodes of `tasks` on the bridges' weights (at least `version`)."""
-    e, r = cfg.eval, cfg.rollout
-    params = SamplingParams(temperature=e.temperature, max_tokens=r.max_tokens, stop_token_ids=stop_ids,
-                            seed=cfg.seed)
+    e = cfg.eval
+    params = cfg.sampling_params(stop_ids, evaluation=True)
     groups = client.request(tasks, [f"eval-{version}-{i}" for i in range(len(tasks))], e.pass_k, params, version)
     weights = RewardWeights(cfg.rewards)
     successes, rewards = [], []
