@@ -78,12 +78,15 @@ class AdvantageConfig:
             raise ValueError(f"AdvantageConfig.eps={self.eps!r} must be a finite number >= 0")
 
 
-def _check_groups(batch: int, group_size: int) -> None:
+def check_group_size(group_size: int, key: str = "group_size") -> None:
+    """The one check of a group's size, wherever it is set (`key` names the setting)."""
     if not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(
-            f"group_size={group_size!r} must be an int >= 2: advantages are relative to "
-            "the other sequences of the same prompt"
-        )
+        raise ValueError(f"{key}={group_size!r} must be >= 2: GRPO's advantages compare the samples of one "
+                         "task with each other")
+
+
+def _check_groups(batch: int, group_size: int) -> None:
+    check_group_size(group_size)
     if batch % group_size:
         raise ValueError(
             f"group_size={group_size} does not divide the batch size {batch}: the batch "

@@ -48,7 +48,8 @@ class Learner:
         p_shardings = param_shardings(params, mesh)
         params = jax.device_put(params, p_shardings)
         replicated = NamedSharding(mesh, PartitionSpec())
-        tx = make_optimizer(cfg.optimizer)
+        # The one optimizer of this learner: its state's shapes, the init and every step use it.
+        self.tx = tx = make_optimizer(cfg.optimizer)
         opt_shardings = optax.tree_map_params(
             tx, lambda _, s: s, jax.eval_shape(tx.init, params), p_shardings,
             transform_non_params=lambda _: replicated,
@@ -57,7 +58,7 @@ class Learner:
             replicated, p_shardings, opt_shardings, p_shardings if cfg.loss.beta > 0 else None
         )
         self.state: TrainState = jax.jit(
-            lambda p: init_state(p, cfg), out_shardings=self.shardings
+            lambda p: init_state(p, cfg, tx), out_shardings=self.shardings
         )(params)
         self.num_batch_shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
         self._step_fns: dict[int, object] = {}  # by prompt_group: rows sharing each prompt
@@ -78,7 +79,7 @@ class Learner:
         arrays = put_batch(batch, self.mesh)
         if group not in self._step_fns:
             self._step_fns[group] = jit_train_step(
-                self.graphdef, self.cfg, self.shardings,
+                self.graphdef, self.cfg, self.tx, self.shardings,
                 {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()}, group,
             )
         step = self.step

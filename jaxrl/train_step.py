@@ -17,10 +17,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl.advantages import AdvantageConfig, compute_advantages, validate_rewards
+from jaxrl.advantages import AdvantageConfig, check_group_size, compute_advantages, validate_rewards
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
-from jaxrl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from jaxrl.optim import OptimizerConfig, learning_rate_schedule
 from jaxrl.sharding import BATCH_AXES
 
 # Batch arrays: prompts left-padded, completions right-padded; rewards NaN where a reward
@@ -63,6 +63,8 @@ class LearnerConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"learner.{key}={value!r} must be an integer >= 1")
+        if self.loss.loss_type != "sft":  # demonstrations come one by one, not in groups
+            check_group_size(self.group_size, "learner.group_size")
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature={self.temperature!r} must be > 0")
 
@@ -118,8 +120,8 @@ def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int 
                          f"must return a finite number, or None where it does not apply")
 
 
-def init_state(params: nnx.State, cfg: LearnerConfig) -> TrainState:
-    opt_state = make_optimizer(cfg.optimizer).init(params)
+def init_state(params: nnx.State, cfg: LearnerConfig, tx: optax.GradientTransformation) -> TrainState:
+    opt_state = tx.init(params)
     ref = jax.tree.map(jnp.copy, params) if cfg.loss.beta > 0 else None
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ref)
 
@@ -151,12 +153,13 @@ def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
     return out
 
 
-def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig, prompt_group: int = 1):
-    """One batch: `cfg.num_iterations` optimiser updates. Pure; jit it with `jit_train_step`.
+def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig,
+               tx: optax.GradientTransformation, prompt_group: int = 1):
+    """One batch: `cfg.num_iterations` optimiser updates with `tx` (`make_optimizer(cfg.optimizer)`).
+    Pure; jit it with `jit_train_step`.
 
     `prompt_group`: rows come in blocks of this many sharing one prompt (`shared_prompt_rows`),
     computed once per block."""
-    tx = make_optimizer(cfg.optimizer)
     schedule = learning_rate_schedule(cfg.optimizer)
     A = cfg.grad_accum
 
@@ -234,10 +237,11 @@ def shared_prompt_rows(batch: dict, cfg: LearnerConfig) -> int:
     return n if all((x == x[:, :1]).all() for x in grouped) else 1
 
 
-def jit_train_step(graphdef, cfg: LearnerConfig, shardings: TrainState, batch_shardings: dict, prompt_group: int = 1):
+def jit_train_step(graphdef, cfg: LearnerConfig, tx: optax.GradientTransformation, shardings: TrainState,
+                   batch_shardings: dict, prompt_group: int = 1):
     """`train_step` compiled once for these shardings; the state's buffers are donated."""
     def step(state, batch):
-        return train_step(state, batch, graphdef, cfg, prompt_group)
+        return train_step(state, batch, graphdef, cfg, tx, prompt_group)
 
     return jax.jit(
         step,

@@ -150,7 +150,7 @@ def test_bad_config_raises(kwargs, match):
     "shape,group_size,cfg,match",
     [
         ((10, 1), 4, AdvantageConfig(), r"group_size=4 does not divide the batch size 10"),
-        ((8, 1), 1, AdvantageConfig(), r"group_size=1 must be an int >= 2"),
+        ((8, 1), 1, AdvantageConfig(), r"group_size=1 must be >= 2"),
         ((8,), 4, AdvantageConfig(), r"rewards_BxR has shape \(8,\); expected \(batch, num_reward_fns\)"),
         (
             (8, 3),

@@ -213,7 +213,7 @@ def main(argv=None) -> dict:
     jax_med, torch_med = statistics.median(jax_s), statistics.median(torch_s)
 
     arrays = put_batch(batch, mesh)
-    step_fn = jit_train_step(learner.graphdef, cfg, learner.shardings,
+    step_fn = jit_train_step(learner.graphdef, cfg, learner.tx, learner.shardings,
                              {k: batch_sharding(mesh, v.ndim) for k, v in arrays.items()})
     with jax.set_mesh(mesh):
         peak_mb = compiled_peak_mb(step_fn.lower(learner.state, arrays).compile())

@@ -271,9 +271,6 @@ class TrainConfig:
         keys = [r.key for r in self.rewards]
         if not keys or len(set(keys)) != len(keys):
             raise ValueError(f"rewards: need at least one, with distinct names; got {keys}")
-        if self.learner.group_size < 2:
-            raise ValueError(f"learner.group_size={self.learner.group_size} must be >= 2: GRPO's advantages compare "
-                             "the samples of one task with each other")
         r = self.rollout
         if r.max_prompt_tokens < 1:
             raise ValueError(f"rollout.max_prompt_tokens={r.max_prompt_tokens} must be >= 1")
