@@ -26,6 +26,8 @@ import math
 
 import jax.numpy as jnp
 
+from jaxrl.options import option
+
 MODES = ("grpo", "dr_grpo", "rloo")
 SCALE_REWARDS = ("group", "batch", "none")
 COMBINES = ("sum_then_normalize", "normalize_then_sum")
@@ -49,17 +51,14 @@ class AdvantageConfig:
     eps: added to the std so that near-constant groups stay finite (TRL's 1e-4).
     """
 
-    mode: str = dataclasses.field(
-        default="grpo", metadata={"help": "grpo ((r - mean) / std), dr_grpo (r - mean) or rloo (leave-one-out "
-                "baseline)"})
-    scale_rewards: str = dataclasses.field(default="group", metadata={"help": "grpo's std: group, batch or none"})
-    combine: str = dataclasses.field(
-        default="sum_then_normalize", metadata={"help": "several reward functions: sum_then_normalize or "
-                "normalize_then_sum"})
-    reward_weights: tuple[float, ...] | None = dataclasses.field(
-        default=None, metadata={"help": "one weight per reward function; a run sets them from rewards[].weight"})
-    eps: float = dataclasses.field(
-        default=1e-4, metadata={"help": "added to the std so near-constant groups stay finite"})
+    mode: str = option(
+        "grpo ((r - mean) / std), dr_grpo (r - mean) or rloo (leave-one-out baseline)", default="grpo")
+    scale_rewards: str = option("grpo's std: group, batch or none", default="group")
+    combine: str = option(
+        "several reward functions: sum_then_normalize or normalize_then_sum", default="sum_then_normalize")
+    reward_weights: tuple[float, ...] | None = option(
+        "one weight per reward function; a run sets them from rewards[].weight", default=None)
+    eps: float = option("added to the std so near-constant groups stay finite", default=1e-4)
 
     def __post_init__(self):
         _check_choice("AdvantageConfig", "mode", self.mode, MODES)

@@ -44,6 +44,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.options import option
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sft")
 IS_LEVELS = ("none", "token", "sequence")
 IS_MODES = ("truncate", "mask")
@@ -65,29 +67,22 @@ class LossConfig:
     max_completion_length: the dr_grpo constant (tokens); None: the padded width T.
     """
 
-    loss_type: str = dataclasses.field(
-        default="grpo", metadata={"help": "aggregation: grpo (mean of sequence token-means), bnpo, dapo (token mean "
-                "over the batch), dr_grpo (sum / (B * max_completion_length)), sft (demonstrations' negative "
-                "log-likelihood)"})
-    eps_low: float = dataclasses.field(default=0.2, metadata={"help": "clip range low side: ratio >= 1 - eps_low"})
-    eps_high: float = dataclasses.field(
-        default=0.2, metadata={"help": "clip range high side: ratio <= 1 + eps_high (DAPO clip-higher: eps_high > "
-                "eps_low)"})
-    dual_clip: float | None = dataclasses.field(
-        default=None, metadata={"help": "c > 1 bounds the loss of negative-advantage tokens by -c * A; null: off"})
-    beta: float = dataclasses.field(
-        default=0.0, metadata={"help": "k3 KL weight to the reference model; 0 keeps no reference"})
-    is_level: str = dataclasses.field(
-        default="none", metadata={"help": "sampler/learner importance weights: token, sequence (exp of the mean "
-                "log-ratio) or none"})
-    is_mode: str = dataclasses.field(
-        default="truncate", metadata={"help": "truncate (min(w, is_max)) or mask (w = 0 outside [is_min, is_max])"})
-    is_min: float = dataclasses.field(
-        default=0.0, metadata={"help": "mask mode: lower bound of kept importance weights"})
-    is_max: float = dataclasses.field(
-        default=2.0, metadata={"help": "truncate / mask mode: upper bound of importance weights"})
-    max_completion_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "dr_grpo's constant in tokens; null: the padded completion width"})
+    loss_type: str = option(
+        "aggregation: grpo (mean of sequence token-means), bnpo, dapo (token mean over the batch), dr_grpo "
+        "(sum / (B * max_completion_length)), sft (demonstrations' negative log-likelihood)", default="grpo")
+    eps_low: float = option("clip range low side: ratio >= 1 - eps_low", default=0.2)
+    eps_high: float = option(
+        "clip range high side: ratio <= 1 + eps_high (DAPO clip-higher: eps_high > eps_low)", default=0.2)
+    dual_clip: float | None = option(
+        "c > 1 bounds the loss of negative-advantage tokens by -c * A; null: off", default=None)
+    beta: float = option("k3 KL weight to the reference model; 0 keeps no reference", default=0.0)
+    is_level: str = option(
+        "sampler/learner importance weights: token, sequence (exp of the mean log-ratio) or none", default="none")
+    is_mode: str = option("truncate (min(w, is_max)) or mask (w = 0 outside [is_min, is_max])", default="truncate")
+    is_min: float = option("mask mode: lower bound of kept importance weights", default=0.0)
+    is_max: float = option("truncate / mask mode: upper bound of importance weights", default=2.0)
+    max_completion_length: int | None = option(
+        "dr_grpo's constant in tokens; null: the padded completion width", default=None)
 
     def __post_init__(self):
         for key, allowed in (("loss_type", LOSS_TYPES), ("is_level", IS_LEVELS), ("is_mode", IS_MODES)):

@@ -6,6 +6,8 @@ import dataclasses
 
 import optax
 
+from jaxrl.options import option
+
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -16,20 +18,18 @@ class OptimizerConfig:
     Steps count optimiser updates (one per `num_iterations` pass of a train step).
     """
 
-    learning_rate: float = dataclasses.field(default=1e-6, metadata={"help": "peak learning rate"})
-    schedule: str = dataclasses.field(
-        default="constant", metadata={"help": "constant, cosine or linear decay after the warmup"})
-    warmup_steps: int = dataclasses.field(default=0, metadata={"help": "linear warmup from 0, in optimiser updates"})
-    total_steps: int = dataclasses.field(
-        default=1000, metadata={"help": "updates the schedule spans (a run sets it to steps x learner.num_iterations)"})
-    final_lr_fraction: float = dataclasses.field(
-        default=0.0, metadata={"help": "cosine / linear: the learning rate decays to this fraction of the peak"})
-    weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
-    b1: float = dataclasses.field(default=0.9, metadata={"help": "Adam beta1"})
-    b2: float = dataclasses.field(default=0.999, metadata={"help": "Adam beta2"})
-    eps: float = dataclasses.field(default=1e-8, metadata={"help": "Adam epsilon"})
-    max_grad_norm: float | None = dataclasses.field(
-        default=1.0, metadata={"help": "clip gradients to this global norm; null: no clipping"})
+    learning_rate: float = option("peak learning rate", default=1e-6)
+    schedule: str = option("constant, cosine or linear decay after the warmup", default="constant")
+    warmup_steps: int = option("linear warmup from 0, in optimiser updates", default=0)
+    total_steps: int = option(
+        "updates the schedule spans (a run sets it to steps x learner.num_iterations)", default=1000)
+    final_lr_fraction: float = option(
+        "cosine / linear: the learning rate decays to this fraction of the peak", default=0.0)
+    weight_decay: float = option("AdamW decoupled weight decay", default=0.0)
+    b1: float = option("Adam beta1", default=0.9)
+    b2: float = option("Adam beta2", default=0.999)
+    eps: float = option("Adam epsilon", default=1e-8)
+    max_grad_norm: float | None = option("clip gradients to this global norm; null: no clipping", default=1.0)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

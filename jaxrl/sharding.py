@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.models.decoder import LOGICAL_AXIS_RULES
+from jaxrl.options import option
 
 MESH_AXES = ("data", "fsdp", "tp")
 # Sequences are split over every axis that does not split the model's heads.
@@ -21,11 +22,9 @@ BATCH_AXES = ("data", "fsdp")
 class MeshConfig:
     """Mesh shape; one axis may be -1 to take the devices left over."""
 
-    data: int = dataclasses.field(
-        default=1, metadata={"help": "data-parallel axis size (replicated parameters); -1: the devices left over"})
-    fsdp: int = dataclasses.field(
-        default=-1, metadata={"help": "fully sharded data-parallel axis size; -1: the devices left over"})
-    tp: int = dataclasses.field(default=1, metadata={"help": "tensor-parallel axis size"})
+    data: int = option("data-parallel axis size (replicated parameters); -1: the devices left over", default=1)
+    fsdp: int = option("fully sharded data-parallel axis size; -1: the devices left over", default=-1)
+    tp: int = option("tensor-parallel axis size", default=1)
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
         sizes = [self.data, self.fsdp, self.tp]

@@ -21,6 +21,7 @@ from jaxrl.advantages import AdvantageConfig, check_group_size, compute_advantag
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
 from jaxrl.optim import OptimizerConfig, learning_rate_schedule
+from jaxrl.options import option
 from jaxrl.sharding import BATCH_AXES
 
 # Batch arrays: prompts left-padded, completions right-padded; rewards NaN where a reward
@@ -38,25 +39,18 @@ OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating}
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-    group_size: int = dataclasses.field(
-        default=8, metadata={"help": "samples per task (G); advantages compare the samples of one task"})
-    grad_accum: int = dataclasses.field(
-        default=1, metadata={"help": "micro-batches per update (gradients accumulated; equals one large batch)"})
-    num_iterations: int = dataclasses.field(
-        default=1, metadata={"help": "optimiser updates per batch of rollouts (GRPO's mu)"})
-    temperature: float = dataclasses.field(
-        default=1.0, metadata={"help": "sampling temperature the logprobs are taken at (a run sets it from "
-                "rollout.temperature)"})
-    logp_chunk: int = dataclasses.field(
-        default=128, metadata={"help": "sequence positions per chunk of the vocabulary projection (memory vs speed)"})
-    shared_prompts: bool = dataclasses.field(
-        default=True, metadata={"help": "run a group's prompt through the model once for its group_size samples "
-                "when they share it (a batch whose groups' prompts differ runs one per sample, compiled apart)"})
-    loss: LossConfig = dataclasses.field(default=LossConfig(), metadata={"help": "policy loss"})
-    advantages: AdvantageConfig = dataclasses.field(
-        default=AdvantageConfig(), metadata={"help": "how rewards become advantages"})
-    optimizer: OptimizerConfig = dataclasses.field(
-        default=OptimizerConfig(), metadata={"help": "AdamW and its learning-rate schedule"})
+    group_size: int = option("samples per task (G); advantages compare the samples of one task", default=8)
+    grad_accum: int = option("micro-batches per update (gradients accumulated; equals one large batch)", default=1)
+    num_iterations: int = option("optimiser updates per batch of rollouts (GRPO's mu)", default=1)
+    temperature: float = option(
+        "sampling temperature the logprobs are taken at (a run sets it from rollout.temperature)", default=1.0)
+    logp_chunk: int = option("sequence positions per chunk of the vocabulary projection (memory vs speed)", default=128)
+    shared_prompts: bool = option(
+        "run a group's prompt through the model once for its group_size samples when they share it (a batch whose "
+        "groups' prompts differ runs one per sample, compiled apart)", default=True)
+    loss: LossConfig = option("policy loss", default=LossConfig())
+    advantages: AdvantageConfig = option("how rewards become advantages", default=AdvantageConfig())
+    optimizer: OptimizerConfig = option("AdamW and its learning-rate schedule", default=OptimizerConfig())
 
     def __post_init__(self):
         for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk"):

@@ -53,7 +53,8 @@ def _train(args) -> int:
         handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
     logging.raiseExceptions = False  # a log file on a full disk must not print its own tracebacks
     from jaxrl.run.services import StartupError
-    from jaxrl.run.train import Interrupted, train
+    from jaxrl.run.stopping import Interrupted
+    from jaxrl.run.train import train
 
     try:
         summary = train(cfg, resume=args.resume)
@@ -346,16 +347,7 @@ def _export(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # as a program (not called from Python): XLA's scratch memory reused between steps
-        restart_tuned()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("bridge", "env"):  # the bridge process is its own program
-        forwarded = ["serve", *argv[1:]] if argv[0] == "bridge" else argv
-        os.execv(sys.executable, [sys.executable, "-m", "bridge", *forwarded])
-    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_train(sub) -> None:
     tr = sub.add_parser("train", help="train a model against environments (the main job)")
     what = tr.add_mutually_exclusive_group(required=True)
     what.add_argument("config", nargs="?", help="training config: YAML, or gin (.gin) (see `jaxrl config`)")
@@ -372,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--process-id", type=int, metavar="I", help="several processes: this one's index, 0 to N - 1")
     tr.set_defaults(func=_train)
 
+
+def _add_eval(sub) -> None:
     ev = sub.add_parser("eval", help="held-out episodes of a run or a model against its environments")
     ev.add_argument("target", help="a run directory (its newest snapshot) or a Hugging Face model directory")
     ev.add_argument("--env", help="one environment of the run (default: all of them, as training evaluates), "
@@ -383,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"overrides {key}")
     ev.set_defaults(func=_eval)
 
+
+def _add_sweep(sub) -> None:
     sw = sub.add_parser("sweep", help="run a grid or list of config overrides, then compare the runs")
     sw.add_argument("target", nargs="+", metavar="SWEEP.yaml | status OUT_DIR | report OUT_DIR",
                     help="a sweep file (base config + grid or runs) to launch; or `status OUT_DIR` (each run's state) "
@@ -395,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="slurm: Ctrl-C cancels the submitted jobs (default: they keep running)")
     sw.set_defaults(func=_sweep)
 
+
+def _add_tools(sub) -> None:
+    """The smaller commands: config, tiny-model, export, and the bridge's own two for --help."""
     co = sub.add_parser("config", help="print the training config defaults, or a config file resolved")
     co.add_argument("config", nargs="?", help="a config file to check and print resolved")
     co.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted)")
@@ -422,6 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="bundled OpenEnv environments: serve NAME, list (python -m bridge env)",
                    add_help=False)
 
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # as a program (not called from Python): XLA's scratch memory reused between steps
+        restart_tuned()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("bridge", "env"):  # the bridge process is its own program
+        forwarded = ["serve", *argv[1:]] if argv[0] == "bridge" else argv
+        os.execv(sys.executable, [sys.executable, "-m", "bridge", *forwarded])
+    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_eval, _add_sweep, _add_tools):
+        add(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

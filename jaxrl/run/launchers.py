@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxrl.options import option
 from jaxrl.run.typed_config import ConfigError
 
 STATE_FILE = "launch.json"
@@ -44,21 +45,20 @@ FAILED_WHILE_RUNNING = 1  # `jaxrl train`'s exit code for a run that failed afte
 
 @dataclasses.dataclass(frozen=True)
 class SlurmSpec:
-    partition: str | None = dataclasses.field(default=None, metadata={"help": "null: the cluster's default."})
-    nodes: int = dataclasses.field(default=1, metadata={"help": "Nodes per run; one `jaxrl train` task on each."})
-    tasks_per_node: int = dataclasses.field(
-        default=1, metadata={"help": "`jaxrl train` processes per node (1: one process drives all the node's devices)."})
-    gpus_per_node: int | None = dataclasses.field(default=None, metadata={"help": "GPUs per node; null: none asked."})
-    cpus_per_task: int | None = dataclasses.field(default=None, metadata={"help": "null: the cluster's default."})
-    mem_gb: float | None = dataclasses.field(default=None, metadata={"help": "Memory per node; null: the default."})
-    time_min: int = dataclasses.field(default=60, metadata={"help": "Time limit of a job, in minutes."})
-    account: str | None = dataclasses.field(default=None, metadata={"help": "null: the user's default account."})
-    sbatch: dict[str, Any] = dataclasses.field(
-        default_factory=dict, metadata={"help": "Further sbatch options, passed as they are: {qos: high, exclusive: true}."})
-    setup: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "Shell lines run before the job's tasks (module load, source venv)."})
-    retries: int = dataclasses.field(
-        default=2, metadata={"help": "Times a run that failed while training starts again from its checkpoint."})
+    partition: str | None = option("null: the cluster's default", default=None)
+    nodes: int = option("nodes per run; one `jaxrl train` task on each", default=1)
+    tasks_per_node: int = option(
+        "`jaxrl train` processes per node (1: one process drives all the node's devices)", default=1)
+    gpus_per_node: int | None = option("GPUs per node; null: none asked", default=None)
+    cpus_per_task: int | None = option("null: the cluster's default", default=None)
+    mem_gb: float | None = option("memory per node; null: the default", default=None)
+    time_min: int = option("time limit of a job, in minutes", default=60)
+    account: str | None = option("null: the user's default account", default=None)
+    sbatch: dict[str, Any] = option(
+        "further sbatch options, passed as they are: {qos: high, exclusive: true}", default_factory=dict)
+    setup: list[str] = option(
+        "shell lines run before the job's tasks (module load, source venv)", default_factory=list)
+    retries: int = option("times a run that failed while training starts again from its checkpoint", default=2)
 
     def __post_init__(self):
         if self.nodes < 1 or self.tasks_per_node < 1 or self.time_min < 1 or self.retries < 0:
@@ -193,6 +193,74 @@ class LocalRun:
     run_dir: Path
 
 
+class _LocalQueue:
+    """The runs of a local sweep waiting for a slot, those running, and their exit codes; shared by
+    the slots' threads (under `lock`) and the main thread, which alone takes Ctrl-C."""
+
+    def __init__(self, runs: Sequence[LocalRun], parallel: int, say: Callable[[str], None]):
+        self.queue, self.total, self.parallel, self.say = list(runs), len(runs), parallel, say
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.running: dict[str, subprocess.Popen] = {}
+        self.codes: dict[str, int] = {}
+        self.active = slots(parallel, sorted(os.sched_getaffinity(0)), visible_gpus())
+
+    def _started(self, name: str, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.running[name] = proc
+            if self.stopping.is_set():  # Ctrl-C came between its start and now
+                proc.send_signal(signal.SIGINT)
+
+    def work(self, slot: Slot) -> None:
+        """Runs queued runs in `slot` one after another until the queue is empty or Ctrl-C."""
+        try:
+            while (run := self._next()) is not None:
+                self._run(slot, *run)
+        finally:
+            with self.lock:
+                self.active.remove(slot)
+
+    def _next(self) -> tuple[LocalRun, int] | None:
+        with self.lock:
+            if self.stopping.is_set() or not self.queue:
+                return None
+            run = self.queue.pop(0)
+            return run, self.total - len(self.queue)
+
+    def _run(self, slot: Slot, run: LocalRun, number: int) -> None:
+        parallel = self.parallel
+        where = f" on CPUs {','.join(map(str, slot.cpus))}" if parallel > 1 else ""
+        self.say(f"run {number}/{self.total}: {run.name}{where}")
+        begin = time.monotonic()
+        code = run_train(slot.command(run.command) if parallel > 1 else run.command, run.run_dir,
+                         stream=parallel == 1, env=slot.environ(os.environ), own_group=True,
+                         stopping=self.stopping.is_set, on_start=lambda proc: self._started(run.name, proc))
+        with self.lock:
+            self.running.pop(run.name, None)
+            self.codes[run.name] = code
+        if code == 0:
+            self.say(f"{run.name} done in {time.monotonic() - begin:.0f} s")
+        elif not self.stopping.is_set():
+            line = error_line(run.run_dir / "logs" / CONSOLE_LOG) if parallel > 1 else None
+            self.say(f"{run.name} failed (exit code {code}); going on" + (f": {line}" if line else ""))
+
+    def done(self) -> bool:
+        with self.lock:
+            return not self.active
+
+    def interrupt(self, first: bool) -> None:
+        """Ctrl-C: SIGINT to every running run; no queued run starts."""
+        self.stopping.set()
+        with self.lock:
+            for proc in self.running.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            names = ", ".join(self.running) or "no run"
+        if first:
+            self.say(f"interrupted: stopping {names} at a checkpoint; the queued runs do not start "
+                     "(Ctrl-C again: stop at once)")
+
+
 def launch_local(runs: Sequence[LocalRun], parallel: int, say: Callable[[str], None]) -> tuple[dict[str, int], bool]:
     """Trains `runs`, up to `parallel` at once, each in a slot of its own (output streamed when one at
     a time); returns (exit code by run name for those that ran, whether Ctrl-C stopped the sweep).
@@ -200,72 +268,20 @@ def launch_local(runs: Sequence[LocalRun], parallel: int, say: Callable[[str], N
     Ctrl-C: every running run gets one SIGINT (it checkpoints and shuts down its children) and no
     queued run starts; a second Ctrl-C passes a second SIGINT (a run then stops at once).
     """
-    queue = list(runs)
-    lock = threading.Lock()
-    stopping = threading.Event()
-    running: dict[str, subprocess.Popen] = {}
-    codes: dict[str, int] = {}
-    total = len(runs)
-
-    def started(name: str, proc: subprocess.Popen) -> None:
-        with lock:
-            running[name] = proc
-            if stopping.is_set():  # Ctrl-C came between its start and now
-                proc.send_signal(signal.SIGINT)
-
-    def work(slot: Slot) -> None:
-        try:
-            _work(slot)
-        finally:
-            with lock:
-                active.remove(slot)
-
-    def _work(slot: Slot) -> None:
-        while True:
-            with lock:
-                if stopping.is_set() or not queue:
-                    return
-                run = queue.pop(0)
-                number = total - len(queue)
-            where = f" on CPUs {','.join(map(str, slot.cpus))}" if parallel > 1 else ""
-            say(f"run {number}/{total}: {run.name}{where}")
-            begin = time.monotonic()
-            code = run_train(slot.command(run.command) if parallel > 1 else run.command, run.run_dir,
-                             stream=parallel == 1,
-                             env=slot.environ(os.environ), own_group=True, stopping=stopping.is_set,
-                             on_start=lambda proc, name=run.name: started(name, proc))
-            with lock:
-                running.pop(run.name, None)
-                codes[run.name] = code
-            if code == 0:
-                say(f"{run.name} done in {time.monotonic() - begin:.0f} s")
-            elif not stopping.is_set():
-                line = error_line(run.run_dir / "logs" / CONSOLE_LOG) if parallel > 1 else None
-                say(f"{run.name} failed (exit code {code}); going on" + (f": {line}" if line else ""))
-
-    active = slots(parallel, sorted(os.sched_getaffinity(0)), visible_gpus())
-    for i, slot in enumerate(list(active)):
-        threading.Thread(target=work, args=(slot,), name=f"sweep-slot-{i}", daemon=True).start()
+    sweep = _LocalQueue(runs, parallel, say)
+    for i, slot in enumerate(list(sweep.active)):
+        threading.Thread(target=sweep.work, args=(slot,), name=f"sweep-slot-{i}", daemon=True).start()
     interrupts = 0
     # Polled, not joined: a Thread.join that Ctrl-C interrupts may leave its thread marked as ended.
     while True:
         try:
-            with lock:
-                if not active:
-                    break
+            if sweep.done():
+                break
             time.sleep(0.2)
         except KeyboardInterrupt:
             interrupts += 1
-            stopping.set()
-            with lock:
-                for proc in running.values():
-                    if proc.poll() is None:
-                        proc.send_signal(signal.SIGINT)
-                names = ", ".join(running) or "no run"
-            if interrupts == 1:
-                say(f"interrupted: stopping {names} at a checkpoint; the queued runs do not start "
-                    "(Ctrl-C again: stop at once)")
-    return codes, interrupts > 0
+            sweep.interrupt(first=interrupts == 1)
+    return sweep.codes, interrupts > 0
 
 
 # ---- SLURM ------------------------------------------------------------------------------
@@ -302,7 +318,7 @@ class TrainJob:
                              ignore=(signal.SIGUSR2,), stopping=lambda: self._terminated)
             if code != FAILED_WHILE_RUNNING or self._terminated:
                 break
-            print(f"jaxrl sweep: the run failed; starting it again from its last checkpoint", file=sys.stderr,
+            print("jaxrl sweep: the run failed; starting it again from its last checkpoint", file=sys.stderr,
                   flush=True)
         if code != 0:
             raise RuntimeError(f"jaxrl train exited with code {code}: "

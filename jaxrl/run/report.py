@@ -214,3 +214,18 @@ def _figure(size: tuple[float, float]) -> Figure:
 def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     return path
+
+
+def finish_report(run_dir: Path, out) -> dict[str, float]:
+    """A finished run's plots and table of its main metrics (printed to `out`); returns their last values."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return {}
+    plot_run(run_dir)
+    keys = [k for k in ("reward/mean", "eval/success", "eval/reward/mean", "loss", "kl", "entropy", "grad_norm",
+                        "completion/model_tokens", "time/step_s") if any(k in r for r in rows)]
+    print(summary_table(rows, keys), file=out, flush=True)
+    last = {}
+    for r in rows:
+        last.update({k: r[k] for k in keys if r.get(k) is not None})
+    return {k: round(float(v), 4) for k, v in last.items()}

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxrl.options import option
 from jaxrl.run.launchers import LocalRun, SlurmSpec, cancel_slurm, launch_local, launch_slurm, read_state, slurm_states
 from jaxrl.run.report import compare_runs
 from jaxrl.run.run_dir import RunDir
@@ -53,21 +54,17 @@ Resolve = Callable[[Path, list[tuple[str, Any]]], dict]
 
 @dataclasses.dataclass(frozen=True)
 class SweepSpec:
-    base: str = dataclasses.field(metadata={"help": "The run config the sweep varies, relative to the sweep file."})
-    name: str = dataclasses.field(default="", metadata={"help": "Default: the sweep file's name."})
-    out_dir: str | None = dataclasses.field(default=None, metadata={"help": "Default: runs/sweeps/<name>."})
-    grid: dict[str, list[Any]] | None = dataclasses.field(
-        default=None, metadata={"help": "dotted.key: [values]; every combination is a run."})
-    runs: list[dict[str, Any]] | None = dataclasses.field(
-        default=None, metadata={"help": "A list of {dotted.key: value}, one per run."})
-    set: dict[str, Any] = dataclasses.field(
-        default_factory=dict, metadata={"help": "dotted.key: value set in every run."})
-    metric: str = dataclasses.field(default="reward/mean", metadata={"help": "The metric the runs are compared on."})
-    launcher: Literal["local", "slurm"] = dataclasses.field(
-        default="local", metadata={"help": "local: on this machine; slurm: one SLURM job per run (submitit)."})
-    parallel: int = dataclasses.field(
-        default=1, metadata={"help": "local: runs at once, each on its share of the CPUs and GPUs."})
-    slurm: SlurmSpec = dataclasses.field(default_factory=SlurmSpec, metadata={"help": "slurm: the jobs' resources."})
+    base: str = option("the run config the sweep varies, relative to the sweep file")
+    name: str = option("default: the sweep file's name", default="")
+    out_dir: str | None = option("default: runs/sweeps/<name>", default=None)
+    grid: dict[str, list[Any]] | None = option("dotted.key: [values]; every combination is a run", default=None)
+    runs: list[dict[str, Any]] | None = option("a list of {dotted.key: value}, one per run", default=None)
+    set: dict[str, Any] = option("dotted.key: value set in every run", default_factory=dict)
+    metric: str = option("the metric the runs are compared on", default="reward/mean")
+    launcher: Literal["local", "slurm"] = option(
+        "local: on this machine; slurm: one SLURM job per run (submitit)", default="local")
+    parallel: int = option("local: runs at once, each on its share of the CPUs and GPUs", default=1)
+    slurm: SlurmSpec = option("slurm: the jobs' resources", default_factory=SlurmSpec)
 
 
 @dataclasses.dataclass(frozen=True)

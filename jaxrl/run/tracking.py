@@ -13,12 +13,14 @@ on disk (fsync) at every step, before the step's checkpoint, so a killed run kee
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +199,28 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def log_file(path: Path):
+    """Every warning and error logged while the run trains, libraries' too, with tracebacks, in `path`."""
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def sample_rows(groups: Sequence[Sequence[Any]], tokenizer, k: int) -> list[dict[str, Any]]:
+    """The first trajectory of each of the first `k` groups, decoded: what samples.jsonl keeps of a step."""
+    rows = []
+    for group in groups[:k]:
+        t = group[0]
+        rows.append({"group_id": t.group_id, "env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
+                     "prompt": tokenizer.decode(t.prompt_ids), "completion": tokenizer.decode(t.completion_ids)})
+    return rows

@@ -14,6 +14,11 @@ or the cluster's environment; see jaxrl.run.distributed): each collects its shar
 groups from bridges of its own and feeds the learner its rows; process 0 alone evaluates and
 writes the run directory's metrics, logs, plots and samples; processes other than 0 put their
 children's logs in RUN/logs/process-<i>/. A run resumes on any process count.
+
+`train` is the spine, read top to bottom as a run goes (check, start, train, finish), with the
+order in which everything shuts down in one place; `_train_steps` is one step's phases (rollouts,
+update, publish and evaluate, log and checkpoint). State lives in local variables and return
+values: `_Job` holds what never changes during a run, `_Publisher` the version the bridges serve.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.tasks import TaskSource
-from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
+from jaxrl.run.stopping import GracefulStop
+from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows
 from jaxrl.run.typed_config import dump_yaml
 from jaxrl.run.warm_start import demonstrations, warm_start
 from jaxrl.sharding import make_mesh
@@ -59,45 +65,9 @@ log = logging.getLogger("jaxrl.train")
 SNAPSHOTS_KEPT = 3
 
 
-class Interrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: stop now (children are still stopped on the way out)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signal = signal.Signals(signum)
-
-
-class _Stop:
-    """SIGINT/SIGTERM: the first asks the loop to stop after this step, the second stops now."""
-
-    def __init__(self):
-        self.signal: signal.Signals | None = None
-        self._old = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise Interrupted(signum)
-        self.signal = signal.Signals(signum)
-        print(f"\njaxrl train: {signal.Signals(signum).name}: stopping after this step "
-              "(checkpoint written); again to stop now", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-@dataclasses.dataclass
-class _Run:
-    """What the phases of one run share."""
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What the phases of one run read; nothing in it changes while the run trains."""
 
     cfg: TrainConfig
     run: RunDir
@@ -105,16 +75,9 @@ class _Run:
     client: RolloutClient
     tasks: TaskSource
     tokenizer: Any
-    out: Any
-    summary: dict[str, Any]
-    snapshots: Path | str  # where snapshots are published and the bridges read them (see snapshot_directory)
     env_servers: EnvServers  # the bundled environment servers, restarted when they die
     share: Share  # this process's groups of every step (all of them with one process)
-    step: int = 0
-    version: int = 0  # the weights the bridges serve
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
-    writer: SnapshotWriter | None = None
-    logger: MetricsLogger | None = None  # process 0's
+    out: Any
 
     @property
     def primary(self) -> bool:
@@ -129,74 +92,107 @@ class _Run:
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
-    def evaluate(self, what: str | None = None):
+    def evaluate(self, version: int, what: str | None = None):
         """The held-out evaluation on the served weights; printed when it has a name."""
-        result = evaluate(self.client, self.tasks.held_out(), self.cfg, self.version, self.stop_ids)
+        result = evaluate(self.client, self.tasks.held_out(), self.cfg, version, self.stop_ids)
         if what is not None:
             print(f"eval {what}: {result.line()}", file=self.out, flush=True)
         return result
 
 
+class _Publisher:
+    """The weights the bridges serve: a new version is written as a snapshot and loaded by every
+    bridge. Closed, it also leaves the served snapshot in RUN/snapshots when the snapshots live
+    elsewhere (for `jaxrl eval RUN`, `jaxrl export`), however the run ended."""
+
+    def __init__(self, job: _Job, snapshots: Path | str, model_cfg):
+        self.job, self.snapshots = job, snapshots  # where the bridges read them (see snapshot_directory)
+        self.writer = SnapshotWriter(snapshots, model_cfg, keep=SNAPSHOTS_KEPT)
+        self.version = 0  # the bridges start on the model directory
+
+    def publish(self, params, version: int) -> float:
+        """Snapshot `version` of `params`, served by every bridge; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.writer.publish(params, version)
+        self.job.client.load_snapshot(str(self.snapshots), version)
+        self.version = version
+        return time.perf_counter() - t0
+
+    def forget_after(self, step: int) -> None:
+        """Drops the snapshots published after the checkpoint of `step` (a resumed run's future)."""
+        for stale in [v for v in self.writer.versions() if v > step]:
+            self.writer.delete(stale)
+        run = self.job.run
+        if self.snapshots != run.snapshots.absolute() and self.job.primary:
+            for stale in [v for v in snapshot_versions(run.snapshots) if v > step + 1]:
+                delete_snapshot(run.snapshots, stale)
+
+    def close(self) -> None:
+        self.writer.close()
+        run = self.job.run
+        if self.snapshots == run.snapshots.absolute() or not self.job.primary:
+            return
+        try:
+            if self.version in self.writer.versions():
+                copy_snapshot(self.snapshots, self.version, run.snapshots, keep=self.writer.keep)
+        except (OSError, ValueError) as e:  # TensorStore's errors (a bucket that stopped answering) are ValueErrors
+            if not disk_full(e):  # when it is, the run's own error says so
+                log.warning("copying snapshot %d to %s failed: %s", self.version, run.snapshots, e)
+
+
 def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
     """Runs the training job `cfg` (this process's part of it); returns the summary printed as the last line."""
     wall_start = time.perf_counter()
+    # Check: everything that can fail before a child process starts.
     initialize(cfg.distributed)
-    primary = jax.process_index() == 0
     check_services(cfg)
     share = share_of(make_mesh(cfg.mesh), cfg)  # this process's groups of every step
     model_dir = _ensure_model_once(cfg)
     run = RunDir.create(cfg.run_dir)
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = _start_step(run, ckpt, resume)
-    if primary:  # launch settings are not the run's: it resumes on any process count
-        dump_yaml(dataclasses.replace(cfg, distributed=DistributedConfig()), run.config)
-    record_session(run, cfg, start_step)
-    logs = run.logs if primary else run.logs / f"process-{jax.process_index()}"
-    logs.mkdir(exist_ok=True)
+    logs = _record(run, cfg, start_step)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
-    bridge_env = use_persistent_cache(cfg.compilation_cache)
-    token = bridge_token(cfg)
-    with _Stop() as stop, contextlib.ExitStack() as stack:
-        stack.enter_context(_log_file(logs / "train.log"))
+    with GracefulStop() as stop, contextlib.ExitStack() as stack:
+        # Shutdown order: the stack closes last-in first-out, so a run ends with the progress bar,
+        # the metrics logger, the collector (its prefetch), the publisher (the served snapshot kept
+        # in RUN/snapshots), the rollout client, the children (bridges, environment servers), the
+        # snapshot directory, the checkpointer and train.log. `_train_steps` checkpoints the steps
+        # taken before any of it.
+        stack.enter_context(log_file(logs / "train.log"))
         stack.callback(ckpt.close)
-        # Entered before the bridges start, so that a memory directory goes after they stop. Room
-        # for the snapshots kept and the one being written, each about the model's own weights.
-        weights_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-        snapshots, _ = stack.enter_context(snapshot_directory(
-            run, cfg.snapshot_dir, local_bridges=not cfg.bridge.addresses and jax.process_count() == 1,
-            needs_bytes=(SNAPSHOTS_KEPT + 1) * weights_bytes))
-        # The children start (seconds: imports, model load, compiles) while this process loads the tokenizer.
-        services = stack.enter_context(contextlib.ExitStack())
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
-            started = pool.submit(start_services, cfg, model_dir, logs, services, token, snapshots, bridge_env)
-            tokenizer = load_tokenizer(model_dir)
-            if primary:
-                tokenizer.save_pretrained(run.tokenizer)
-            client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
-        summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
-        stack.callback(client.close)
-        r = _Run(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, out, summary, snapshots,
-                 started.result().env_servers, share)
+        snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
+        # Start: environment servers and bridges, the base model's evaluation, the learner.
+        job = _start(cfg, run, ckpt, share, model_dir, logs, snapshots, stack, out)
+        startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
+        model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
+        publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
         if start_step is None:
-            _timed(r, "eval_before_s", _evaluate_base, r, model_dir)
-        learner = _make_learner(r, model_dir, start_step, stack)
-        r.summary["startup"]["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
-        print(f"process {jax.process_index()} of {jax.process_count()}: " * (jax.process_count() > 1) +
-              "start-up: first step at {first_step_at_s:.1f} s ({phases})".format(
-            **r.summary["startup"], phases=", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r.summary["startup"].items()
-                                                     if k != "first_step_at_s")), file=out, flush=True)
-        stack.callback(_keep_steps, r, learner)
-        _loop(r, learner, stop, stack)
-        if ckpt.latest_step() != r.step:
-            ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
+            summary.update(_timed(startup, "eval_before_s", _evaluate_base, job, publisher, model))
+        learner, step, meta = _make_learner(job, publisher, model, start_step, summary)
+        del model
+        startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
+        _print_startup(startup, out)
+        collector = stack.enter_context(contextlib.closing(Collector(cfg, job.client, job.tasks, job.stop_ids, share)))
+        logger = stack.enter_context(MetricsLogger(run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
+                                                   resume_step=step + 1 if step > 0 else None)) if job.primary else None
+        progress = (stack.enter_context(Progress(cfg.steps, initial=step))
+                    if cfg.log.progress and job.primary else None)
+        # Train.
+        step, late_compiles = _train_steps(job, learner, publisher, collector, logger, progress, stop, step, meta)
+        # Finish: the last checkpoint (collective with several processes), the final evaluation.
+        if ckpt.latest_step() != step:
+            ckpt.save(step, learner.state, {**meta, "step": step}, force=True)
         ckpt.wait()
-        summary["steps"] = r.step
-        if r.step >= cfg.steps and cfg.eval.episodes and primary:
-            _final_evaluation(r)
-        if r.step < cfg.steps:  # stopped: by a signal to this process or to another one
+        summary["steps"] = step
+        if late_compiles is not None:
+            summary["compiles_after_step_1"] = late_compiles
+        if step >= cfg.steps and cfg.eval.episodes and job.primary:
+            summary.update(_final_evaluation(job, publisher.version, logger, step, summary))
+        if step < cfg.steps:  # stopped: by a signal to this process or to another one
             summary["stopped"] = (stop.signal or signal.SIGTERM).name  # `jaxrl train` exits 128 + its number
     summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
-    summary["final"] = _finish_report(run.path, out) if primary else {}
+    summary["final"] = report.finish_report(run.path, out) if jax.process_index() == 0 else {}
     return summary
 
 
@@ -224,229 +220,240 @@ def _start_step(run: RunDir, ckpt: TrainCheckpointer, resume: bool) -> int | Non
     return latest if resume else None
 
 
-def _evaluate_base(r: _Run, model_dir: Path) -> None:
+def _record(run: RunDir, cfg: TrainConfig, start_step: int | None) -> Path:
+    """The run's config and session in its directory; returns this process's log directory."""
+    primary = jax.process_index() == 0
+    if primary:  # launch settings are not the run's: it resumes on any process count
+        dump_yaml(dataclasses.replace(cfg, distributed=DistributedConfig()), run.config)
+    record_session(run, cfg, start_step)
+    logs = run.logs if primary else run.logs / f"process-{jax.process_index()}"
+    logs.mkdir(exist_ok=True)
+    return logs
+
+
+def _snapshot_room(cfg: TrainConfig, run: RunDir, model_dir: Path):
+    """Where snapshots go: entered before the bridges start, so that a memory directory goes after
+    they stop. Room for the snapshots kept and the one being written, each about the model's weights."""
+    weights_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return snapshot_directory(run, cfg.snapshot_dir,
+                              local_bridges=not cfg.bridge.addresses and jax.process_count() == 1,
+                              needs_bytes=(SNAPSHOTS_KEPT + 1) * weights_bytes)
+
+
+def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share, model_dir: Path, logs: Path,
+           snapshots: Path | str, stack: contextlib.ExitStack, out) -> _Job:
+    """The environment servers and bridges (seconds: imports, model load, compiles), started while
+    this process loads the tokenizer; their stop and the client's close go on `stack`."""
+    services = stack.enter_context(contextlib.ExitStack())
+    token = bridge_token(cfg)  # a fresh one for bridges of our own
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
+        started = pool.submit(start_services, cfg, model_dir, logs, services, token, snapshots,
+                              use_persistent_cache(cfg.compilation_cache))
+        tokenizer = load_tokenizer(model_dir)
+        if jax.process_index() == 0:
+            tokenizer.save_pretrained(run.tokenizer)
+        client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
+    stack.callback(client.close)
+    return _Job(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, started.result().env_servers, share, out)
+
+
+def _evaluate_base(job: _Job, publisher: _Publisher, model) -> dict[str, float]:
     """Bridges of our own start on the model; running ones may serve anything: give them ours. Then
     the base model's held-out success."""
-    if r.cfg.bridge.addresses:
-        base = load_pretrained(model_dir, param_dtype=r.cfg.model.dtype)
-        with contextlib.closing(SnapshotWriter(r.snapshots, base.cfg, keep=SNAPSHOTS_KEPT)) as writer:
-            writer.publish(nnx.split(base)[1], 0)
-        r.client.load_snapshot(str(r.snapshots), 0)
-    if r.cfg.eval.before and r.cfg.eval.episodes and r.primary:
-        before = r.evaluate("before training")
-        r.summary["eval_before"], r.summary["eval_before_stderr"] = before.success, before.stderr
+    if job.cfg.bridge.addresses:
+        publisher.publish(nnx.split(model)[1], 0)
+    if not (job.cfg.eval.before and job.cfg.eval.episodes and job.primary):
+        return {}
+    before = job.evaluate(0, "before training")
+    return {"eval_before": before.success, "eval_before_stderr": before.stderr}
 
 
-def _make_learner(r: _Run, model_dir: Path, start_step: int | None, stack: contextlib.ExitStack) -> Learner:
-    """The learner on the base model, warm-started on demonstrations or restored from a checkpoint;
-    its weights published to the bridges when they differ from the base model's."""
-    cfg = r.cfg
+def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | None,
+                  summary: dict[str, Any]) -> tuple[Learner, int, dict[str, Any]]:
+    """The learner on `model`, warm-started on demonstrations or restored from a checkpoint, its
+    weights published when they differ from the base model's: (learner, its step, the metadata
+    every checkpoint keeps). Adds its phases to `summary`."""
+    cfg, startup = job.cfg, summary["startup"]
     mesh = make_mesh(cfg.mesh)
-    model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
     warm = bool(cfg.sft.steps) and start_step is None
     if warm:
-        model, metrics = _timed(r, "warm_start_s",
-                                lambda: warm_start(model, demonstrations(r.client, r.tasks, cfg), cfg, mesh, r.pad_id))
-        r.summary["sft"] = metrics
-        print(f"warm start: {json.dumps(metrics)}", file=r.out, flush=True)
+        model, summary["sft"] = _timed(startup, "warm_start_s", lambda: warm_start(
+            model, demonstrations(job.client, job.tasks, cfg), cfg, mesh, job.pad_id))
+        print(f"warm start: {json.dumps(summary['sft'])}", file=job.out, flush=True)
     t0 = time.perf_counter()
-    learner = Learner(model, cfg.learner_config(), mesh)
-    model_cfg = model.cfg
-    del model
+    learner, step = Learner(model, cfg.learner_config(), mesh), 0
     if start_step is not None:
-        learner.state, meta = r.ckpt.restore(abstract_like(learner.state, learner.shardings))
-        r.step = int(meta["step"])
-        r.summary.update({k: meta[k] for k in ("eval_before", "eval_before_stderr") if k in meta})
-        print(f"resumed from step {r.step}", file=r.out, flush=True)
-    r.meta = {"model_config": model_cfg.to_hf(),
-              **{k: r.summary[k] for k in ("eval_before", "eval_before_stderr") if k in r.summary}}
-    r.writer = SnapshotWriter(r.snapshots, model_cfg, keep=SNAPSHOTS_KEPT)
-    stack.callback(_close_writer, r)
-    for stale in [v for v in r.writer.versions() if v > r.step]:
-        r.writer.delete(stale)  # published after the checkpoint we resume from
-    if r.snapshots != r.run.snapshots.absolute() and r.primary:
-        # What the run directory keeps of an earlier run: up to the version of the checkpoint resumed from.
-        for stale in [v for v in snapshot_versions(r.run.snapshots) if v > r.step + 1]:
-            delete_snapshot(r.run.snapshots, stale)
-    if r.step > 0 or warm:
-        _publish(r, learner, r.step + 1)
-    r.summary["startup"]["learner_s"] = round(time.perf_counter() - t0, 2)
-    if warm and cfg.eval.episodes and r.primary:
-        r.summary["eval_after_warm_start"] = _timed(r, "eval_after_warm_start_s", r.evaluate,
-                                                    "after the warm start").success
-    return learner
+        learner.state, meta = job.ckpt.restore(abstract_like(learner.state, learner.shardings))
+        step = int(meta["step"])
+        summary.update({k: meta[k] for k in ("eval_before", "eval_before_stderr") if k in meta})
+        print(f"resumed from step {step}", file=job.out, flush=True)
+    meta = {"model_config": model.cfg.to_hf(),
+            **{k: summary[k] for k in ("eval_before", "eval_before_stderr") if k in summary}}
+    publisher.forget_after(step)
+    if step > 0 or warm:
+        publisher.publish(learner.state.params, step + 1)
+    startup["learner_s"] = round(time.perf_counter() - t0, 2)
+    if warm and cfg.eval.episodes and job.primary:
+        summary["eval_after_warm_start"] = _timed(startup, "eval_after_warm_start_s", job.evaluate,
+                                                  publisher.version, "after the warm start").success
+    return learner, step, meta
 
 
-def _timed(r: _Run, key: str, fn, *args):
-    """fn(*args), its seconds kept in the summary's start-up phases under `key`."""
+def _timed(startup: dict[str, float], key: str, fn, *args):
+    """fn(*args), its seconds kept in the start-up phases under `key`."""
     t0 = time.perf_counter()
     try:
         return fn(*args)
     finally:
-        r.summary["startup"][key] = round(time.perf_counter() - t0, 2)
+        startup[key] = round(time.perf_counter() - t0, 2)
 
 
-def _publish(r: _Run, learner: Learner, version: int) -> float:
-    """Writes the learner's weights as snapshot `version` and has every bridge serve them."""
-    t0 = time.perf_counter()
-    r.writer.publish(learner.state.params, version)
-    r.client.load_snapshot(str(r.snapshots), version)
-    r.version = version
-    return time.perf_counter() - t0
+def _print_startup(startup: dict[str, float], out) -> None:
+    phases = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in startup.items() if k != "first_step_at_s")
+    print(f"process {jax.process_index()} of {jax.process_count()}: " * (jax.process_count() > 1) +
+          f"start-up: first step at {startup['first_step_at_s']:.1f} s ({phases})", file=out, flush=True)
 
 
-def _close_writer(r: _Run) -> None:
-    """However the run ends: the snapshot the bridges serve also lands in RUN/snapshots when the
-    snapshots live elsewhere (for `jaxrl eval RUN`, `jaxrl export`)."""
-    r.writer.close()
-    if r.snapshots == r.run.snapshots.absolute() or not r.primary:
-        return
-    try:
-        if r.version in r.writer.versions():
-            copy_snapshot(r.snapshots, r.version, r.run.snapshots, keep=r.writer.keep)
-    except (OSError, ValueError) as e:  # TensorStore's errors (a bucket that stopped answering) are ValueErrors
-        if not disk_full(e):  # when it is, the run's own error says so
-            log.warning("copying snapshot %d to %s failed: %s", r.version, r.run.snapshots, e)
-
-
-def _loop(r: _Run, learner: Learner, stop: _Stop, stack: contextlib.ExitStack) -> None:
-    """Rollouts, update, publish, evaluate, checkpoint, log: one step at a time until done or stopped.
+def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: Collector,
+                 logger: MetricsLogger | None, progress: Progress | None, stop: GracefulStop, step: int,
+                 meta: dict[str, Any]) -> tuple[int, int | None]:
+    """Rollouts, update, publish, evaluate, log, checkpoint: one step at a time until done or
+    stopped. Returns the step reached and the compiles after step 1 (None before step 2). However it
+    ends, the steps taken are checkpointed.
 
     With several processes, each collects its share of the step's groups and trains on its rows;
     what they exchange after collecting (`exchange_step`) makes the metrics the run's and the
     decisions (prompt width, stopping) the same on every process.
     """
-    cfg = r.cfg
-    collector = stack.enter_context(contextlib.closing(Collector(cfg, r.client, r.tasks, r.stop_ids, r.share)))
-    rows = r.share.count * cfg.learner.group_size
+    cfg = job.cfg
     exchange = Exchange(cfg.distributed.timeout_s)
-    if r.primary:
-        r.logger = stack.enter_context(MetricsLogger(r.run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
-                                                     resume_step=r.step + 1 if r.step > 0 else None))
-    progress = stack.enter_context(Progress(cfg.steps, initial=r.step)) if cfg.log.progress and r.primary else None
-    seen = (compiles(), _bridge_compiles(r.client))
+    compiles_seen = _Compiles(job.client)
     signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
     agreed_stop = False
     # One process stops when it is asked to; several at the step they agreed on in the exchange.
     stopping = (lambda: stop.requested) if jax.process_count() == 1 else (lambda: agreed_stop)
-    while r.step < cfg.steps and not stopping():
-        t0 = time.perf_counter()
-        r.env_servers.check()  # a bundled environment server that keeps dying stops the run
-        try:
-            result = collector.collect(r.step, r.version)
-        except EnvironmentsDown:
-            r.env_servers.check()  # ... and is why the step's episodes failed
-            raise
-        if r.step + 1 < cfg.steps:
-            collector.prefetch_next(r.step + 1, r.version)
-        trajs = [t for g in result.groups for t in g]
-        t1 = time.perf_counter()
-        step = exchange_step(exchange, result, prompt_width(trajs, cfg), stop.requested,
-                             r.env_servers.metrics() | r.client.metrics(),
-                             {"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
-                              "time/env_s": result.env_s})
-        agreed_stop = step.stop
-        signal_metrics = signal_watch.observe(r.step + 1, step.groups, step.counts["episodes_unscored"],
-                                              step.counts["episodes_scored"])
-        batch = rl_batch(trajs, cfg, r.pad_id, rows=rows, prompt_len=step.prompt_len)
-        share_s = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        metrics = learner.update(batch)
-        learn_s = time.perf_counter() - t1
-        r.step += 1
-        metrics.update(rollout_metrics([e for g in step.groups for e in g], step.counts, cfg) | signal_metrics | step.sums)
-        # The update is done: a bridge failing from here on (publish, stats, evaluation) must not lose
-        # the step's metrics and samples, which are written before the run stops, and before its checkpoint.
-        failure = None
-        try:
-            sync_s = 0.0
-            if r.step % cfg.sync_every == 0 or r.step == cfg.steps or stopping():
-                sync_s = _publish(r, learner, r.step + 1)
-            metrics.update({"time/sync_s": sync_s})
-            now = (compiles(), _bridge_compiles(r.client))  # after step 1, a compile is a shape the config missed
-            metrics.update({"compiles/learner": float(now[0] - seen[0]), "compiles/bridge": float(now[1] - seen[1])})
-            if r.step > 1:
-                r.summary["compiles_after_step_1"] = r.summary.get("compiles_after_step_1", 0) + sum(now) - sum(seen)
-            seen = now
-            if cfg.eval.every and r.step % cfg.eval.every == 0 and r.step < cfg.steps and r.primary:
-                metrics.update(r.evaluate().metrics())
-        except Exception as e:
-            failure = e
-        metrics.update({**step.maxima, "time/learn_s": learn_s, "time/step_s": time.perf_counter() - t0,
-                        "version": float(r.version)})
-        if jax.process_count() > 1:
-            metrics["time/share_s"] = share_s  # the exchange and this process's rows of the batch
-        if r.logger is not None:
-            r.logger.log(r.step, metrics)
-            if cfg.log.samples_per_step:
-                r.logger.samples(r.step, _sample_rows(result, r.tokenizer, cfg.log.samples_per_step))
-        if failure is not None:
-            raise failure  # the step's checkpoint is written on the way out (_keep_steps)
-        r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step})
-        if progress is not None:
-            progress.update(r.step, metrics)
+    try:
+        while step < cfg.steps and not stopping():
+            t0 = time.perf_counter()
+            # Rollouts: this process's groups (the next step's start meanwhile), then the step as
+            # every process sees it.
+            result = _collect(job, collector, step, publisher.version)
+            view, batch, share_s = _exchange(job, exchange, result, stop.requested)
+            agreed_stop = view.stop
+            signal_metrics = signal_watch.observe(step + 1, view.groups, view.counts["episodes_unscored"],
+                                                  view.counts["episodes_scored"])
+            # Update.
+            t1 = time.perf_counter()
+            metrics = learner.update(batch)
+            learn_s = time.perf_counter() - t1
+            step += 1
+            metrics.update(rollout_metrics([e for g in view.groups for e in g], view.counts, cfg) | signal_metrics
+                           | view.sums)
+            # After the update: publish, count compiles, evaluate. A bridge failing here must not
+            # lose the step's metrics and samples, which are written before the run stops.
+            failure = None
+            try:
+                metrics["time/sync_s"] = (publisher.publish(learner.state.params, step + 1) if
+                                          step % cfg.sync_every == 0 or step == cfg.steps or stopping() else 0.0)
+                metrics.update(compiles_seen.since_last(step))
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and job.primary:
+                    metrics.update(job.evaluate(publisher.version).metrics())
+            except Exception as e:
+                failure = e
+            # Log, then checkpoint.
+            metrics.update({**view.maxima, "time/learn_s": learn_s, "time/step_s": time.perf_counter() - t0,
+                            "version": float(publisher.version)})
+            if jax.process_count() > 1:
+                metrics["time/share_s"] = share_s  # the exchange and this process's rows of the batch
+            _log_step(job, logger, step, metrics, result)
+            if failure is not None:
+                raise failure
+            job.ckpt.save(step, learner.state, {**meta, "step": step})
+            if progress is not None:
+                progress.update(step, metrics)
+    except BaseException:
+        _keep_steps(job.ckpt, learner, step, meta)
+        raise
+    return step, compiles_seen.after_step_1
 
 
-def _bridge_compiles(client: RolloutClient) -> int:
-    return int(sum(stats.get("engine.compiles", 0) for stats in client.stats()))
+def _collect(job: _Job, collector: Collector, step: int, version: int) -> StepRollouts:
+    """This process's groups of `step`; the next step's start collecting in the background."""
+    job.env_servers.check()  # a bundled environment server that keeps dying stops the run
+    try:
+        result = collector.collect(step, version)
+    except EnvironmentsDown:
+        job.env_servers.check()  # ... and is why the step's episodes failed
+        raise
+    if step + 1 < job.cfg.steps:
+        collector.prefetch_next(step + 1, version)
+    return result
 
 
-def _final_evaluation(r: _Run) -> None:  # process 0's
-    after = r.evaluate("after training")
-    r.logger.log(r.step, after.metrics())
-    r.summary["eval_after"], r.summary["eval_stderr"] = after.success, after.stderr
-    if "eval_before_stderr" in r.summary:
-        r.summary["eval_stderr"] = math.sqrt(after.stderr ** 2 + r.summary["eval_before_stderr"] ** 2)
+def _exchange(job: _Job, exchange: Exchange, result: StepRollouts, stop_requested: bool):
+    """The step as every process sees it, and this process's rows of the batch: (view, batch,
+    seconds spent)."""
+    t0 = time.perf_counter()
+    trajs = [t for g in result.groups for t in g]
+    view = exchange_step(exchange, result, prompt_width(trajs, job.cfg), stop_requested,
+                         job.env_servers.metrics() | job.client.metrics(),
+                         {"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
+                          "time/env_s": result.env_s})
+    batch = rl_batch(trajs, job.cfg, job.pad_id, rows=job.share.count * job.cfg.learner.group_size,
+                     prompt_len=view.prompt_len)
+    return view, batch, time.perf_counter() - t0
 
 
-def _keep_steps(r: _Run, learner: Learner) -> None:
+def _log_step(job: _Job, logger: MetricsLogger | None, step: int, metrics: dict[str, float],
+              result: StepRollouts) -> None:
+    if logger is None:
+        return
+    logger.log(step, metrics)
+    if job.cfg.log.samples_per_step:
+        logger.samples(step, sample_rows(result.groups, job.tokenizer, job.cfg.log.samples_per_step))
+
+
+class _Compiles:
+    """XLA compiles of the learner (this process) and of the bridges, step by step: after step 1, a
+    compile is a shape the config missed."""
+
+    def __init__(self, client: RolloutClient):
+        self.client = client
+        self.seen = self._now()
+        self.after_step_1: int | None = None  # None until step 2
+
+    def _now(self) -> tuple[int, int]:
+        return compiles(), int(sum(stats.get("engine.compiles", 0) for stats in self.client.stats()))
+
+    def since_last(self, step: int) -> dict[str, float]:
+        now = self._now()
+        if step > 1:
+            self.after_step_1 = (self.after_step_1 or 0) + sum(now) - sum(self.seen)
+        new = {"compiles/learner": float(now[0] - self.seen[0]), "compiles/bridge": float(now[1] - self.seen[1])}
+        self.seen = now
+        return new
+
+
+def _final_evaluation(job: _Job, version: int, logger: MetricsLogger, step: int,
+                      summary: dict[str, Any]) -> dict[str, float]:  # process 0's
+    after = job.evaluate(version, "after training")
+    logger.log(step, after.metrics())
+    stderr = after.stderr
+    if "eval_before_stderr" in summary:
+        stderr = math.sqrt(after.stderr ** 2 + summary["eval_before_stderr"] ** 2)
+    return {"eval_after": after.success, "eval_stderr": stderr}
+
+
+def _keep_steps(ckpt: TrainCheckpointer, learner: Learner, step: int, meta: dict[str, Any]) -> None:
     """However the run ends, the steps it took are kept (by one process: with several, the save is
     collective, and a process that failed would wait for the others forever)."""
-    if r.step > 0 and r.ckpt.latest_step() != r.step and jax.process_count() == 1:
+    if step > 0 and ckpt.latest_step() != step and jax.process_count() == 1:
         try:
-            r.ckpt.save(r.step, learner.state, {**r.meta, "step": r.step}, force=True)
-            r.ckpt.wait()
+            ckpt.save(step, learner.state, {**meta, "step": step}, force=True)
+            ckpt.wait()
         except Exception as e:
             if not disk_full(e):  # a full disk is what stopped the run, and its error says so
-                log.warning("final checkpoint at step %d failed: %s", r.step, e)
-
-
-@contextlib.contextmanager
-def _log_file(path: Path):
-    """Every warning and error logged while the run trains, libraries' too, with tracebacks, in `path`."""
-    handler = logging.FileHandler(path)
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        handler.close()
-
-
-def _sample_rows(result: StepRollouts, tokenizer, k: int) -> list[dict[str, Any]]:
-    rows = []
-    for group in result.groups[:k]:
-        t = group[0]
-        rows.append({"group_id": t.group_id, "env": t.env, "rewards": t.rewards, "finish_reason": t.finish_reason,
-                     "prompt": tokenizer.decode(t.prompt_ids), "completion": tokenizer.decode(t.completion_ids)})
-    return rows
-
-
-def _finish_report(run_dir: Path, out) -> dict[str, float]:
-    rows = read_metrics(run_dir)
-    if not rows:
-        return {}
-    report.plot_run(run_dir)
-    keys = [k for k in ("reward/mean", "eval/success", "eval/reward/mean", "loss", "kl", "entropy", "grad_norm",
-                        "completion/model_tokens", "time/step_s") if any(k in r for r in rows)]
-    print(report.summary_table(rows, keys), file=out, flush=True)
-    last = {}
-    for r in rows:
-        last.update({k: r[k] for k in keys if r.get(k) is not None})
-    return {k: round(float(v), 4) for k, v in last.items()}
+                log.warning("final checkpoint at step %d failed: %s", step, e)
 
 
 def ensure_model(cfg: TrainConfig) -> Path:

@@ -1,0 +1,18 @@
+import os
+import signal
+
+import pytest
+
+from jaxrl.run.stopping import GracefulStop, Interrupted
+
+
+def test_first_signal_asks_to_stop_second_stops_now_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with GracefulStop() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the next bytecode of this thread
+        assert stop.requested and stop.signal is signal.SIGTERM
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert e.value.signal is signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) is before
