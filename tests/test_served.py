@@ -44,7 +44,7 @@ def test_a_one_session_server_queues_episodes_and_says_so_in_metrics(tok, catalo
         assert all(t.finish_reason == "env_done" and t.rewards == {"env": 1.0} for t in trajs), [t.error for t in trajs]
         return trajs, runtime.connectors["nim"].metrics
 
-    with caplog.at_level(logging.WARNING, logger="bridge.envs.session"):
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.endpoint"):
         trajs, stats = play(catalogue_spec(catalogue, "nim", "served"))  # the default pool: 64 sessions
     assert sum(t.metrics["capacity_refusals"] for t in trajs) > 0 and max(t.metrics["pool_wait_s"] for t in trajs) > 0
     assert stats["server_max_sessions"] == 1 and stats["capacity_waits"] > 0

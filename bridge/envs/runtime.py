@@ -9,12 +9,12 @@ import inspect
 import json
 from typing import Any
 
+from bridge.envs.endpoint import Endpoint
 from bridge.envs.episode import EnvEpisodeHook
 from bridge.envs.in_process import InProcessConnector
 from bridge.envs.rollout_fn import RolloutFnConnector
 from bridge.envs.scoring import RewardFunctions
 from bridge.envs.served import ServedConnector
-from bridge.envs.session import Endpoint
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, import_object
 from bridge.envs.tool_class import ToolClassConnector
 from bridge.tool_calls import ToolCallParser, hidden_special_ids

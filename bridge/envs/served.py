@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from bridge.envs.endpoint import Endpoint
 from bridge.envs.openenv_episode import SessionConnector
-from bridge.envs.session import Endpoint, Session
+from bridge.envs.session import Session
 from bridge.envs.spec import EnvSpec
 
 
