@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from bridge.envs.render import answer_ids, prompt_ids
 from bridge.envs.spec import task_prompt
 from bridge.rollout import TurnResult
-from bridge.tool_calls import format_tool_results, render_tool_results
+from bridge.tool_calls import format_tool_results
 
 if TYPE_CHECKING:
     from bridge.envs.openenv_episode import SessionConnector, SessionEpisode
@@ -54,6 +55,9 @@ class EpisodeRecord:
 
 @dataclasses.dataclass
 class Step:
+    """The environment's answer to one action: what the model reads, whether the episode ended, and
+    whether it was an error (counted in the episode's metrics)."""
+
     text: str
     done: bool = False
     error: bool = False
@@ -99,9 +103,7 @@ class EnvEpisodeHook:
         self.episode = await self.connector.open(self.task)
         self.metrics.update(self.episode.metrics)
         self.prompt = first_prompt(self.task.get("prompt"), self.episode.first_text, self.spec.system_prompt)
-        return list(self.runtime.tokenizer.apply_chat_template(
-            self.prompt, tools=self.episode.tools or None, add_generation_prompt=True, tokenize=True,
-            return_dict=False, **self.runtime.template_kwargs))
+        return prompt_ids(self.runtime.tokenizer, self.prompt, self.episode.tools, self.runtime.template_kwargs)
 
     async def turn(self, completion_ids: list[int]) -> TurnResult:
         tok = self.runtime.tokenizer
@@ -136,9 +138,7 @@ class EnvEpisodeHook:
         self.conversation += messages
         if done:
             return TurnResult([], done=True)
-        ended = bool(completion_ids) and completion_ids[-1] == tok.eos_token_id
-        text = render_tool_results(tok, messages, turn_end=None if ended else "", **self.runtime.template_kwargs)
-        return TurnResult(tok.encode(text, add_special_tokens=False), done=False)
+        return TurnResult(answer_ids(tok, completion_ids, messages, self.runtime.template_kwargs), done=False)
 
     async def finish(self, trajectory) -> dict[str, float]:
         """The episode's rewards by name (functions answering None leave theirs out)."""

@@ -1,14 +1,17 @@
-"""What the model is shown of an environment: observations as text, and action and tool schemas
-in the form chat templates take (references inlined: a template passes a schema on as it is, and a
-bare `$ref` tells the model nothing). Every kind of environment renders through here, so the
-same observation reads the same whether served, in-process or a tool class's."""
+"""What the model is shown of an environment: observations as text, action and tool schemas in the
+form chat templates take (references inlined: a template passes a schema on as it is, and a bare
+`$ref` tells the model nothing), and the tokens of a first prompt and of the answers to a model
+turn. Every kind of environment, and a rollout function's generation handle, renders through
+here, so the same episode reads the same token for token whichever way it runs."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bridge.envs.spec import EnvConfigError, EnvSpec, template_fields
+from bridge.tool_calls import render_tool_results
 
 OBSERVATION_TEXT_FIELDS = ("text", "prompt", "message", "content")
 _NOT_SHOWN = {"reward", "done", "metadata", "tools"}
@@ -95,3 +98,21 @@ def as_function_tool(tool: dict[str, Any]) -> dict[str, Any]:
         "type": "object", "properties": {}}
     return {"type": "function", "function": {
         "name": tool["name"], "description": tool.get("description") or "", "parameters": inline_refs(parameters)}}
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+               template_kwargs: Mapping[str, Any], add_generation_prompt: bool = True) -> list[int]:
+    """`messages` rendered with the model's chat template (and the run's chat_template_kwargs)."""
+    return list(tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **template_kwargs))
+
+
+def answer_ids(tokenizer: Any, turn_ids: Sequence[int], messages: Sequence[Mapping[str, Any]],
+               template_kwargs: Mapping[str, Any]) -> list[int]:
+    """What follows the model's turn `turn_ids` when `messages` answer it, as tokens: the turn's end
+    where the model did not write it, the messages, the next generation prompt; never the turn itself."""
+    ended = bool(turn_ids) and turn_ids[-1] == tokenizer.eos_token_id
+    text = render_tool_results(tokenizer, [dict(m) for m in messages], turn_end=None if ended else "",
+                               **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
