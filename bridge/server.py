@@ -41,7 +41,7 @@ from jaxrl.snapshot_store import check_location, is_url
 from bridge.rollout import EpisodeHook, Trajectory, run_episode
 
 if TYPE_CHECKING:
-    from bridge.envs.episode import EnvRuntime
+    from bridge.envs.runtime import EnvRuntime
 
 log = logging.getLogger(__name__)
 
@@ -583,7 +583,7 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
         if not (Path(model_dir) / "config.json").is_file():
             raise StartupError(f"{model_dir}: not a model directory (no config.json)")
         if envs_file is not None:
-            from bridge.envs.episode import runtime_from_file
+            from bridge.envs.runtime import runtime_from_file
 
             envs = runtime_from_file(envs_file, model_dir)
             await envs.start()  # unreachable environments fail before the model loads

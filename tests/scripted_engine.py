@@ -84,7 +84,7 @@ def in_process_bridge(engine, envs: dict, tokenizer):
     import threading
 
     from bridge.client import BridgeClient
-    from bridge.envs.episode import runtime_from_dict
+    from bridge.envs.runtime import runtime_from_dict
     from bridge.server import serve
 
     runtime = runtime_from_dict(envs, tokenizer)

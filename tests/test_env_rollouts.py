@@ -21,7 +21,7 @@ import pytest
 
 from bridge.client import BridgeClient
 from bridge.engines.base import SamplingParams
-from bridge.envs.episode import runtime_from_dict
+from bridge.envs.runtime import runtime_from_dict
 from jaxrl.run.processes import EnvServerProcess
 from jaxrl.run.processes import BridgeProcess
 from bridge.server import serve

@@ -12,7 +12,7 @@ import pytest
 
 from bridge.client import BridgeClient
 from bridge.engines.base import SamplingParams
-from bridge.envs.episode import runtime_from_dict
+from bridge.envs.runtime import runtime_from_dict
 from bridge.envs.rollout_fn import Episode, GenerationHandle, Turn, from_trl, run_rollout_fn
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardError, RolloutFnError
 from bridge.wire import PromptGroup

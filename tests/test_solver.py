@@ -9,7 +9,7 @@ import pytest
 
 from bridge.engines.base import Completion, SamplingParams
 from bridge.envs.bundled import BUNDLED, NAMES
-from bridge.envs.episode import EnvRuntime
+from bridge.envs.runtime import EnvRuntime
 from bridge.envs.solver import solver_episode
 from bridge.envs.spec import EnvSpec
 from bridge.rollout import run_episode

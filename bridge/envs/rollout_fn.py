@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bridge.engines.base import Engine, SamplingParams, derive_seed
+from bridge.envs.render import answer_ids, prompt_ids
 from bridge.envs.spec import EnvConfigError, EnvSpec, RolloutFnError, import_object, reward_value
 from bridge.rollout import ENV_VERSION, Trajectory
-from bridge.tool_calls import render_tool_results
 
 LOGPROB_TOLERANCE = 1e-4  # float32 on the wire, float64 in Python: the same number, rounded
 
@@ -103,18 +103,13 @@ class GenerationHandle:
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                  add_generation_prompt: bool = True) -> list[int]:
         """`messages` rendered with the model's chat template (and the run's chat_template_kwargs)."""
-        return list(self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **self._template_kwargs))
+        return prompt_ids(self.tokenizer, messages, tools, self._template_kwargs, add_generation_prompt)
 
     def reply_ids(self, after: Generation, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The tokens that follow the model's turn `after` when `messages` (user or tool messages) answer
         it: the chat template's end of that turn where the model did not write it (a length cut), the
         messages, and the next generation prompt. The model's own tokens are never re-rendered."""
-        ended = bool(after.ids) and after.ids[-1] == self.tokenizer.eos_token_id
-        text = render_tool_results(self.tokenizer, [dict(m) for m in messages], turn_end=None if ended else "",
-                                   **self._template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return answer_ids(self.tokenizer, after.ids, messages, self._template_kwargs)
 
     async def generate(self, prompt: Sequence[int] | Sequence[Mapping[str, Any]], *, max_tokens: int | None = None,
                        temperature: float | None = None, top_p: float | None = None,

@@ -1,76 +1,37 @@
-"""OpenEnv sessions over the WebSocket `/ws` transport: a bounded pool per server, with timeouts,
-capacity back-off and a circuit breaker.
+"""One OpenEnv session over the WebSocket `/ws` transport: one environment instance on the server
+(one WebSocket connection), its limits (`SessionConfig`), and the errors that tell a caller whether
+to replay the episode. Where sessions come from (a bounded pool, capacity back-off, the circuit
+breaker) is `endpoint`'s.
 
-One `Session` is one environment instance on the server (one WebSocket connection). The
-protocol is request / reply: `{"type": "reset" | "step" | "state", "data": ...}` answered by
+The protocol is request / reply: `{"type": "reset" | "step" | "state", "data": ...}` answered by
 `{"type": "observation" | "state", "data": ...}` or `{"type": "error", "data": {"message",
 "code", ...}}`; `{"type": "close"}` ends the session.
 
 What openenv-core 0.3.0's server does, and how this module meets it:
 
-- It creates the session's environment right after the WebSocket handshake. At capacity it
-  sends an unsolicited `CAPACITY_REACHED` error frame and closes; when it has a slot it sends
-  nothing. So `Endpoint.open` sends a `state` message (read-only, answered even before any
-  reset) and only hands the session out once a non-capacity reply came back; a capacity
-  answer is a back-off and a retry, never an error and never a breaker failure.
 - After a `close` message it destroys the environment and only then closes the socket. A
   client-initiated close frame is echoed at once, before the slot is free; so `Session.close`
   waits for the server's own close, which makes our pool and the server's count agree.
 - Replies carry no ids: a reply that timed out would be read as the answer to the next call.
   A timed-out, dropped or cancelled call therefore ends the session (`SessionLost`); the
   episode restarts from `reset()` on a new session, never on a silently re-created one.
-
-Per endpoint, `breaker_failures` failures in a row (connect errors, unconfirmed or lost
-sessions; not capacity, not error replies) open a circuit breaker: nothing is attempted until a
-cooldown has passed, then one trial session decides whether it closes again. `open()` waits for
-that trial rather than being refused: its callers (episodes, replayed when lost) would only
-retry, and a refusal would burn their retries on a breaker that is about to decide; when the
-trial fails they all get EndpointUnavailable at once.
-
-    endpoint = Endpoint(server.url, SessionConfig(max_sessions=64))
-    async with endpoint.session() as env:
-        first = await env.reset(seed=3)
-        reply = await env.step({"message": "hi"})  # {"observation", "reward", "done"}
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import dataclasses
-import itertools
 import json
-import logging
 import math
 import random
-import time
-import urllib.parse
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, WebSocketException
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from bridge.envs.serve import is_loopback
-
-log = logging.getLogger(__name__)
-
-CAPACITY_REACHED = "CAPACITY_REACHED"
-# Error codes the server sends right before closing the socket: the session never started.
-SESSION_FATAL = frozenset({"FACTORY_ERROR", "SESSION_ERROR"})
-# Waiting for the peer's close frame after ours (a failed keepalive included): a live server
-# answers in milliseconds, and until it does or this passes, calls on a dead session block.
-CLOSE_TIMEOUT_S = 1.0
-# pool_waits / pool_wait_s: opens that found the pool full / seconds spent opening (pool and
-# server capacity); server_max_sessions: the capacity the server states when it refuses (0: unknown).
-METRICS = ("sessions_opened", "sessions_reused", "sessions_active", "capacity_waits", "connect_failures",
-           "sessions_lost", "timeouts", "server_errors", "breaker_opens", "pool_waits", "pool_wait_s",
-           "server_max_sessions")
-# A session pool this many times the capacity its server states only queues there: warn once.
-CAPACITY_WARN_RATIO = 2
+if TYPE_CHECKING:
+    from bridge.envs.endpoint import Endpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +135,11 @@ class Session:
         # How getting this session went: the pool was full, seconds until accepted, server refusals.
         self.pool_waited, self.wait_s, self.capacity_refusals = pool_waited, wait_s, capacity_refusals
 
+    @property
+    def connected(self) -> bool:
+        """The connection is open (a missed keepalive or the server may have closed it meanwhile)."""
+        return self._ws.state is State.OPEN
+
     async def reset(self, **kwargs: Any) -> dict[str, Any]:
         """Starts an episode; kwargs (seed, split, task fields) go to the environment's reset."""
         return await self._call("reset", {"type": "reset", "data": kwargs}, "observation")
@@ -189,11 +155,7 @@ class Session:
     async def release(self) -> None:
         """Done with this session: kept open for another episode's reset when its endpoint reuses
         sessions (and nothing went wrong on it), else closed; never raises."""
-        endpoint = self._endpoint
-        # Other episodes waiting for the server's capacity need a server slot freed, not kept.
-        if endpoint.config.reuse and not self.closed and self._ws.state is State.OPEN and not endpoint._closed \
-                and not endpoint._capacity_waiters:
-            endpoint._hand_over(self)
+        if not self.closed and self.connected and self._endpoint.keep(self):
             return
         await self.close()
 
@@ -210,13 +172,13 @@ class Session:
         except (TimeoutError, ConnectionClosed, OSError):
             pass
         finally:
-            self._end()
+            self.drop()
 
     async def _call(self, what: str, message: dict[str, Any], expect: str) -> dict[str, Any]:
         if self.closed:
             raise SessionLost(f"{self._endpoint}: {what} on a closed session; open a new one "
                               "and restart the episode from reset()")
-        if self._ws.state is not State.OPEN:  # e.g. a keepalive ping went unanswered meanwhile
+        if not self.connected:  # e.g. a keepalive ping went unanswered meanwhile
             protocol = self._ws.protocol
             raise self._lost(f"the connection closed before {what} "
                              f"({_frame_why(protocol.close_rcvd, protocol.close_sent)})")
@@ -244,7 +206,7 @@ class Session:
             raise self._lost(f"unreadable reply to {what}: {e}") from None
         except BaseException:
             # Cancelled (or worse) mid-call: a late reply would answer the next call.
-            self._end()
+            self.drop()
             raise
         finally:
             self._busy = False
@@ -254,335 +216,26 @@ class Session:
                                  str(data.get("message", "")), data)
         if kind != expect:
             raise self._lost(f"expected a {expect!r} reply to {what}, got {kind!r}")
-        self._endpoint._failures.clear()  # a run of failures is broken (an open breaker stays open)
+        self._endpoint.answered()
         return data
 
     def _lost(self, why: str) -> SessionLost:
         """Ends the session as lost (a breaker failure) and says so."""
         self._endpoint.metrics["sessions_lost"] += 1
-        self._endpoint._breaker_failure()
-        self._end()
+        self._endpoint.breaker_failure()
+        self.drop()
         return SessionLost(f"{self._endpoint}: {why}; the episode is lost: restart it from "
                            "reset() on a new session")
 
-    def _end(self) -> None:
+    def drop(self) -> None:
         """Drops the connection (if still open) and gives the pool slot back, exactly once."""
         self.closed = True
         self._ws.transport.abort()
-        self._endpoint._release(self)
+        self._endpoint.release_slot(self)
 
 
-class Endpoint:
-    """One OpenEnv server: a pool of at most `config.max_sessions` sessions and its breaker.
-
-    Use it from one event loop (its pool is an asyncio.Semaphore). The pool wait itself is not
-    bounded: it is this process's own queue; `capacity_wait_s` bounds the wait for the server.
-    """
-
-    def __init__(self, url: str, config: SessionConfig = SessionConfig(), name: str = ""):
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"environment server url must be http(s)://host:port, got {url!r}")
-        self.url = url.rstrip("/")
-        self.ws_url = "ws" + self.url[len("http"):] + "/ws"
-        self.name = name or parts.netloc
-        self.config = config
-        self.metrics: dict[str, float] = dict.fromkeys(METRICS, 0)
-        # A local server is reached directly, whatever proxy the environment names.
-        self._direct = is_loopback(parts.hostname)
-        # The pool: slots not in use, released sessions kept open for reuse (each holds its slot),
-        # and the open() calls waiting for either (handed a session, or None: a slot).
-        self._free_slots = config.max_sessions
-        self._idle: collections.deque[Session] = collections.deque()
-        self._pool_waiters: collections.deque[asyncio.Future[Session | None]] = collections.deque()
-        self._sessions: set[Session] = set()
-        self._capacity_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._failures: collections.deque[float] = collections.deque()
-        self._opened_at: float | None = None   # the breaker is open (or half-open) since then
-        self._trial = False                    # a half-open trial session is being opened
-        self._trial_over = asyncio.Event()     # set when that trial has decided (or given up)
-        self._schema: dict[str, Any] | None = None
-        self._closed = False
-        self._capacity_warned = False
-
-    def __str__(self) -> str:
-        return f"environment server {self.name!r} ({self.url})"
-
-    # -- sessions -------------------------------------------------------------------------------
-
-    async def open(self) -> Session:
-        """A session the server has accepted. Waits for a pool slot, then for a server slot
-        (backing off on CAPACITY_REACHED); EndpointUnavailable if it cannot get one."""
-        if self._closed:
-            raise EndpointUnavailable(f"{self} is closed (Endpoint.aclose was called)")
-        start = time.monotonic()
-        pool_waited = False
-        while True:
-            pool_waited |= not self._idle and not self._free_slots
-            reused = await self._acquire()
-            if reused is None or reused._ws.state is State.OPEN:
-                break
-            reused._end()  # released, then closed by the server or a missed ping: its slot goes on
-        if reused is None:
-            try:
-                ws, refusals = await self._connect_accepted()
-            except BaseException:
-                self._hand_over(None)
-                raise
-            session = Session(self, ws, pool_waited, time.monotonic() - start, refusals)
-            self._sessions.add(session)
-            self.metrics["sessions_opened"] += 1
-            self.metrics["sessions_active"] += 1
-        else:
-            session = reused
-            session.pool_waited, session.wait_s, session.capacity_refusals = pool_waited, time.monotonic() - start, 0
-            self.metrics["sessions_reused"] += 1
-        self.metrics["pool_waits"] += pool_waited
-        self.metrics["pool_wait_s"] += session.wait_s
-        return session
-
-    async def _acquire(self) -> Session | None:
-        """A released session (to reuse), or None: a pool slot of our own. Waits when neither is free."""
-        if self._idle:
-            session = self._idle.popleft()
-            session.idle = False
-            self.metrics["sessions_active"] += 1
-            return session
-        if self._free_slots:
-            self._free_slots -= 1
-            return None
-        handed = asyncio.get_running_loop().create_future()
-        self._pool_waiters.append(handed)
-        try:
-            return await handed
-        except BaseException:
-            if handed.done() and not handed.cancelled():  # handed over as we were cancelled: pass it on
-                self._hand_over(handed.result())
-            else:
-                self._pool_waiters.remove(handed)
-            raise
-
-    def _hand_over(self, session: Session | None) -> None:
-        """A released session, or a freed slot (None), to the first open() waiting, else to the pool."""
-        while self._pool_waiters:
-            waiter = self._pool_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(session)
-                return
-        if session is None:
-            self._free_slots += 1
-        else:
-            session.idle = True
-            self._idle.append(session)
-            self.metrics["sessions_active"] -= 1
-
-    @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[Session]:
-        """`async with endpoint.session() as s:` open() ... close()."""
-        s = await self.open()
-        try:
-            yield s
-        finally:
-            await s.close()
-
-    async def _connect_accepted(self) -> tuple[ClientConnection, int]:
-        """A connection the server accepted, and how many times it refused first (at capacity)."""
-        cfg = self.config
-        deadline = time.monotonic() + cfg.capacity_wait_s
-        trial = await self._enter_breaker()
-        try:
-            for waits in itertools.count():
-                ws = await self._connect(trial)
-                reply = await self._confirm(ws, trial)
-                code = reply["data"].get("code") if reply["type"] == "error" else None
-                if code in SESSION_FATAL:
-                    ws.transport.abort()
-                    self.metrics["server_errors"] += 1
-                    self._breaker_failure(trial)
-                    raise EnvServerError(f"{self} open", code, str(reply["data"].get("message")),
-                                         reply["data"])
-                self._breaker_success()
-                if code != CAPACITY_REACHED:
-                    return ws, waits
-                await ws.close()  # the server closes a refused socket itself
-                self.metrics["capacity_waits"] += 1
-                self._note_capacity(reply["data"].get("max_sessions"))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EndpointUnavailable(
-                        f"{self} stayed at capacity ({reply['data'].get('max_sessions', '?')} "
-                        f"sessions) for {cfg.capacity_wait_s:g} s; other clients hold its slots: "
-                        "raise the server's max_concurrent_envs or lower SessionConfig.max_sessions")
-                await self._wait_for_free_slot(
-                    min(backoff_s(waits, cfg.capacity_backoff_s, cfg.capacity_backoff_max_s), left))
-        finally:
-            if trial:
-                self._trial = False
-                self._trial_over.set()
-
-    async def _connect(self, trial: bool) -> ClientConnection:
-        cfg = self.config
-        try:
-            return await connect(
-                self.ws_url, proxy=None if self._direct else True,
-                open_timeout=cfg.connect_timeout_s, ping_interval=cfg.ping_interval_s,
-                ping_timeout=cfg.ping_timeout_s, close_timeout=CLOSE_TIMEOUT_S,
-                max_size=cfg.max_message_bytes)
-        except (OSError, TimeoutError, WebSocketException) as e:
-            self.metrics["connect_failures"] += 1
-            self.metrics["timeouts"] += isinstance(e, TimeoutError)
-            self._breaker_failure(trial)
-            raise EndpointUnavailable(
-                f"cannot connect to {self} at {self.ws_url}: {_why(e, cfg.connect_timeout_s)}; "
-                "check that the server is running and the url is right") from None
-
-    async def _confirm(self, ws: ClientConnection, trial: bool) -> dict[str, Any]:
-        """The server's first frame: capacity or fatal errors arrive unasked, else state's reply."""
-        try:
-            async with asyncio.timeout(self.config.step_timeout_s):
-                try:
-                    await ws.send('{"type":"state"}')
-                except ConnectionClosed:
-                    pass  # a refusal closes at once; its frame still waits to be read
-                reply = json.loads(await ws.recv())
-            if not isinstance(reply.get("data"), dict) or "type" not in reply:
-                raise ValueError(f"not an OpenEnv reply: {reply!r:.200}")
-            return reply
-        except BaseException as e:
-            ws.transport.abort()
-            if not isinstance(e, (TimeoutError, ConnectionClosed, ValueError, AttributeError)):
-                raise  # cancelled
-            self.metrics["timeouts"] += isinstance(e, TimeoutError)
-            self._breaker_failure(trial)
-            raise EndpointUnavailable(
-                f"{self} accepted a connection but did not confirm the session "
-                f"({_why(e, self.config.step_timeout_s)}); check that the server is healthy") from None
-
-    def _note_capacity(self, max_sessions: Any) -> None:
-        """Keeps the capacity a refusal states; warns once when our pool is far above it."""
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            return
-        self.metrics["server_max_sessions"] = max_sessions
-        pool = self.config.max_sessions
-        if not self._capacity_warned and pool >= CAPACITY_WARN_RATIO * max_sessions:
-            self._capacity_warned = True
-            log.warning("%s allows %d session(s) at once, but the session pool for it holds %d: episodes queue for "
-                        "its slots (see env/%s/pool_wait_s and capacity_refusals); set max_concurrent_envs: %d for "
-                        "this environment, or serve it with more sessions (create_app(..., max_concurrent_envs=N) "
-                        "and SUPPORTS_CONCURRENT_SESSIONS = True)", self, max_sessions, pool, self.name, max_sessions)
-
-    async def _wait_for_free_slot(self, delay: float) -> None:
-        """Sleeps `delay`, or less when one of our own sessions frees a server slot first."""
-        freed = asyncio.get_running_loop().create_future()
-        self._capacity_waiters.append(freed)
-        try:
-            await asyncio.wait([freed], timeout=delay)
-        finally:
-            with contextlib.suppress(ValueError):
-                self._capacity_waiters.remove(freed)
-
-    def _release(self, session: Session) -> None:
-        if session in self._sessions:
-            self._sessions.discard(session)
-            if session.idle:
-                self._idle.remove(session)
-            else:
-                self.metrics["sessions_active"] -= 1
-            self._hand_over(None)
-            # One waiter retries now (all of them would mostly meet CAPACITY_REACHED again).
-            if self._capacity_waiters:
-                self._capacity_waiters.popleft().set_result(None)
-
-    # -- circuit breaker ------------------------------------------------------------------------
-
-    @property
-    def breaker_state(self) -> str:
-        """"closed" (sessions open normally), "open" (refused) or "half_open" (one trial)."""
-        if self._opened_at is None:
-            return "closed"
-        if time.monotonic() - self._opened_at < self.config.breaker_cooldown_s:
-            return "open"
-        return "half_open"
-
-    async def _enter_breaker(self) -> bool:
-        """Waits while the breaker is open, and while another call's trial session decides; True
-        when this call is the half-open trial. EndpointUnavailable when the trial waited for failed."""
-        while True:
-            state = self.breaker_state
-            if state == "closed":
-                return False
-            if state == "open":
-                await asyncio.sleep(self._opened_at + self.config.breaker_cooldown_s - time.monotonic())
-            elif not self._trial:
-                self._trial = True
-                self._trial_over = asyncio.Event()
-                return True
-            else:
-                opened_at, over = self._opened_at, self._trial_over
-                await over.wait()
-                if self._opened_at is not None and self._opened_at != opened_at:
-                    raise EndpointUnavailable(
-                        f"{self}: circuit breaker open (it failed {self.config.breaker_failures} times in a "
-                        f"row and the trial session failed too; the next trial in "
-                        f"{self.config.breaker_cooldown_s:g} s); retry later")
-
-    def _breaker_failure(self, trial: bool = False) -> None:
-        now = time.monotonic()
-        if self._opened_at is not None:
-            if trial:
-                self._opened_at = now  # the trial failed: open again for a full cooldown
-                self._trial_over.set()
-            return
-        self._failures.append(now)
-        while self._failures[0] < now - self.config.breaker_window_s:
-            self._failures.popleft()
-        if len(self._failures) >= self.config.breaker_failures:
-            self._opened_at = now
-            self._failures.clear()
-            self.metrics["breaker_opens"] += 1
-
-    def _breaker_success(self) -> None:
-        """The server accepted or refused a new session: it is alive, the breaker closes."""
-        self._failures.clear()
-        self._opened_at = None
-        self._trial_over.set()  # callers waiting for a trial go ahead
-
-    # -- HTTP -----------------------------------------------------------------------------------
-
-    async def schema(self) -> dict[str, Any]:
-        """GET /schema: {"action", "observation", "state"} JSON schemas (fetched once)."""
-        if self._schema is None:
-            self._schema = await self._get_json("/schema")
-        return self._schema
-
-    async def check(self) -> None:
-        """Fails fast (EndpointUnavailable) unless /health and /schema answer."""
-        health = await self._get_json("/health")
-        if health.get("status") != "healthy":
-            raise EndpointUnavailable(f"{self} answers /health with {health!r}, not healthy")
-        await self.schema()
-
-    async def _get_json(self, path: str) -> dict[str, Any]:
-        try:
-            async with httpx.AsyncClient(trust_env=not self._direct,
-                                         timeout=self.config.connect_timeout_s) as client:
-                response = await client.get(self.url + path)
-                response.raise_for_status()
-                body = response.json()
-            if not isinstance(body, dict):
-                raise ValueError(f"expected a JSON object, got {type(body).__name__}")
-            return body
-        except (httpx.HTTPError, ValueError) as e:
-            raise EndpointUnavailable(f"{self}: GET {path} failed: {type(e).__name__}: {e}; "
-                                      "check that an OpenEnv server runs at this url") from None
-
-    async def aclose(self) -> None:
-        """Closes every open session; open() refuses afterwards."""
-        self._closed = True
-        await asyncio.gather(*(s.close() for s in list(self._sessions)))
-
-
-def _why(e: BaseException, timeout_s: float) -> str:
+def why_failed(e: BaseException, timeout_s: float) -> str:
+    """Why a connect or a call failed, in words for an error message."""
     if isinstance(e, TimeoutError):
         return f"no answer within {timeout_s:g} s"
     if isinstance(e, ConnectionClosed):

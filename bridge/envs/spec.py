@@ -15,7 +15,8 @@ import string
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
-from bridge.envs.session import CAPACITY_WARN_RATIO, SessionConfig, backoff_s
+from bridge.envs.endpoint import CAPACITY_WARN_RATIO
+from bridge.envs.session import SessionConfig, backoff_s
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
 ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]

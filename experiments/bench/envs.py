@@ -25,7 +25,8 @@ import time
 from openenv.core.generic_client import GenericEnvClient
 
 from bridge.envs.bundled import NAMES, get
-from bridge.envs.session import Endpoint, SessionConfig
+from bridge.envs.endpoint import Endpoint
+from bridge.envs.session import SessionConfig
 from jaxrl.run.api import EnvServerProcess
 
 

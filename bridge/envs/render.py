@@ -1,0 +1,118 @@
+"""What the model is shown of an environment: observations as text, action and tool schemas in the
+form chat templates take (references inlined: a template passes a schema on as it is, and a bare
+`$ref` tells the model nothing), and the tokens of a first prompt and of the answers to a model
+turn. Every kind of environment, and a rollout function's generation handle, renders through
+here, so the same episode reads the same token for token whichever way it runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bridge.envs.spec import EnvConfigError, EnvSpec, template_fields
+from bridge.tool_calls import render_tool_results
+
+OBSERVATION_TEXT_FIELDS = ("text", "prompt", "message", "content")
+_NOT_SHOWN = {"reward", "done", "metadata", "tools"}
+
+
+def observation_text(observation: dict[str, Any], field: str | None = None, template: str | None = None) -> str:
+    """What the model is shown of an observation.
+
+    `template`: a format string over its fields (RenderError naming a field it lacks); `field`: that
+    field alone. Else every field that says something: the first text-like field (text, prompt,
+    message, content) as it is, then the others as `name: value` lines (strings as they are, the
+    rest as JSON); bookkeeping (reward, done, metadata, tools) and empty values (None, "", [], {})
+    are left out, zeros and False are not.
+    """
+    if template is not None:
+        try:
+            return template.format_map(observation)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
+            raise RenderError(f"observation_template {template!r} cannot render {sorted(observation)} "
+                              f"({type(e).__name__}: {e})") from None
+    if field is not None:
+        value = observation.get(field, "")
+        return value if isinstance(value, str) else json.dumps(value, default=str)
+    shown = {k: v for k, v in observation.items()
+             if k not in _NOT_SHOWN and not (v is None or (isinstance(v, (str, list, dict)) and not v))}
+    main = next((k for k in OBSERVATION_TEXT_FIELDS if isinstance(shown.get(k), str)), None)
+    lines = [shown.pop(main)] if main is not None else []
+    lines += [f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
+              for k, v in shown.items()]
+    return "\n".join(lines)
+
+
+class RenderError(ValueError):
+    """An observation the environment's observation_template cannot render (a field it lacks)."""
+
+
+def check_template(spec: EnvSpec, observation_schema: dict[str, Any]) -> None:
+    """EnvConfigError naming the first field `spec.observation_template` uses that the observation
+    schema lacks; no check when the schema lists no fields (e.g. an MCP server's base Observation)."""
+    props = (inline_refs(observation_schema).get("properties") or {})
+    if spec.observation_template is None or not set(props) - _NOT_SHOWN:
+        return
+    what = f"environment {spec.name!r}: observation_template"
+    for name in template_fields(spec.observation_template, what):
+        if name not in props:
+            known = ", ".join(k for k in props if k not in _NOT_SHOWN)
+            raise EnvConfigError(f"{what} names field {name!r}, which its observations do not have; they have: "
+                                 f"{known}")
+
+
+def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with each local reference (`{"$ref": "#/$defs/Move"}`, pydantic's way to write enums
+    and nested models) replaced by what it names, and the definitions dropped: chat templates pass
+    schemas to the model as they are, and a bare reference tells it nothing. A model that contains
+    itself keeps only its description below its first level."""
+    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+
+    def walk(node: Any, seen: frozenset[str]) -> Any:
+        if isinstance(node, list):
+            return [walk(n, seen) for n in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+            name = ref.rsplit("/", 1)[1]
+            target = defs.get(name)
+            if target is not None:
+                siblings = {k: v for k, v in node.items() if k != "$ref"}
+                if name in seen:  # recursive: no finite inlining
+                    return {"type": "object", **{k: v for k, v in target.items() if k == "description"}, **siblings}
+                return walk({**target, **siblings}, seen | {name})
+        return {k: walk(v, seen) for k, v in node.items()}
+
+    return walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")}, frozenset())
+
+
+def as_function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool spec in the chat templates' `{"type": "function", "function": {...}}` form, its
+    parameters' references inlined."""
+    if tool.get("type") == "function" and "function" in tool:
+        function = tool["function"]
+        return {**tool, "function": {**function, "parameters": inline_refs(function.get("parameters") or {})}}
+    parameters = tool.get("parameters") or tool.get("input_schema") or tool.get("inputSchema") or {
+        "type": "object", "properties": {}}
+    return {"type": "function", "function": {
+        "name": tool["name"], "description": tool.get("description") or "", "parameters": inline_refs(parameters)}}
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+               template_kwargs: Mapping[str, Any], add_generation_prompt: bool = True) -> list[int]:
+    """`messages` rendered with the model's chat template (and the run's chat_template_kwargs)."""
+    return list(tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **template_kwargs))
+
+
+def answer_ids(tokenizer: Any, turn_ids: Sequence[int], messages: Sequence[Mapping[str, Any]],
+               template_kwargs: Mapping[str, Any]) -> list[int]:
+    """What follows the model's turn `turn_ids` when `messages` answer it, as tokens: the turn's end
+    where the model did not write it, the messages, the next generation prompt; never the turn itself."""
+    ended = bool(turn_ids) and turn_ids[-1] == tokenizer.eos_token_id
+    text = render_tool_results(tokenizer, [dict(m) for m in messages], turn_end=None if ended else "",
+                               **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)

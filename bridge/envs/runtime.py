@@ -1,0 +1,128 @@
+"""The bridge's environments for a run: one connector per named environment, built from the
+environments file the trainer writes, checked before any episode runs, and the shared pieces
+(tokenizer, tool-call parser, reward functions) every episode hook of any kind uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from typing import Any
+
+from bridge.envs.endpoint import Endpoint
+from bridge.envs.episode import EnvEpisodeHook
+from bridge.envs.in_process import InProcessConnector
+from bridge.envs.rollout_fn import RolloutFnConnector
+from bridge.envs.scoring import RewardFunctions
+from bridge.envs.served import ServedConnector
+from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, import_object
+from bridge.envs.tool_class import ToolClassConnector
+from bridge.tool_calls import ToolCallParser, hidden_special_ids
+
+Connector = ServedConnector | InProcessConnector | ToolClassConnector | RolloutFnConnector
+
+
+def build_connector(spec: EnvSpec) -> Connector:
+    """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
+    if spec.rollout_fn:
+        return RolloutFnConnector(spec)
+    if spec.url:
+        pool = dataclasses.replace(spec.session, max_sessions=spec.pool_size)
+        return ServedConnector(spec, Endpoint(spec.url, pool, name=spec.name))
+    if spec.bundled:
+        raise EnvConfigError(f"environment {spec.name!r}: bundled {spec.bundled!r} has no server; the trainer "
+                             "starts bundled servers and passes their url")
+    from openenv.core.env_server import Environment
+
+    cls = import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+    if not inspect.isclass(cls):
+        raise EnvConfigError(f"environment {spec.name!r}: env_class {spec.env_class!r} is not a class")
+    if issubclass(cls, Environment):
+        return InProcessConnector(spec, cls)
+    return ToolClassConnector(spec, cls)
+
+
+class EnvRuntime:
+    """The bridge's environments: connectors by name, the tokenizer, the parser, reward functions."""
+
+    def __init__(self, specs: list[EnvSpec], tokenizer: Any, parser: ToolCallParser,
+                 rewards: list[RewardSpec] = (), template_kwargs: dict[str, Any] | None = None):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise EnvConfigError(f"environment names must be unique, got {names}")
+        self.specs = {s.name: s for s in specs}
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self.hidden_ids = hidden_special_ids(tokenizer, parser.delimiters)  # left out of what the parser reads
+        self.template_kwargs = dict(template_kwargs or {})
+        self.rewards = RewardFunctions(rewards, tokenizer)
+        self.connectors = {s.name: build_connector(s) for s in specs}
+        self.started = False
+
+    async def start(self) -> None:
+        """Checks every environment answers (or can be built) before any episode runs; once."""
+        if self.started:
+            return
+        self.started = True
+        for name, connector in self.connectors.items():
+            try:
+                await connector.start()
+            except EnvConfigError:
+                raise
+            except Exception as e:
+                raise EnvConfigError(f"environment {name!r}: {type(e).__name__}: {e}") from e
+
+    def hook(self, env: str, task: dict[str, Any]) -> EnvEpisodeHook | None:
+        """The episode hook of `env`; None for a rollout function's (it runs its own loop: `rollout_fn`)."""
+        if env not in self.connectors:
+            raise ValueError(f"unknown environment {env!r}; this bridge serves: {', '.join(self.connectors)}")
+        if isinstance(self.connectors[env], RolloutFnConnector):
+            return None
+        return EnvEpisodeHook(self, self.connectors[env], task)
+
+    def rollout_fn(self, env: str) -> RolloutFnConnector | None:
+        """`env`'s rollout function, if it has one."""
+        connector = self.connectors.get(env)
+        return connector if isinstance(connector, RolloutFnConnector) else None
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, connector in self.connectors.items():
+            for k, v in connector.metrics.items():
+                out[f"env.{name}.{k}"] = float(v)
+        return out
+
+    async def aclose(self) -> None:
+        for connector in self.connectors.values():
+            await connector.aclose()
+
+
+def runtime_from_dict(data: dict[str, Any], tokenizer: Any) -> EnvRuntime:
+    """An EnvRuntime from `{"envs": [...], "rewards": [...], "tool_parser": "qwen",
+    "chat_template_kwargs": {...}}` (what the trainer writes for its bridges)."""
+    from bridge.tool_calls import get_parser
+
+    unknown = sorted(set(data) - {"envs", "rewards", "tool_parser", "chat_template_kwargs"})
+    if unknown:
+        raise EnvConfigError(f"environments file: unknown key(s) {', '.join(unknown)}")
+    specs = [EnvSpec.from_dict(d) for d in data.get("envs") or []]
+    if not specs:
+        raise EnvConfigError("environments file lists no environments")
+    rewards = [RewardSpec.from_dict(d) for d in data.get("rewards") or []]
+    try:
+        parser = get_parser(data.get("tool_parser"))
+    except ValueError as e:
+        raise EnvConfigError(str(e)) from None
+    return EnvRuntime(specs, tokenizer, parser, rewards, data.get("chat_template_kwargs"))
+
+
+def runtime_from_file(path: str, model_dir: str) -> EnvRuntime:
+    """The runtime a `jaxrl bridge --envs FILE` serves, with the model directory's tokenizer."""
+    from jaxrl.models import load_tokenizer
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EnvConfigError(f"environments file {path}: {e}") from None
+    tokenizer = load_tokenizer(model_dir)
+    return runtime_from_dict(data, tokenizer)

@@ -1,0 +1,128 @@
+"""Episodes over OpenEnv sessions: action modes from the action schema, refused actions told to the
+model, and OpenEnv's catalogue environments as shipped, served over /ws and in-process alike."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bridge.envs.openenv_episode import resolve_action_mode
+from bridge.envs.runtime import EnvRuntime
+from bridge.envs.spec import EnvConfigError, EnvSpec
+from bridge.tool_calls import get_parser
+from episodes import CLASSES, WHERE, catalogue_spec, check_masks, env_turns, run, scripted, serve_catalogue
+from jaxrl.tiny_tokenizer import build_tokenizer
+from scripted_engine import ScriptedEngine, segments, tool_call
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def schema(props, required):
+    return {"type": "object", "properties": props, "required": required}
+
+
+@pytest.mark.parametrize("props, required, mode, field", [
+    ({"message": {"type": "string"}, "metadata": {"type": "object"}}, ["message"], "text", "message"),
+    ({"tool": {"type": "string"}, "arguments": {"type": "object"}}, ["tool"], "tool_call", None),
+    ({"type": {"type": "string"}, "tool_name": {"type": "string"}, "arguments": {"type": "object"}},
+     ["tool_name"], "mcp", None),
+    ({"x": {"type": "integer"}, "y": {"type": "integer"}}, ["x", "y"], "tool", None),
+])
+def test_auto_mode_follows_the_action_schema(props, required, mode, field):
+    assert resolve_action_mode(EnvSpec("e", url="http://127.0.0.1:1"), schema(props, required)) == (mode, field)
+
+
+def test_text_mode_without_a_string_field_is_a_config_error():
+    spec = EnvSpec("grid", url="http://127.0.0.1:1", action="text")
+    with pytest.raises(EnvConfigError, match="grid.*text_field"):
+        resolve_action_mode(spec, schema({"x": {"type": "integer"}}, ["x"]))
+
+
+def test_invalid_action_is_told_to_the_model(tok):
+    """The action schema's validation (what a server answers VALIDATION_ERROR) is the model's error."""
+    runtime = EnvRuntime([EnvSpec("guess", env_class="bridge.envs.bundled.guess_number:GuessNumberEnvironment",
+                                  action_class="bridge.envs.bundled.guess_number:GuessNumberAction",
+                                  action="tool", tool_name="act")], tok, get_parser())
+    replies = iter([tool_call("act", {"tool": 5}), "I give up."])
+    traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, "guess",
+               {"seed": 1, "low": 0, "high": 9, "secret": 3, "max_guesses": 4})
+    assert traj.finish_reason == "stop" and traj.metrics["tool_errors"] == 1
+    env_text = [tok.decode(ids) for m, ids in segments(traj) if m == 0][0]
+    assert "VALIDATION_ERROR" in env_text and "tool" in env_text
+
+
+# -- OpenEnv's catalogue as shipped: served over /ws, and in-process ------------------------------
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    with serve_catalogue(CLASSES) as urls:
+        yield urls
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_rejected_text_action_reaches_the_model_as_an_error_and_observations_show_the_state(tok, catalogue, where):
+    runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, action="text", text_field="action")], tok,
+                         get_parser())
+    traj = run(scripted(tok, ["NORTH", "DOWN", "DOWN", "RIGHT", "RIGHT"]), runtime, "grid", {"seed": 3})
+    assert traj.finish_reason == "env_done", traj.error
+    assert traj.num_turns == 5 and traj.metrics["action_errors"] == 1 and traj.metrics["env_steps"] == 5
+    assert traj.rewards == {"env": pytest.approx(0.7)}  # the refused action: no reward, the episode goes on
+    assert "Welcome to Grid World! Goal is at [2, 2].\nx: 0\ny: 0<|im_end|>" in tok.decode(traj.prompt_ids)
+    turns = env_turns(traj, tok)
+    assert "Error: VALIDATION_ERROR: Invalid message (action: Input should be 'UP', 'DOWN', 'LEFT' or " \
+           "'RIGHT')" in turns[0]
+    assert "Keep going...\nx: 1\ny: 0<|im_end|>" in turns[1]
+    check_masks(traj, tok)
+
+
+SCRIPTS = {
+    # The enum action is a tool whose schema lists the moves; a move outside them is refused.
+    "grid": [tool_call("grid", {"action": a}) for a in ("NORTH", "DOWN", "RIGHT", "DOWN", "RIGHT")],
+    # An MCP environment: tools listed by ListToolsAction, an enum argument, an answer that ends it.
+    "arithmetic": [tool_call("compute", {"op": "pow", "a": 5, "b": 6}), tool_call("compute", {"op": "mul", "a": 5, "b": 6}),
+                   tool_call("compute", {"op": "add", "a": 30, "b": 5}), tool_call("answer", {"value": 35})],
+    # One session, reset() takes no seed (the task's seed is dropped), a bounded int refused out of range.
+    "nim": [tool_call("nim", {"take": 5}), tool_call("nim", {"take": 3}), tool_call("nim", {"take": 3})],
+}
+
+
+@pytest.mark.parametrize("name, enum, reward", [("grid", '"enum": ["UP", "DOWN", "LEFT", "RIGHT"]', 1.0 - 0.3),
+                                                ("arithmetic", '"enum": ["add", "mul"]', 1.0),
+                                                ("nim", '"maximum": 3', 1.0)])
+def test_in_process_equals_served_and_schemas_carry_their_definitions(tok, catalogue, name, enum, reward):
+    trajs = {}
+    for where in WHERE:
+        runtime = EnvRuntime([catalogue_spec(catalogue, name, where)], tok, get_parser())
+        trajs[where] = run(scripted(tok, SCRIPTS[name]), runtime, name, {"seed": 3})
+    served, local = trajs["served"], trajs["in_process"]
+    assert served.finish_reason == local.finish_reason == "env_done", (served.error, local.error)
+    assert served.rewards == local.rewards == {"env": pytest.approx(reward)}
+    assert tok.decode(served.prompt_ids) == tok.decode(local.prompt_ids)
+    assert tok.decode(served.completion_ids) == tok.decode(local.completion_ids)
+    assert served.metrics["tool_errors"] == local.metrics["tool_errors"] == 1
+    prompt = tok.decode(served.prompt_ids)
+    assert enum in prompt and "$ref" not in prompt and "$defs" not in prompt
+    assert "Error:" in env_turns(served, tok)[0]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_an_observation_template_is_checked_at_start_and_renders_the_fields(tok, catalogue, where):
+    runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, action="text", text_field="action",
+                                         observation_template="You are at ({x}, {y}). {message}")], tok, get_parser())
+    traj = run(scripted(tok, ["DOWN"]), runtime, "grid", {}, max_turns=1)
+    assert "You are at (0, 0). Welcome to Grid World! Goal is at [2, 2].<|im_end|>" in tok.decode(traj.prompt_ids)
+    # An MCP server's observation schema is its tool results': the reset observation's fields are not checked.
+    runtime = EnvRuntime([catalogue_spec(catalogue, "arithmetic", where, observation_template="Q: {question}")], tok,
+                         get_parser())
+    traj = run(scripted(tok, ["I give up."]), runtime, "arithmetic", {"seed": 3})
+    assert "Q: Compute 5 * 6 + 5 with the tools.<|im_end|>" in tok.decode(traj.prompt_ids)
+    runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, observation_template="At {x},{z}")], tok,
+                         get_parser())
+    with pytest.raises(EnvConfigError, match="'grid': observation_template names field 'z', which its observations "
+                                             "do not have; they have: x, y, message$"):
+        asyncio.run(runtime.start())

@@ -1,0 +1,43 @@
+"""The `envs:` config entries: errors that name the problem, and the replay schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from bridge.envs.session import SessionConfig
+from bridge.envs.spec import EnvConfigError, EnvSpec
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"name": "x"}, "exactly one of bundled, url, env_class"),
+    ({"name": "x", "url": "http://a", "bundled": "echo"}, "exactly one"),
+    ({"name": "x", "url": "ftp://a"}, "must start with http"),
+    ({"name": "x", "env_class": "nocolon"}, "module:Class"),
+    ({"name": "x", "url": "http://a", "colour": 1}, "unknown key.*colour"),
+    ({"name": "x", "url": "http://a", "session": {"step_timeout_s": -1}}, "session.*step_timeout_s"),
+    ({"name": "x", "url": "http://a", "max_retries": 2}, "'x': max_retries is gone; set retry_budget_s instead"),
+    ({"name": "x", "url": "http://a", "retry_backoff_s": 0}, "retry_backoff_s > 0"),
+    ({"name": "x", "url": "http://a", "observation_template": "at {x"}, "'x': observation_template 'at {x'.*"
+                                                                        "expected '}'"),
+    ({"name": "x", "url": "http://a", "observation_template": "at {}"}, "{} names no field"),
+    ({"name": "x", "url": "http://a", "observation_template": "{x}", "observation_field": "x"}, "not both"),
+])
+def test_env_spec_errors_name_the_problem(data, message):
+    with pytest.raises(EnvConfigError, match=message):
+        EnvSpec.from_dict(data)
+
+
+def test_replays_are_bounded_by_time_since_the_first_loss_and_outlast_the_breaker_cooldown():
+    spec = EnvSpec("x", url="http://a", retry_budget_s=60.0, retry_backoff_s=0.5,
+                   session=SessionConfig(breaker_cooldown_s=5.0))
+    for _ in range(50):  # jittered schedules: replay until the next wait would pass the budget
+        lost_for, waits = 0.0, []
+        while (wait := spec.retry_wait_s(len(waits), lost_for)) is not None:
+            waits.append(wait)
+            lost_for += wait
+        assert 60.0 - 10.0 < lost_for <= 60.0  # the budget is spent, never overrun
+        assert 0.25 <= waits[0] <= 0.5 and max(waits) <= 10.0  # doubling from 0.5 s, capped at 2 cooldowns
+        assert min(waits[5:]) >= 5.0  # late replays land after the breaker half-opened
+    assert 5.0 <= spec.retry_wait_s(10_000, 0.0) <= 10.0  # time, not a count, ends the replays
+    assert spec.retry_wait_s(0, 59.8) is None
+    assert EnvSpec("x", url="http://a", retry_budget_s=0).retry_wait_s(0, 0.0) is None
