@@ -137,7 +137,8 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     limits = wire.Limits()
     for f, what in (("max_group_size", "most samples per group of a request"),
                     ("max_groups", "most groups per request"),
-                    ("max_tokens", "most tokens per model turn, and per episode (max_total_tokens), of a request"),
+                    ("max_episode_tokens", "most tokens of an episode of a request (max_total_tokens), and so of "
+                                           "its model turns"),
                     ("max_episodes_in_flight", "most episodes under way over all requests")):
         br.add_argument(wire.Limits.flag(f), dest=f, type=int, default=getattr(limits, f),
                         help=f"{what} (default %(default)s)")

@@ -174,8 +174,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                            f"max_total_tokens={request.max_total_tokens} must be >= 0")
         self._check_limit("group_size", request.group_size, "max_group_size")
         self._check_limit("groups", len(request.groups), "max_groups")
-        self._check_limit("max_total_tokens", request.max_total_tokens, "max_tokens")
-        self._check_limit("sampling.max_tokens", request.sampling.max_tokens, "max_tokens")
+        self._check_limit("max_total_tokens", request.max_total_tokens, "max_episode_tokens")
+        self._check_limit("sampling.max_tokens", request.sampling.max_tokens, "max_episode_tokens")
         self._check_limit("groups x group_size", len(request.groups) * request.group_size, "max_episodes_in_flight")
         if not request.HasField("sampling"):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no sampling params")

@@ -61,13 +61,13 @@ def read_token_file(path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The most one bridge accepts: per request (group size, groups, tokens per turn and per
-    episode) and episodes in flight over all requests. Each is a `python -m bridge serve` flag
+    """The most one bridge accepts: per request (group size, groups, tokens of an episode, which
+    bounds a model turn's too) and episodes in flight over all requests. Each is a `python -m bridge serve` flag
     (`flag`); a bridge's Stats report them as `limit.NAME`."""
 
     max_group_size: int = 256
     max_groups: int = 4096
-    max_tokens: int = 65536
+    max_episode_tokens: int = 65536
     max_episodes_in_flight: int = 16384
 
     def __post_init__(self):

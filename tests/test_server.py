@@ -359,7 +359,7 @@ def test_a_snapshot_read_stuck_on_storage_does_not_keep_the_bridge_from_stopping
 
 def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
     engine = ScriptedEngine(build_tokenizer(), lambda prompt: "ok", delay_s=1.0)
-    limits = wire.Limits(max_group_size=4, max_groups=3, max_tokens=16, max_episodes_in_flight=6)
+    limits = wire.Limits(max_group_size=4, max_groups=3, max_episode_tokens=16, max_episodes_in_flight=6)
     with running(engine, limits=limits) as b:
         client = b.client
         for call, message in [
@@ -367,7 +367,7 @@ def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
                                                           "(--max-group-size)"),
             (lambda: client.rollout([[1]] * 4, 1, _params()), "groups=4 is over this bridge's limit of 3 (--max-groups)"),
             (lambda: client.rollout([[1]], 1, _params(max_tokens=17)), "sampling.max_tokens=17 is over this "
-                                                                       "bridge's limit of 16 (--max-tokens)"),
+                                                                       "bridge's limit of 16 (--max-episode-tokens)"),
             (lambda: client.rollout([[1]], 1, _params(), max_total_tokens=17), "max_total_tokens=17 is over"),
             (lambda: client.rollout([[1]] * 2, 4, _params()), "groups x group_size=8 is over this bridge's limit "
                                                               "of 6 (--max-episodes-in-flight)"),

@@ -23,10 +23,10 @@ def test_a_started_jax_engine_holds_the_rollouts_sequences_and_compiles_before_s
 def test_the_run_asks_its_bridges_for_what_its_requests_need():
     cfg = from_dict(TrainConfig, {**BASE, "rollout": {"groups_per_step": 8, "max_tokens": 50, "max_total_tokens": 200},
                                   "learner": {"group_size": 4}, "eval": {"episodes": 20, "pass_k": 3, "temperature": 1.0}})
-    assert bridge_limits(cfg) == {"max_group_size": 4, "max_groups": 20, "max_tokens": 200,
+    assert bridge_limits(cfg) == {"max_group_size": 4, "max_groups": 20, "max_episode_tokens": 200,
                                   "max_episodes_in_flight": 8 * 4 + 20 * 3}
     warm = from_dict(TrainConfig, {**BASE, "eval": {"episodes": 0}, "sft": {"steps": 1, "demonstrations": 100}})
-    assert bridge_limits(warm) == {"max_group_size": 8, "max_groups": 100, "max_tokens": 256,
+    assert bridge_limits(warm) == {"max_group_size": 8, "max_groups": 100, "max_episode_tokens": 256,
                                    "max_episodes_in_flight": 8 * 8 + 100}
     Limits(**bridge_limits(warm))  # what the started bridge's flags accept
 
