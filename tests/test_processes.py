@@ -23,9 +23,7 @@ from jaxrl.run.processes import (
     BridgeStartError,
     ChildServer,
     ChildStartError,
-    EnvServerDown,
     EnvServerProcess,
-    EnvServers,
     EnvServerStartError,
 )
 from jaxrl.tiny import build_tiny_model
@@ -272,33 +270,6 @@ def test_start_on_a_free_port_serves_and_stop_leaves_nothing_running():
     with pytest.raises(OSError):
         server.health(timeout_s=2)
     print(f"start-up {started_s:.1f} s")
-
-
-def test_a_server_that_dies_is_restarted_on_its_port_until_it_keeps_dying(tmp_path):
-    log = tmp_path / "env-e.log"
-    with EnvServers(max_restarts=1, window_s=600.0) as servers:
-        first = servers.start("e", "echo", max_concurrent_envs=2, log_path=log)
-        assert servers.metrics() == {"env/e/restarts": 0.0}
-        os.kill(first.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while servers.restarts["e"] < 1:
-            assert time.monotonic() < deadline, "not restarted"
-            time.sleep(0.1)
-        second = servers.servers["e"]
-        assert second.pid != first.pid and second.url == first.url and second.health()  # the bridge's url
-        servers.check()  # within the cap
-        assert servers.metrics() == {"env/e/restarts": 1.0}
-        os.kill(second.pid, signal.SIGKILL)  # a second exit within the window: it keeps dying
-        while servers.error is None:
-            assert time.monotonic() < deadline, "not given up"
-            time.sleep(0.1)
-        with pytest.raises(EnvServerDown, match=f"environment server 'e' .*exited 2 times within 600 s.*not "
-                                                f"restarted again: see its log {log}"):
-            servers.check()
-        time.sleep(0.5)
-        assert servers.servers["e"] is second and not second.alive and servers.restarts["e"] == 1
-    assert log.read_text().count("ENV_LISTENING") == 2  # the restarted server appends to the same log
-    assert gone(first.pid) and gone(second.pid)
 
 
 def test_an_unknown_name_is_a_start_up_error_listing_the_known_ones():

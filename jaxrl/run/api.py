@@ -37,7 +37,7 @@ from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.run.batches import rl_batch
-from jaxrl.run.collection import RolloutClient, StepRollouts, rollout_metrics
+from jaxrl.run.collection import StepRollouts, rollout_metrics
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
 from jaxrl.run.distributed import Exchange, exchange_step
 from jaxrl.run.evaluation import EvalResult, evaluate_weights
@@ -45,6 +45,7 @@ from jaxrl.run.evaluation import evaluate as evaluate_on
 from jaxrl.run.export import export
 from jaxrl.run.processes import BridgeProcess, EnvServerProcess
 from jaxrl.run.report import compare_runs, summary_table
+from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.tasks import Task, TaskSource
 from jaxrl.run.tracking import MetricsLogger, read_metrics

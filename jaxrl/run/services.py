@@ -27,7 +27,8 @@ from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
 from bridge.wire import TOKEN_ENV, Limits, read_token_file
 from jaxrl.compilation import bucket
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.processes import BridgeProcesses, EnvServers
+from jaxrl.run.processes import BridgeProcesses
+from jaxrl.run.supervision import EnvServers
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -174,7 +175,7 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
         "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
     }, indent=1))
     b = cfg.bridge
-    bridges = stack.enter_context(BridgeProcesses(max_restarts=b.max_restarts))
+    bridges = stack.enter_context(BridgeProcesses())
     common = dict(model=model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
                   engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=b.start_timeout_s, token=token,
                   snapshot_roots=[snapshot_root] if snapshot_root is not None else [], limits=bridge_limits(cfg))
