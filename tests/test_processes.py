@@ -18,6 +18,7 @@ import pytest
 
 from bridge.client import BridgeClient, BridgeUnavailable
 from bridge.engines.base import SamplingParams
+from bridge.wire import BridgeLaunch, ServerSpec
 from jaxrl.run.processes import (
     BridgeProcess,
     BridgeStartError,
@@ -109,14 +110,15 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", seed=0)
 
 
-def _start(model_dir, **kw):
-    return BridgeProcess.start(model_dir, env=CHILD_ENV, timeout=120, client_timeout_s=5, **kw)
+def _start(model_dir, log_path=None, **launch):
+    return BridgeProcess.start(BridgeLaunch(model_dir, **launch), env=CHILD_ENV, timeout=120, client_timeout_s=5,
+                               log_path=log_path)
 
 
 def test_a_bridge_that_exits_during_start_up_raises_with_its_stderr(tmp_path):
     start = time.monotonic()
     with pytest.raises(BridgeStartError, match="not a model directory") as e:
-        BridgeProcess.start(tmp_path / "no-model", env=CHILD_ENV, timeout=60)
+        BridgeProcess.start(BridgeLaunch(tmp_path / "no-model"), env=CHILD_ENV, timeout=60)
     assert "exited with code 2" in str(e.value)
     assert time.monotonic() - start < 30
 
@@ -127,7 +129,7 @@ def test_a_taken_port_is_a_start_up_error(model_dir):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(BridgeStartError, match=f"cannot listen on 127.0.0.1:{port}"):
-            _start(model_dir, port=port)
+            _start(model_dir, server=ServerSpec(port=port))
 
 
 def test_stop_asks_for_shutdown_and_the_bridge_exits_cleanly(model_dir, tmp_path):
@@ -197,8 +199,9 @@ def test_the_bridge_exits_when_its_parent_dies(model_dir, tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
+            from bridge.wire import BridgeLaunch
             from jaxrl.run.processes import BridgeProcess
-            bridge = BridgeProcess.start({str(model_dir)!r}, env={CHILD_ENV!r}, timeout=120)
+            bridge = BridgeProcess.start(BridgeLaunch({str(model_dir)!r}), env={CHILD_ENV!r}, timeout=120)
             print(bridge.pid, flush=True)
             time.sleep(600)
         """)],

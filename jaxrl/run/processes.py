@@ -20,13 +20,13 @@ import atexit
 import collections
 import concurrent.futures
 import ipaddress
-import json
 import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
-from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING, TOKEN_ENV, Limits
+from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING, TOKEN_ENV, BridgeLaunch
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local servers
 log = logging.getLogger(__name__)
@@ -220,64 +220,34 @@ class BridgeProcess(ChildHandle):
         self.client: BridgeClient | None = None
 
     @classmethod
-    def start(
-        cls,
-        model: str | Path,
-        engine: str = "jax",
-        dtype: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        max_batch: int | None = None,
-        seed: int | None = None,
-        engine_kwargs: Mapping | None = None,
-        envs_file: str | Path | None = None,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        timeout: float = 300.0,
-        client_timeout_s: float = 60.0,
-        log_path: str | Path | None = None,
-        python: str | None = None,
-        token: str | None = None,
-        snapshot_roots: Sequence[str | Path] = (),
-        limits: Mapping[str, int] | None = None,
-    ) -> BridgeProcess:
-        """Starts a bridge and returns once it answers Health (raises BridgeStartError otherwise).
+    def start(cls, launch: BridgeLaunch, env: Mapping[str, str] | None = None, timeout: float = 300.0,
+              client_timeout_s: float = 60.0, log_path: str | Path | None = None, python: str | None = None,
+              token: str | None = None) -> BridgeProcess:
+        """Starts a bridge as `launch` says and returns once it answers Health (raises
+        BridgeStartError otherwise).
 
-        The bridge requires `token` (default: a fresh one, `.token`), handed over in its
-        environment, never its argv (which `ps` shows). LoadSnapshot reads only under
-        `snapshot_roots`. `limits`: `bridge.wire.Limits` fields, as the bridge's flags.
-
-        `engine_kwargs` go to the engine (for vllm: `vllm.LLM` arguments such as
-        gpu_memory_utilization; for jax: JaxEngine arguments such as batch_window_s).
-        `envs_file`: the environments to serve (JSON, see `python -m bridge serve --help`).
-        `env` entries are added to this process's environment for the child. The child's stderr
-        (its log) is kept (`stderr_tail`) and, with `log_path`, appended to that file.
+        The launch travels as a JSON file only its owner reads, removed once the bridge has started;
+        the bridge requires `token` (default: a fresh one, `.token`), handed over in its environment,
+        never its argv (which `ps` shows). `env` entries are added to this process's environment for
+        the child. The child's stderr (its log) is kept (`stderr_tail`) and, with `log_path`,
+        appended to that file.
         """
-        args = _bridge_module_args(python, "serve", "--engine", engine, "--model", str(model),
-                                   "--host", host, "--port", str(port))
-        if dtype:
-            args += ["--dtype", dtype]
-        if max_batch:
-            args += ["--max-batch", str(max_batch)]
-        if seed is not None:
-            args += ["--seed", str(seed)]
-        if engine_kwargs:
-            args += ["--engine-kwargs", json.dumps(dict(engine_kwargs))]
-        if envs_file:
-            args += ["--envs", str(envs_file)]
-        for root in snapshot_roots:
-            args += ["--snapshot-root", str(root)]
-        for name, value in (limits or {}).items():
-            args += [Limits.flag(name), str(value)]
-        args += list(extra_args)
         token = token or secrets.token_urlsafe(32)
-        env = {**(env or {}), TOKEN_ENV: token}
-        bridge = cls(ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, env, log_path), token)
+        fd, launch_file = tempfile.mkstemp(prefix="bridge-launch-", suffix=".json")
         try:
-            bridge._wait_ready(timeout, client_timeout_s)
-        except BaseException:
-            bridge.stop(grace_s=0.0)
-            raise
+            with os.fdopen(fd, "w") as f:
+                f.write(launch.to_json())
+            args = _bridge_module_args(python, "serve", "--launch", launch_file)
+            child = ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, {**(env or {}), TOKEN_ENV: token},
+                                log_path)
+            bridge = cls(child, token)
+            try:
+                bridge._wait_ready(timeout, client_timeout_s)
+            except BaseException:
+                bridge.stop(grace_s=0.0)
+                raise
+        finally:
+            os.unlink(launch_file)
         return bridge
 
     def _wait_ready(self, timeout: float, client_timeout_s: float) -> None:
