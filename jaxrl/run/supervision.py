@@ -211,7 +211,7 @@ class Bridges:
         self.counts: collections.Counter = collections.Counter()  # deaths, restarts, returned
         self.members = [Bridge(self, i, a, started.bridges[i] if started else None, started)
                         for i, a in enumerate(addresses)]
-        self._none_since: float | None = None  # when the last living bridge died
+        self.none_since: float | None = None  # when the last living bridge died (None while one lives)
         for b in self.members:
             b.watch(min(1.0, cfg.health_timeout_s / 2), self.closing)
 
@@ -234,7 +234,7 @@ class Bridges:
         grace = self.cfg.grace_s
         with self.changed:
             while not any(b.alive for b in self.members):
-                waited = time.monotonic() - (self._none_since or time.monotonic())
+                waited = time.monotonic() - (self.none_since or time.monotonic())
                 if self.closing.is_set() or all(b.down for b in self.members) or waited > grace:
                     raise BridgesDown(self._down_message(waited))
                 self.changed.wait(min(1.0, grace - waited + 0.01))
@@ -308,7 +308,7 @@ class Bridge(Watched):
             self.tail = process.stderr_tail(10) if process is not None else ""
             owner.counts["deaths"] += 1
             if not any(b.alive for b in owner.members):
-                owner._none_since = time.monotonic()
+                owner.none_since = time.monotonic()
             owner.changed.notify_all()
         client.close()  # ends its streams under way
         log.warning("bridge %d at %s%s %s; %s", self.index, self.address, f" (pid {self.pid})" if self.pid else "",
@@ -342,7 +342,7 @@ class Bridge(Watched):
                     return
                 if owner.snapshot == loaded:
                     self.client, self.address, self.pid = client, address, pid
-                    self.alive, owner._none_since = True, None
+                    self.alive, owner.none_since = True, None
                     owner.counts["restarts" if pid else "returned"] += 1
                     owner.changed.notify_all()
                     break
