@@ -55,29 +55,53 @@ def _serve(args) -> int:
     """Serves a generation engine over gRPC until Shutdown, SIGTERM or SIGINT."""
     from bridge.server import ENGINES, run_bridge
 
-    if args.engine not in ENGINES:  # checked here for a one-line error, not argparse's usage dump
-        print(f"jaxrl bridge: error: unknown engine {args.engine!r}; choose one of: {', '.join(ENGINES)}",
+    try:
+        launch = _launch(args)
+    except ValueError as e:
+        print(f"jaxrl bridge: error: {e}", file=sys.stderr)
+        return 2
+    if launch.engine not in ENGINES:  # checked here for a one-line error, not argparse's usage dump
+        print(f"jaxrl bridge: error: unknown engine {launch.engine!r}; choose one of: {', '.join(ENGINES)}",
               file=sys.stderr)
         return 2
     try:
-        engine_kwargs = json.loads(args.engine_kwargs or "{}")
-    except json.JSONDecodeError:
-        engine_kwargs = None
-    if not isinstance(engine_kwargs, dict):
-        print(f"jaxrl bridge: error: --engine-kwargs must be a JSON object, got {args.engine_kwargs!r}",
-              file=sys.stderr)
-        return 2
-    try:
-        limits = wire.Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(wire.Limits)})
         tls = _tls(args.tls_cert, args.tls_key)
         token = _token(args.token_file)
     except ValueError as e:
         print(f"jaxrl bridge: error: {e}", file=sys.stderr)
         return 2
-    return run_bridge(args.engine, args.model, dtype=args.dtype, host=args.host, port=args.port,
-                      max_batch=args.max_batch, seed=args.seed, parent_pid=args.parent_pid,
-                      engine_kwargs=engine_kwargs, envs_file=args.envs, token=token, tls=tls,
-                      insecure=args.insecure, snapshot_roots=args.snapshot_root, limits=limits)
+    return run_bridge(launch, token=token, tls=tls, parent_pid=args.parent_pid)
+
+
+# The serve flags that make up a launch (`wire.BridgeLaunch`), by their argparse names; left out of
+# `args` when not given, so that a launch's defaults are its dataclass's.
+_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs")
+_SERVER_FLAGS = ("host", "port", "insecure", "snapshot_root")
+_LIMIT_FLAGS = tuple(f.name for f in dataclasses.fields(wire.Limits))
+
+
+def _launch(args) -> wire.BridgeLaunch:
+    """The launch of `--launch FILE`, or of the serve flags; ValueError naming what is wrong."""
+    given = {k: v for k, v in vars(args).items() if k in _ENGINE_FLAGS + _SERVER_FLAGS + _LIMIT_FLAGS}
+    if args.launch is not None:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ValueError(f"--launch FILE holds the whole launch; give no other serve flags with it ({flags})")
+        try:
+            return wire.BridgeLaunch.from_json(Path(args.launch).read_text())
+        except OSError as e:
+            raise ValueError(f"cannot read {args.launch}: {e.strerror or e}") from None
+    engine = {k: given[k] for k in _ENGINE_FLAGS if k in given}
+    try:
+        engine["engine_kwargs"] = json.loads(engine.get("engine_kwargs") or "{}")
+    except json.JSONDecodeError:
+        engine["engine_kwargs"] = None
+    if not isinstance(engine["engine_kwargs"], dict):
+        raise ValueError(f"--engine-kwargs must be a JSON object, got {given['engine_kwargs']!r}")
+    server = {k: given[k] for k in ("host", "port", "insecure") if k in given}
+    server["snapshot_roots"] = given.get("snapshot_root", ())
+    limits = wire.Limits(**{k: given[k] for k in _LIMIT_FLAGS if k in given})
+    return wire.BridgeLaunch(**engine, server=wire.ServerSpec(**server, limits=limits))
 
 
 def _env_serve(args) -> int:
@@ -112,35 +136,40 @@ def _env_list(args) -> int:
 
 
 def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
-    br.add_argument("--engine", default="jax", help="jax (CPU/TPU, default) or vllm (GPU)")
-    br.add_argument("--model", required=True, help="Hugging Face model directory")
-    br.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's")
-    br.add_argument("--host", default="127.0.0.1",
-                    help="beyond loopback (e.g. 0.0.0.0) the bridge needs --tls-cert/--tls-key or --insecure")
-    br.add_argument("--port", type=int, default=0, help="0: a free port (printed as BRIDGE_LISTENING host:port)")
-    br.add_argument("--max-batch", type=int, help="most sequences generated together")
-    br.add_argument("--seed", type=int, default=0, help="sampling seed for requests without one")
-    br.add_argument("--engine-kwargs",
+    given = {"default": argparse.SUPPRESS}  # see _ENGINE_FLAGS
+    source = br.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face model directory", **given)
+    source.add_argument("--launch", metavar="FILE",
+                      help="JSON file of the whole launch (bridge.wire.BridgeLaunch), instead of the other flags")
+    br.add_argument("--engine", help="jax (CPU/TPU, default) or vllm (GPU)", **given)
+    br.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's", **given)
+    br.add_argument("--host", help="default 127.0.0.1; beyond loopback (e.g. 0.0.0.0) the bridge needs "
+                                   "--tls-cert/--tls-key or --insecure", **given)
+    br.add_argument("--port", type=int, help="0 (default): a free port (printed as BRIDGE_LISTENING host:port)",
+                    **given)
+    br.add_argument("--max-batch", type=int, help="most sequences generated together", **given)
+    br.add_argument("--seed", type=int, help="sampling seed for requests without one (default 0)", **given)
+    br.add_argument("--engine-kwargs", **given,
                     help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
     br.add_argument("--envs", help="JSON file of the environments and reward functions to serve: "
                                    '{"envs": [EnvSpec...], "rewards": [RewardSpec...], "tool_parser": "qwen", '
-                                   '"chat_template_kwargs": {}}')
+                                   '"chat_template_kwargs": {}}', **given)
     br.add_argument("--token-file", help="file holding the token every call must carry (created with a new "
                                          f"token if it does not exist); default: ${wire.TOKEN_ENV}")
     br.add_argument("--tls-cert", help="PEM certificate (chain) to serve TLS with; clients verify it (bridge.tls_ca)")
     br.add_argument("--tls-key", help="PEM private key of --tls-cert")
     br.add_argument("--insecure", action="store_true",
-                    help="listen beyond loopback without TLS (the token travels in clear text)")
-    br.add_argument("--snapshot-root", action="append", default=[], metavar="DIR",
+                    help="listen beyond loopback without TLS (the token travels in clear text)", **given)
+    br.add_argument("--snapshot-root", action="append", metavar="DIR",
                     help="LoadSnapshot reads only under these directories or gs:// / s3:// prefixes (repeatable); "
-                         "none: the model only")
+                         "none: the model only", **given)
     limits = wire.Limits()
     for f, what in (("max_group_size", "most samples per group of a request"),
                     ("max_groups", "most groups per request"),
-                    ("max_tokens", "most tokens per model turn, and per episode (max_total_tokens), of a request"),
+                    ("max_episode_tokens", "most tokens of an episode of a request (max_total_tokens), and so of "
+                                           "its model turns"),
                     ("max_episodes_in_flight", "most episodes under way over all requests")):
-        br.add_argument(wire.Limits.flag(f), dest=f, type=int, default=getattr(limits, f),
-                        help=f"{what} (default %(default)s)")
+        br.add_argument(wire.Limits.flag(f), dest=f, type=int, help=f"{what} (default {getattr(limits, f)})", **given)
     br.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this parent is gone
     br.set_defaults(func=_serve)
 

@@ -174,8 +174,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                            f"max_total_tokens={request.max_total_tokens} must be >= 0")
         self._check_limit("group_size", request.group_size, "max_group_size")
         self._check_limit("groups", len(request.groups), "max_groups")
-        self._check_limit("max_total_tokens", request.max_total_tokens, "max_tokens")
-        self._check_limit("sampling.max_tokens", request.sampling.max_tokens, "max_tokens")
+        self._check_limit("max_total_tokens", request.max_total_tokens, "max_episode_tokens")
+        self._check_limit("sampling.max_tokens", request.sampling.max_tokens, "max_episode_tokens")
         self._check_limit("groups x group_size", len(request.groups) * request.group_size, "max_episodes_in_flight")
         if not request.HasField("sampling"):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no sampling params")
@@ -403,37 +403,34 @@ class BridgeServicer(pb_grpc.BridgeServicer):
 
 async def serve(
     engine: Engine,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    episode_hook_factory: HookFactory | None = None,
-    on_listening: Callable[[str], None] | None = None,
-    grace_s: float = 5.0,
-    parent_pid: int | None = None,
-    handle_signals: bool = True,
-    envs: EnvRuntime | None = None,
+    spec: wire.ServerSpec = wire.ServerSpec(),
     *,
     token: str,
     tls: tuple[bytes, bytes] | None = None,
-    insecure: bool = False,
-    snapshot_roots: Sequence[str | Path] = (),
-    limits: wire.Limits = wire.Limits(),
+    envs: EnvRuntime | None = None,
+    episode_hook_factory: HookFactory | None = None,
+    on_listening: Callable[[str], None] | None = None,
+    parent_pid: int | None = None,
+    handle_signals: bool = True,
+    grace_s: float = 5.0,
 ) -> None:
-    """Serves `engine` until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the parent's exit.
+    """Serves `engine` as `spec` says until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the
+    parent's exit.
 
     `on_listening(host:port)` is called once the server accepts calls. `envs` is started (every
     environment checked) before that. The engine and the environments are closed on the way out.
     Every call must carry `token`. `tls` (private key PEM, certificate chain PEM) serves TLS; see
-    `check_exposure` for listening beyond loopback without it. LoadSnapshot reads only under
-    `snapshot_roots`; requests are bounded by `limits`.
+    `check_exposure` for listening beyond loopback without it.
     """
-    check_exposure(host, tls is not None, insecure)
+    host, port = spec.host, spec.port
+    check_exposure(host, tls is not None, spec.insecure)
     if not token:
         raise StartupError("the bridge needs a token")
     stop = asyncio.Event()
     if envs is not None:
         await envs.start()
     servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs,
-                              snapshot_roots=snapshot_roots, limits=limits)
+                              snapshot_roots=spec.snapshot_roots, limits=spec.limits)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(token, servicer.counters)])
     pb_grpc.add_BridgeServicer_to_server(servicer, server)
     target_host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
@@ -558,16 +555,11 @@ def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int 
     return VLLMEngine(str(model_dir), engine_kwargs)
 
 
-def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host: str = "127.0.0.1",
-               port: int = 0, max_batch: int | None = None, seed: int = 0,
-               parent_pid: int | None = None, engine_kwargs: dict | None = None,
-               envs_file: str | None = None, *, token: str, tls: tuple[bytes, bytes] | None = None,
-               insecure: bool = False, snapshot_roots: Sequence[str | Path] = (),
-               limits: wire.Limits = wire.Limits()) -> int:
-    """Builds the engine, serves it, prints `BRIDGE_LISTENING host:port` once serving; exit code.
-
-    `envs_file` (JSON, see `bridge.envs.runtime_from_file`) names the environments and reward
-    functions to serve; they are checked before the engine loads. The rest: see `serve`.
+def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes] | None = None,
+               parent_pid: int | None = None) -> int:
+    """Builds the engine of `launch`, serves it, prints `BRIDGE_LISTENING host:port` once serving;
+    exit code. The environments (and reward functions) of `launch.envs` are checked before the
+    engine loads. The rest: see `serve`.
     """
     import sys
 
@@ -579,18 +571,19 @@ def run_bridge(engine_name: str, model_dir: str, dtype: str | None = None, host:
 
     async def main() -> None:
         envs = None
-        check_exposure(host, tls is not None, insecure)  # before minutes of loading, not after
-        if not (Path(model_dir) / "config.json").is_file():
-            raise StartupError(f"{model_dir}: not a model directory (no config.json)")
-        if envs_file is not None:
+        check_exposure(launch.server.host, tls is not None, launch.server.insecure)  # before minutes of loading
+        if not (Path(launch.model) / "config.json").is_file():
+            raise StartupError(f"{launch.model}: not a model directory (no config.json)")
+        if launch.envs is not None:
             from bridge.envs.runtime import runtime_from_file
 
-            envs = runtime_from_file(envs_file, model_dir)
+            envs = runtime_from_file(launch.envs, launch.model)
             await envs.start()  # unreachable environments fail before the model loads
         # Built inside the loop: an engine may create loop-bound objects.
-        engine = build_engine(engine_name, model_dir, dtype, max_batch, seed, engine_kwargs)
-        await serve(engine, host, port, on_listening=announce, parent_pid=parent_pid, envs=envs, token=token,
-                    tls=tls, insecure=insecure, snapshot_roots=snapshot_roots, limits=limits)
+        engine = build_engine(launch.engine, launch.model, launch.dtype, launch.max_batch, launch.seed,
+                              launch.engine_kwargs)
+        await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
+                    parent_pid=parent_pid)
 
     from bridge.envs.spec import EnvConfigError
 

@@ -61,13 +61,13 @@ def read_token_file(path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The most one bridge accepts: per request (group size, groups, tokens per turn and per
-    episode) and episodes in flight over all requests. Each is a `python -m bridge serve` flag
+    """The most one bridge accepts: per request (group size, groups, tokens of an episode, which
+    bounds a model turn's too) and episodes in flight over all requests. Each is a `python -m bridge serve` flag
     (`flag`); a bridge's Stats report them as `limit.NAME`."""
 
     max_group_size: int = 256
     max_groups: int = 4096
-    max_tokens: int = 65536
+    max_episode_tokens: int = 65536
     max_episodes_in_flight: int = 16384
 
     def __post_init__(self):
@@ -78,6 +78,59 @@ class Limits:
     @staticmethod
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """Where a bridge listens and what a caller with its token may do there: load snapshots only
+    from under `snapshot_roots` (directories or gs:// / s3:// prefixes; none: the model only), and
+    send requests within `limits`. Beyond loopback it serves TLS, or plain text if `insecure`."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    insecure: bool = False
+    snapshot_roots: tuple[str, ...] = ()
+    limits: Limits = Limits()
+
+    def __post_init__(self):
+        object.__setattr__(self, "snapshot_roots", tuple(str(r) for r in self.snapshot_roots))
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeLaunch:
+    """All a bridge is started with but its credentials (the token, a TLS key: read from files or
+    its environment, never from here or argv): the engine over `model` (`engine_kwargs` go to it as
+    they are: `vllm.LLM` arguments for vllm, JaxEngine ones for jax), the environments and reward
+    functions to serve (`envs`: a JSON file, `python -m bridge serve --help`), and `server`.
+    `python -m bridge serve --launch FILE` reads one as JSON (`to_json`); its flags build the same."""
+
+    model: str
+    engine: str = "jax"
+    dtype: str | None = None
+    max_batch: int | None = None
+    seed: int = 0
+    engine_kwargs: dict = dataclasses.field(default_factory=dict)
+    envs: str | None = None
+    server: ServerSpec = ServerSpec()
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", str(self.model))
+        if self.envs is not None:
+            object.__setattr__(self, "envs", str(self.envs))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> BridgeLaunch:
+        """The launch `text` holds; ValueError saying what is wrong with it."""
+        try:
+            fields = json.loads(text)
+            server = dict(fields.pop("server", {}))
+            limits = Limits(**server.pop("limits", {}))
+            return cls(**fields, server=ServerSpec(**server, limits=limits))
+        except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+            raise ValueError(f"not a bridge launch ({e})") from None
 
 IDS = np.dtype("<i4")
 LOGPROBS = np.dtype("<f4")

@@ -95,8 +95,7 @@ def in_process_bridge(engine, envs: dict, tokenizer):
         ready.set()
 
     thread = threading.Thread(target=lambda: asyncio.run(
-        serve(engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime,
-              token=TOKEN)),
+        serve(engine, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime, token=TOKEN)),
         daemon=True)
     thread.start()
     assert ready.wait(60), "the in-process bridge did not start"

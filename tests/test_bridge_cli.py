@@ -51,6 +51,25 @@ def test_the_cli_rejects_bad_arguments_in_one_line(capsys, tmp_path, monkeypatch
         assert err.count("\n") == 1 and message in err, err
 
 
+def test_a_launch_file_is_the_whole_launch_and_a_bad_one_is_a_one_line_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "a-token")
+    launch = tmp_path / "launch.json"
+    for text, args, message in [
+        (None, [], f"jaxrl bridge: error: cannot read {launch}: No such file or directory"),
+        ('{"model": "m", "gpus": 2}', [], "jaxrl bridge: error: not a bridge launch ("),
+        ('{"model": "m"}', ["--port", "1", "--max-groups", "2"], "jaxrl bridge: error: --launch FILE holds the whole "
+                                                                 "launch; give no other serve flags with it (--port, "
+                                                                 "--max-groups)"),
+        ('{"model": "m", "engine": "tensorrt"}', [], "unknown engine 'tensorrt'"),
+        (f'{{"model": "{tmp_path}", "server": {{"host": "0.0.0.0"}}}}', [], "--host 0.0.0.0 listens beyond loopback"),
+    ]:
+        if text is not None:
+            launch.write_text(text)
+        assert bridge_main(["serve", "--launch", str(launch), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
 def test_jaxrl_bridge_hands_its_arguments_to_python_m_bridge(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxrl.run.cli", "bridge", "--engine", "tensorrt", "--model",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from bridge.client import BridgeClient, BridgeRequestError
 from bridge.engines.base import SamplingParams
+from bridge.wire import BridgeLaunch, ServerSpec
 from jaxrl.run.processes import BridgeProcess
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import Decoder, load_pretrained
@@ -39,8 +40,8 @@ def snapshot_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bridge(model_dir, snapshot_root):
-    with BridgeProcess.start(model_dir, dtype="float32", env=CHILD_ENV, timeout=120,
-                             client_timeout_s=30, snapshot_roots=[snapshot_root]) as process:
+    launch = BridgeLaunch(model_dir, dtype="float32", server=ServerSpec(snapshot_roots=[snapshot_root]))
+    with BridgeProcess.start(launch, env=CHILD_ENV, timeout=120, client_timeout_s=30) as process:
         yield process
 
 

@@ -1,21 +1,19 @@
-"""A step's groups: requests spread over two bridges, group filters, dynamic-sampling refills,
-staleness, failing environments, and rollout metrics."""
+"""A step's groups: group filters, dynamic-sampling refills, staleness, failing environments, and
+rollout metrics."""
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
-import socket
-import time
 
 import numpy as np
 import pytest
 
 from bridge.envs.spec import EnvSpec, RewardError
-from bridge.wire import SamplingParams, TrajectoryData
-from jaxrl.run.collection import BridgesDown, Collector, EnvironmentsDown, EnvWatch, RolloutClient, StepRollouts, rollout_metrics
+from bridge.wire import TrajectoryData
+from jaxrl.run.collection import Collector, EnvironmentsDown, EnvWatch, StepRollouts, rollout_metrics
 from jaxrl.run.config import TrainConfig
+from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.typed_config import from_dict
 from jaxrl.tiny_tokenizer import build_tokenizer
@@ -115,89 +113,6 @@ def bridges():
             engine = ScriptedEngine(tok, lambda p: tool_call("flip", {}) if "<tool_response>" not in p else "ok")
             out.append((stack.enter_context(in_process_bridge(engine, envs, tok)), engine))
         yield out
-
-
-def test_requests_are_spread_over_bridges_and_returned_in_task_order(bridges):
-    cfg = config(rollout={"groups_per_step": 6})
-    client = RolloutClient([a for a, _ in bridges], cfg, TOKEN)
-    try:
-        calls = [e.calls for _, e in bridges]
-        tasks = [("coin", {"seed": s}) for s in range(6)]
-        groups = client.request(tasks, [f"g{i}" for i in range(6)], 2, SamplingParams(max_tokens=8), 0)
-        assert [g[0].group_id for g in groups] == [f"g{i}" for i in range(6)]
-        assert all(len(g) == 2 and [t.index_in_group for t in g] == [0, 1] for g in groups)
-        assert [g[0].rewards["env"] for g in groups] == [1.0, 0.0] * 3
-        assert all(e.calls > c for (_, e), c in zip(bridges, calls))  # both bridges worked
-    finally:
-        client.close()
-
-
-def test_groups_go_to_the_least_loaded_bridge(bridges):
-    cfg = config()
-    client = RolloutClient([a for a, _ in bridges], cfg, TOKEN)
-    slow = bridges[0][1]
-    params, tasks = SamplingParams(max_tokens=8), [("coin", {"seed": s}) for s in range(4)]
-    slow.delay_s = 1.0
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(client.request, tasks[:2], ["a0", "a1"], 2, params, 0)  # one group each
-            deadline = time.monotonic() + 30
-            while client.bridges[1].outstanding or not client.bridges[0].outstanding:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            t0 = time.monotonic()
-            second = client.request(tasks[2:3], ["b0"], 2, params, 0)
-            # Round robin would have given it to the first bridge, the slow one: a second at least.
-            assert time.monotonic() - t0 < slow.delay_s
-            assert [t.group_id for t in second[0]] == ["b0", "b0"]
-            assert [g[0].group_id for g in first.result()] == ["a0", "a1"]
-    finally:
-        slow.delay_s = 0.0
-        client.close()
-
-
-@pytest.mark.parametrize("kind", ["killed", "stopped"])
-def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(bridges, kind):
-    # A killed bridge: a port nothing listens on (found dead by its stream). A stopped one (SIGSTOP):
-    # a port that accepts, the kernel completing the handshake, and never answers (found dead by a
-    # missed health check, within bridge.health_timeout_s).
-    cfg = config(bridge={"health_timeout_s": 1.0})
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))
-        if kind == "stopped":
-            other.listen()
-        client = RolloutClient([bridges[0][0], f"127.0.0.1:{other.getsockname()[1]}"], cfg, TOKEN)
-        try:
-            t0 = time.monotonic()
-            groups = client.request([("coin", {"seed": s}) for s in range(6)], [f"g{i}" for i in range(6)], 2,
-                                    SamplingParams(max_tokens=8), 0)
-            took = time.monotonic() - t0
-            metrics = client.metrics()
-        finally:
-            client.close()
-    assert took < 3 * cfg.bridge.health_timeout_s
-    assert [[(t.group_id, t.index_in_group) for t in g] for g in groups] == [[(f"g{i}", 0), (f"g{i}", 1)]
-                                                                           for i in range(6)]
-    assert [g[0].rewards["env"] for g in groups] == [1.0, 0.0] * 3
-    assert metrics == {"bridges/alive": 1.0, "bridges/deaths": 1.0, "bridges/restarts": 0.0,
-                       "bridges/returned": 0.0, "groups/re_requested": 3.0}
-
-
-def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them():
-    cfg = config(bridge={"health_timeout_s": 1.0, "grace_s": 1.0})
-    with socket.socket() as dead:
-        dead.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{dead.getsockname()[1]}"
-        client = RolloutClient([address], cfg, TOKEN)
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(BridgesDown) as e:
-                client.request([("coin", {"seed": 0})], ["g0"], 2, SamplingParams(max_tokens=8), 0)
-        finally:
-            client.close()
-    assert 1.0 < time.monotonic() - t0 < 5.0
-    assert str(e.value).startswith(f"no bridge left: none has served for 1 s (bridge.grace_s=1); bridge 0 at "
-                                   f"{address}: stopped answering (bridge at {address} unavailable during rollout")
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills(bridges):

@@ -25,7 +25,7 @@ from bridge.envs.runtime import runtime_from_dict
 from jaxrl.run.processes import EnvServerProcess
 from jaxrl.run.processes import BridgeProcess
 from bridge.server import serve
-from bridge.wire import PromptGroup
+from bridge.wire import BridgeLaunch, PromptGroup
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer
 from scripted_engine import TOKEN, ScriptedEngine, guess_number_policy, tool_call
@@ -61,7 +61,7 @@ def bundled_bridge(tmp_path_factory):
     servers = {name: EnvServerProcess.start(name, max_concurrent_envs=64) for name in ("echo", "wordle", "guess_number")}
     envs = {"envs": [{"name": n, "url": s.url} for n, s in servers.items()], "rewards": [{"fn": "env"}]}
     (root / "envs.json").write_text(json.dumps(envs))
-    bridge = BridgeProcess.start(model_dir, envs_file=root / "envs.json", max_batch=64)
+    bridge = BridgeProcess.start(BridgeLaunch(model_dir, envs=root / "envs.json", max_batch=64))
     try:
         yield bridge, servers
     finally:
@@ -140,7 +140,7 @@ def bridge_thread(engine, runtime):
         ready.set()
 
     thread = threading.Thread(target=lambda: asyncio.run(serve(
-        engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime, token=TOKEN)),
+        engine, on_listening=on_listening, handle_signals=False, grace_s=1.0, envs=runtime, token=TOKEN)),
         daemon=True)
     thread.start()
     assert ready.wait(60), "bridge did not start"

@@ -18,14 +18,13 @@ import pytest
 
 from bridge.client import BridgeClient, BridgeUnavailable
 from bridge.engines.base import SamplingParams
+from bridge.wire import BridgeLaunch, ServerSpec
 from jaxrl.run.processes import (
     BridgeProcess,
     BridgeStartError,
     ChildServer,
     ChildStartError,
-    EnvServerDown,
     EnvServerProcess,
-    EnvServers,
     EnvServerStartError,
 )
 from jaxrl.tiny import build_tiny_model
@@ -111,14 +110,15 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3", seed=0)
 
 
-def _start(model_dir, **kw):
-    return BridgeProcess.start(model_dir, env=CHILD_ENV, timeout=120, client_timeout_s=5, **kw)
+def _start(model_dir, log_path=None, **launch):
+    return BridgeProcess.start(BridgeLaunch(model_dir, **launch), env=CHILD_ENV, timeout=120, client_timeout_s=5,
+                               log_path=log_path)
 
 
 def test_a_bridge_that_exits_during_start_up_raises_with_its_stderr(tmp_path):
     start = time.monotonic()
     with pytest.raises(BridgeStartError, match="not a model directory") as e:
-        BridgeProcess.start(tmp_path / "no-model", env=CHILD_ENV, timeout=60)
+        BridgeProcess.start(BridgeLaunch(tmp_path / "no-model"), env=CHILD_ENV, timeout=60)
     assert "exited with code 2" in str(e.value)
     assert time.monotonic() - start < 30
 
@@ -129,7 +129,7 @@ def test_a_taken_port_is_a_start_up_error(model_dir):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(BridgeStartError, match=f"cannot listen on 127.0.0.1:{port}"):
-            _start(model_dir, port=port)
+            _start(model_dir, server=ServerSpec(port=port))
 
 
 def test_stop_asks_for_shutdown_and_the_bridge_exits_cleanly(model_dir, tmp_path):
@@ -199,8 +199,9 @@ def test_the_bridge_exits_when_its_parent_dies(model_dir, tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
+            from bridge.wire import BridgeLaunch
             from jaxrl.run.processes import BridgeProcess
-            bridge = BridgeProcess.start({str(model_dir)!r}, env={CHILD_ENV!r}, timeout=120)
+            bridge = BridgeProcess.start(BridgeLaunch({str(model_dir)!r}), env={CHILD_ENV!r}, timeout=120)
             print(bridge.pid, flush=True)
             time.sleep(600)
         """)],
@@ -272,33 +273,6 @@ def test_start_on_a_free_port_serves_and_stop_leaves_nothing_running():
     with pytest.raises(OSError):
         server.health(timeout_s=2)
     print(f"start-up {started_s:.1f} s")
-
-
-def test_a_server_that_dies_is_restarted_on_its_port_until_it_keeps_dying(tmp_path):
-    log = tmp_path / "env-e.log"
-    with EnvServers(max_restarts=1, window_s=600.0) as servers:
-        first = servers.start("e", "echo", max_concurrent_envs=2, log_path=log)
-        assert servers.metrics() == {"env/e/restarts": 0.0}
-        os.kill(first.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while servers.restarts["e"] < 1:
-            assert time.monotonic() < deadline, "not restarted"
-            time.sleep(0.1)
-        second = servers.servers["e"]
-        assert second.pid != first.pid and second.url == first.url and second.health()  # the bridge's url
-        servers.check()  # within the cap
-        assert servers.metrics() == {"env/e/restarts": 1.0}
-        os.kill(second.pid, signal.SIGKILL)  # a second exit within the window: it keeps dying
-        while servers.error is None:
-            assert time.monotonic() < deadline, "not given up"
-            time.sleep(0.1)
-        with pytest.raises(EnvServerDown, match=f"environment server 'e' .*exited 2 times within 600 s.*not "
-                                                f"restarted again: see its log {log}"):
-            servers.check()
-        time.sleep(0.5)
-        assert servers.servers["e"] is second and not second.alive and servers.restarts["e"] == 1
-    assert log.read_text().count("ENV_LISTENING") == 2  # the restarted server appends to the same log
-    assert gone(first.pid) and gone(second.pid)
 
 
 def test_an_unknown_name_is_a_start_up_error_listing_the_known_ones():

@@ -56,7 +56,7 @@ class Bridge:
 
 
 @contextlib.contextmanager
-def running(engine, **kwargs):
+def running(engine, spec=wire.ServerSpec(), **kwargs):
     """A server on 127.0.0.1 in a thread of its own requiring TOKEN, and a client; shut down on exit."""
     ready, box = threading.Event(), {}
 
@@ -65,7 +65,7 @@ def running(engine, **kwargs):
         ready.set()
 
     def run():
-        asyncio.run(serve(engine, port=0, on_listening=on_listening, handle_signals=False, grace_s=1.0,
+        asyncio.run(serve(engine, spec, on_listening=on_listening, handle_signals=False, grace_s=1.0,
                           token=TOKEN, **kwargs))
 
     thread = threading.Thread(target=run, daemon=True)
@@ -109,7 +109,7 @@ def snapshots(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bridge(model_dir, snapshots):
-    with running(JaxEngine(model_dir), snapshot_roots=[snapshots]) as b:
+    with running(JaxEngine(model_dir), wire.ServerSpec(snapshot_roots=[snapshots])) as b:
         yield b
 
 
@@ -326,7 +326,7 @@ def test_snapshots_load_from_a_bucket_prefix_and_only_from_under_it(model_dir, s
         for prefix in ("run", "run-sibling"):
             with contextlib.closing(SnapshotWriter(f"s3://bucket/{prefix}", model.cfg)) as writer:
                 writer.publish(nnx.state(model, nnx.Param), SNAPSHOT_VERSION)
-        with running(JaxEngine(model_dir), snapshot_roots=["s3://bucket/run/", snapshots]) as b:
+        with running(JaxEngine(model_dir), wire.ServerSpec(snapshot_roots=["s3://bucket/run/", snapshots])) as b:
             outside = (grpc.StatusCode.PERMISSION_DENIED, "not under this bridge's snapshot roots")
             for path, code, message in [
                 ("s3://bucket/run-sibling", *outside),
@@ -352,22 +352,22 @@ def test_a_snapshot_read_stuck_on_storage_does_not_keep_the_bridge_from_stopping
             monkeypatch.setenv(k, v)
         # `running` fails unless the server stops within 10 s of Shutdown: a stuck read in the
         # loop's default executor kept asyncio from finishing (and an orphaned bridge alive) for good.
-        with running(JaxEngine(model_dir), snapshot_roots=["s3://bucket/run"]) as b:
+        with running(JaxEngine(model_dir), wire.ServerSpec(snapshot_roots=["s3://bucket/run"])) as b:
             with pytest.raises(BridgeError, match="DEADLINE_EXCEEDED"):
                 b.client.load_snapshot("s3://bucket/run", SNAPSHOT_VERSION, timeout_s=2)
 
 
 def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
     engine = ScriptedEngine(build_tokenizer(), lambda prompt: "ok", delay_s=1.0)
-    limits = wire.Limits(max_group_size=4, max_groups=3, max_tokens=16, max_episodes_in_flight=6)
-    with running(engine, limits=limits) as b:
+    limits = wire.Limits(max_group_size=4, max_groups=3, max_episode_tokens=16, max_episodes_in_flight=6)
+    with running(engine, wire.ServerSpec(limits=limits)) as b:
         client = b.client
         for call, message in [
             (lambda: client.rollout([[1]], 5, _params()), "group_size=5 is over this bridge's limit of 4 "
                                                           "(--max-group-size)"),
             (lambda: client.rollout([[1]] * 4, 1, _params()), "groups=4 is over this bridge's limit of 3 (--max-groups)"),
             (lambda: client.rollout([[1]], 1, _params(max_tokens=17)), "sampling.max_tokens=17 is over this "
-                                                                       "bridge's limit of 16 (--max-tokens)"),
+                                                                       "bridge's limit of 16 (--max-episode-tokens)"),
             (lambda: client.rollout([[1]], 1, _params(), max_total_tokens=17), "max_total_tokens=17 is over"),
             (lambda: client.rollout([[1]] * 2, 4, _params()), "groups x group_size=8 is over this bridge's limit "
                                                               "of 6 (--max-episodes-in-flight)"),
@@ -405,7 +405,7 @@ def test_listening_beyond_loopback_needs_tls_or_insecure_and_every_bridge_a_toke
     for host in ("0.0.0.0", "10.1.2.3", "bridge.example.org"):
         with pytest.raises(StartupError, match=f"--host {host} listens beyond loopback.*--tls-cert and --tls-key, "
                                                "or pass --insecure"):
-            asyncio.run(serve(engine, host=host, handle_signals=False, token=TOKEN))
+            asyncio.run(serve(engine, wire.ServerSpec(host=host), handle_signals=False, token=TOKEN))
     with pytest.raises(StartupError, match="needs a token"):
         asyncio.run(serve(engine, handle_signals=False, token=""))
 
@@ -525,7 +525,7 @@ def test_episode_hook_factory_runs_multi_turn_episodes(model_dir, snapshots):
         return hooks[-1]
 
     params = _params(temperature=1.0, max_tokens=2, seed=40)
-    with running(JaxEngine(model_dir), episode_hook_factory=factory, snapshot_roots=[snapshots]) as b:
+    with running(JaxEngine(model_dir), wire.ServerSpec(snapshot_roots=[snapshots]), episode_hook_factory=factory) as b:
         assert b.client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION).version == SNAPSHOT_VERSION
         groups = [wire.PromptGroup([5], group_id="a", env="tools", task={"target": 3}), wire.PromptGroup([7]),
                   wire.PromptGroup([9], group_id="b", env="broken")]

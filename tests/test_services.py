@@ -1,10 +1,13 @@
-"""What `jaxrl train` starts its bridge with: engine arguments, limits, token."""
+"""What `jaxrl train` starts its bridge with: its launch (engine arguments, limits), token."""
+
+from pathlib import Path
 
 import pytest
 
-from bridge.wire import TOKEN_ENV, Limits
+from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.services import StartupError, bridge_limits, bridge_token, check_services, engine_kwargs
+from jaxrl.run.services import (StartupError, bridge_launch, bridge_limits, bridge_token, check_services,
+                                engine_kwargs)
 from jaxrl.run.typed_config import from_dict
 
 BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
@@ -23,12 +26,22 @@ def test_a_started_jax_engine_holds_the_rollouts_sequences_and_compiles_before_s
 def test_the_run_asks_its_bridges_for_what_its_requests_need():
     cfg = from_dict(TrainConfig, {**BASE, "rollout": {"groups_per_step": 8, "max_tokens": 50, "max_total_tokens": 200},
                                   "learner": {"group_size": 4}, "eval": {"episodes": 20, "pass_k": 3, "temperature": 1.0}})
-    assert bridge_limits(cfg) == {"max_group_size": 4, "max_groups": 20, "max_tokens": 200,
+    assert bridge_limits(cfg) == {"max_group_size": 4, "max_groups": 20, "max_episode_tokens": 200,
                                   "max_episodes_in_flight": 8 * 4 + 20 * 3}
     warm = from_dict(TrainConfig, {**BASE, "eval": {"episodes": 0}, "sft": {"steps": 1, "demonstrations": 100}})
-    assert bridge_limits(warm) == {"max_group_size": 8, "max_groups": 100, "max_tokens": 256,
+    assert bridge_limits(warm) == {"max_group_size": 8, "max_groups": 100, "max_episode_tokens": 256,
                                    "max_episodes_in_flight": 8 * 8 + 100}
     Limits(**bridge_limits(warm))  # what the started bridge's flags accept
+
+
+def test_the_runs_bridges_are_launched_with_its_model_environments_engine_snapshots_and_limits():
+    cfg = from_dict(TrainConfig, {**BASE, "seed": 7, "rollout": {"groups_per_step": 3}, "learner": {"group_size": 4},
+                                  "bridge": {"engine_kwargs": {"prefill_chunk": 128}}})
+    launch = bridge_launch(cfg, Path("model"), Path("logs/bridge_envs.json"), Path("run/snapshots"))
+    server = ServerSpec(snapshot_roots=["run/snapshots"], limits=Limits(**bridge_limits(cfg)))
+    assert launch == BridgeLaunch("model", max_batch=16, seed=7, engine_kwargs=engine_kwargs(cfg),
+                                  envs="logs/bridge_envs.json", server=server)
+    assert bridge_launch(cfg, Path("model"), Path("envs.json"), None).server.snapshot_roots == ()
 
 
 def test_the_bridges_token_is_the_runs_own_or_the_running_bridges(tmp_path, monkeypatch):

@@ -296,13 +296,15 @@ def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_
 
 
 def test_training_through_a_bridge_started_on_its_own(model_dir, tmp_path):
+    from bridge.wire import BridgeLaunch, ServerSpec
     from jaxrl.run.processes import EnvServerProcess
     from jaxrl.run.processes import BridgeProcess
 
     with EnvServerProcess.start("echo", max_concurrent_envs=16) as server:
         envs = tmp_path / "envs.json"
         envs.write_text(json.dumps({"envs": [{"name": "echo", "url": server.url}]}))
-        bridge = BridgeProcess.start(model_dir, envs_file=envs, snapshot_roots=[tmp_path / "run" / "snapshots"])
+        bridge = BridgeProcess.start(BridgeLaunch(model_dir, envs=envs,
+                                                  server=ServerSpec(snapshot_roots=[tmp_path / "run" / "snapshots"])))
         try:
             (tmp_path / "token").write_text(bridge.token)
             config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run", steps=2,

@@ -123,3 +123,16 @@ def test_rollout_request_names_plain_prompts_and_keeps_tasks():
 def test_bad_task_json_is_a_wire_error():
     with pytest.raises(wire.WireError, match="task_json"):
         wire.group_from_proto(pb.PromptGroup(group_id="a", prompt_ids=wire.encode_ids([1]), task_json="{"))
+
+
+def test_a_bridge_launch_round_trips_as_json_and_a_bad_one_says_why():
+    launch = wire.BridgeLaunch("m", engine="vllm", max_batch=8, engine_kwargs={"gpu_memory_utilization": 0.4},
+                               envs="envs.json", server=wire.ServerSpec(port=7, snapshot_roots=["/run/snapshots"],
+                                                                        limits=wire.Limits(max_groups=5)))
+    assert wire.BridgeLaunch.from_json(launch.to_json()) == launch
+    assert wire.BridgeLaunch.from_json('{"model": "m"}') == wire.BridgeLaunch("m")
+    for text, message in [("[1]", "not a bridge launch"), ('{"model": "m", "gpus": 2}', "gpus"),
+                          ('{"model": "m", "server": {"limits": {"max_groups": 0}}}',
+                           "--max-groups must be at least 1")]:
+        with pytest.raises(ValueError, match=message):
+            wire.BridgeLaunch.from_json(text)

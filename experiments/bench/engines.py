@@ -50,7 +50,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
     """Medians of in-process and bridge runs, alternated so machine noise hits both alike."""
-    from jaxrl.run.api import BridgeClient, BridgeProcess
+    from jaxrl.run.api import BridgeClient, BridgeLaunch, BridgeProcess
 
     engine = JaxEngine(model_dir, max_batch=max_batch)
     tokens = len(prompts) * params.max_tokens
@@ -59,7 +59,7 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
         out = asyncio.run(engine.generate(prompts, params))
         return sum(len(c.token_ids) for group in out for c in group)
 
-    with BridgeProcess.start(model_dir, engine="jax", max_batch=max_batch) as proc:
+    with BridgeProcess.start(BridgeLaunch(model_dir, engine="jax", max_batch=max_batch)) as proc:
         client = BridgeClient(proc.address, timeout_s=600, token=proc.token)
 
         def bridged():

@@ -8,8 +8,8 @@
 
 The pieces a script composes on its own: a learner (`make_learner`, `Learner.update(batch)`,
 `save_learner` / `load_learner`), a bridge (`start_bridge`: generate, run episodes, publish the
-learner's weights, evaluate; or the processes alone: `BridgeProcess`, `EnvServerProcess`,
-`BridgeClient`), learner batches from trajectories (`rl_batch`), trajectories on
+learner's weights, evaluate; or the processes alone: `BridgeProcess` (as a `BridgeLaunch` says),
+`EnvServerProcess`, `BridgeClient`), learner batches from trajectories (`rl_batch`), trajectories on
 disk (`save_trajectories` / `load_trajectories`), metrics and reports (`MetricsLogger`,
 `read_metrics`, `compare_runs`, `summary_table`), a run's weights as a model directory
 (`export`), what the processes of a multi-host run exchange each step (`Exchange`,
@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 
 from bridge.client import BridgeClient
-from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
+from bridge.wire import BridgeLaunch, PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
 from jaxrl.compilation import use_persistent_cache
 from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.run.batches import rl_batch
-from jaxrl.run.collection import RolloutClient, StepRollouts, rollout_metrics
+from jaxrl.run.collection import StepRollouts, rollout_metrics
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
 from jaxrl.run.distributed import Exchange, exchange_step
 from jaxrl.run.evaluation import EvalResult, evaluate_weights
@@ -45,6 +45,7 @@ from jaxrl.run.evaluation import evaluate as evaluate_on
 from jaxrl.run.export import export
 from jaxrl.run.processes import BridgeProcess, EnvServerProcess
 from jaxrl.run.report import compare_runs, summary_table
+from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.tasks import Task, TaskSource
 from jaxrl.run.tracking import MetricsLogger, read_metrics
@@ -55,7 +56,8 @@ from jaxrl.sharding import make_mesh
 from jaxrl.snapshots import SnapshotWriter, snapshot_versions
 
 __all__ = [
-    "Bridge", "BridgeClient", "BridgeProcess", "ConfigError", "EnvServerProcess", "EvalResult", "Exchange", "Learner",
+    "Bridge", "BridgeClient", "BridgeLaunch", "BridgeProcess", "ConfigError", "EnvServerProcess", "EvalResult",
+    "Exchange", "Learner",
     "MetricsLogger", "PromptGroup", "SamplingParams", "StartupError", "StepRollouts", "Task", "TrainConfig",
     "TrajectoryData", "compare_runs", "config", "evaluate", "exchange_step", "export", "load_learner",
     "load_trajectories", "make_learner", "read_metrics", "restart_tuned", "rl_batch", "rollout_metrics", "save_learner", "save_trajectories", "start_bridge", "summary_table", "train",

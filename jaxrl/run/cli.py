@@ -95,11 +95,12 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     worded, anything else with its type."""
     from bridge.client import BridgeError
     from bridge.envs.spec import RewardError, RolloutFnError
-    from jaxrl.run.collection import BridgesDown, EnvironmentsDown
+    from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
-    from jaxrl.run.processes import ChildStartError, EnvServerDown
+    from jaxrl.run.processes import ChildStartError
     from jaxrl.run.rewards import NothingScored
     from jaxrl.run.run_dir import disk_full
+    from jaxrl.run.supervision import BridgesDown, EnvServerDown
     from jaxrl.run.tasks import TaskError
     from jaxrl.run.warm_start import WarmStartError
     from jaxrl.snapshots import SnapshotError

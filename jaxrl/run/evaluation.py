@@ -19,9 +19,10 @@ import numpy as np
 
 from jaxrl.compilation import use_persistent_cache
 from jaxrl.models import load_tokenizer
-from jaxrl.run.collection import RolloutClient, check_rewards
+from jaxrl.run.collection import check_rewards
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
+from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.services import bridge_token, check_services, start_services
 from jaxrl.run.tasks import Task, TaskSource
 

@@ -10,9 +10,8 @@ out (normal return, exception or `sys.exit`).
     with EnvServerProcess.start("wordle", max_concurrent_envs=16) as server:
         ...  # sessions over server.ws_url
 
-A run's bundled environment servers are kept running by `EnvServers`: one that exits is started
-again on its port, so the URL the bridge was given stays valid. Its bridges are held by
-`BridgeProcesses`, which restarts one when the run's rollout client finds it dead.
+A run's bridges are held by `BridgeProcesses`, which starts them all at once and restarts one as
+it was. Keeping children serving (when to restart, when to give up) is `jaxrl.run.supervision`'s.
 """
 
 from __future__ import annotations
@@ -21,13 +20,13 @@ import atexit
 import collections
 import concurrent.futures
 import ipaddress
-import json
 import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -38,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
-from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING, TOKEN_ENV, Limits
+from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING, TOKEN_ENV, BridgeLaunch
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local servers
 log = logging.getLogger(__name__)
@@ -62,6 +61,7 @@ class ChildServer:
                  env: Mapping[str, str] | None = None, log_path: str | Path | None = None,
                  tail_lines: int = 200):
         self.label, self.error_cls, self.listening_prefix = label, error_cls, listening_prefix
+        self.log_path = None if log_path is None else str(log_path)
         self.address: str | None = None
         self._listening = threading.Event()
         self._stderr: collections.deque[str] = collections.deque(maxlen=tail_lines)
@@ -165,7 +165,7 @@ def _stop_live_children() -> None:
 
 
 class ChildHandle:
-    """What the launchers share: the child's PID, liveness and log tail; a context manager."""
+    """What the launchers share: the child's PID, liveness, exit and logs; a context manager."""
 
     child: ChildServer
 
@@ -176,6 +176,27 @@ class ChildHandle:
     @property
     def alive(self) -> bool:
         return self.child.alive
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs."""
+        return self.child.proc.poll()
+
+    def exit_words(self) -> str | None:
+        """How it ended ("exited with code 1", "was killed by SIGKILL"); None while it runs."""
+        code = self.exit_code
+        if code is None:
+            return None
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+    @property
+    def log_path(self) -> str | None:
+        """The file its output is appended to, if any."""
+        return self.child.log_path
+
+    def wait(self, seconds: float) -> None:
+        """Until it exits, at most `seconds`."""
+        self.child.wait(seconds)
 
     def stderr_tail(self, lines: int = 40) -> str:
         return self.child.stderr_tail(lines)
@@ -199,64 +220,34 @@ class BridgeProcess(ChildHandle):
         self.client: BridgeClient | None = None
 
     @classmethod
-    def start(
-        cls,
-        model: str | Path,
-        engine: str = "jax",
-        dtype: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        max_batch: int | None = None,
-        seed: int | None = None,
-        engine_kwargs: Mapping | None = None,
-        envs_file: str | Path | None = None,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        timeout: float = 300.0,
-        client_timeout_s: float = 60.0,
-        log_path: str | Path | None = None,
-        python: str | None = None,
-        token: str | None = None,
-        snapshot_roots: Sequence[str | Path] = (),
-        limits: Mapping[str, int] | None = None,
-    ) -> BridgeProcess:
-        """Starts a bridge and returns once it answers Health (raises BridgeStartError otherwise).
+    def start(cls, launch: BridgeLaunch, env: Mapping[str, str] | None = None, timeout: float = 300.0,
+              client_timeout_s: float = 60.0, log_path: str | Path | None = None, python: str | None = None,
+              token: str | None = None) -> BridgeProcess:
+        """Starts a bridge as `launch` says and returns once it answers Health (raises
+        BridgeStartError otherwise).
 
-        The bridge requires `token` (default: a fresh one, `.token`), handed over in its
-        environment, never its argv (which `ps` shows). LoadSnapshot reads only under
-        `snapshot_roots`. `limits`: `bridge.wire.Limits` fields, as the bridge's flags.
-
-        `engine_kwargs` go to the engine (for vllm: `vllm.LLM` arguments such as
-        gpu_memory_utilization; for jax: JaxEngine arguments such as batch_window_s).
-        `envs_file`: the environments to serve (JSON, see `python -m bridge serve --help`).
-        `env` entries are added to this process's environment for the child. The child's stderr
-        (its log) is kept (`stderr_tail`) and, with `log_path`, appended to that file.
+        The launch travels as a JSON file only its owner reads, removed once the bridge has started;
+        the bridge requires `token` (default: a fresh one, `.token`), handed over in its environment,
+        never its argv (which `ps` shows). `env` entries are added to this process's environment for
+        the child. The child's stderr (its log) is kept (`stderr_tail`) and, with `log_path`,
+        appended to that file.
         """
-        args = _bridge_module_args(python, "serve", "--engine", engine, "--model", str(model),
-                                   "--host", host, "--port", str(port))
-        if dtype:
-            args += ["--dtype", dtype]
-        if max_batch:
-            args += ["--max-batch", str(max_batch)]
-        if seed is not None:
-            args += ["--seed", str(seed)]
-        if engine_kwargs:
-            args += ["--engine-kwargs", json.dumps(dict(engine_kwargs))]
-        if envs_file:
-            args += ["--envs", str(envs_file)]
-        for root in snapshot_roots:
-            args += ["--snapshot-root", str(root)]
-        for name, value in (limits or {}).items():
-            args += [Limits.flag(name), str(value)]
-        args += list(extra_args)
         token = token or secrets.token_urlsafe(32)
-        env = {**(env or {}), TOKEN_ENV: token}
-        bridge = cls(ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, env, log_path), token)
+        fd, launch_file = tempfile.mkstemp(prefix="bridge-launch-", suffix=".json")
         try:
-            bridge._wait_ready(timeout, client_timeout_s)
-        except BaseException:
-            bridge.stop(grace_s=0.0)
-            raise
+            with os.fdopen(fd, "w") as f:
+                f.write(launch.to_json())
+            args = _bridge_module_args(python, "serve", "--launch", launch_file)
+            child = ChildServer(args, "bridge", BRIDGE_LISTENING, BridgeStartError, {**(env or {}), TOKEN_ENV: token},
+                                log_path)
+            bridge = cls(child, token)
+            try:
+                bridge._wait_ready(timeout, client_timeout_s)
+            except BaseException:
+                bridge.stop(grace_s=0.0)
+                raise
+        finally:
+            os.unlink(launch_file)
         return bridge
 
     def _wait_ready(self, timeout: float, client_timeout_s: float) -> None:
@@ -292,17 +283,13 @@ class BridgeProcess(ChildHandle):
 
 
 class BridgeProcesses:
-    """The bridges a run started, each kept with the arguments it was started with. `restart(i)`
-    stops bridge i (by PID; it may be hung rather than gone) and starts it again as it was, on a
-    fresh port; one restarted more than `max_restarts` times within `window_s` is left down. A
-    context manager: leaving it stops every bridge (a restart under way included).
-    """
+    """The bridges a run started, each kept with the arguments it was started with, so that
+    `restart(i)` starts bridge i again as it was. A context manager: leaving it stops every bridge
+    (a restart under way included)."""
 
-    def __init__(self, max_restarts: int = 3, window_s: float = 600.0):
-        self.max_restarts, self.window_s = max_restarts, window_s
+    def __init__(self):
         self.bridges: list[BridgeProcess] = []
         self._kwargs: list[dict] = []
-        self._restarts: list[collections.deque[float]] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
 
@@ -321,20 +308,14 @@ class BridgeProcesses:
         with self._lock:
             self.bridges += started
             self._kwargs += [dict(kw) for kw in kwargs]
-            self._restarts += [collections.deque() for _ in kwargs]
         return started
 
     def restart(self, i: int) -> BridgeProcess | None:
-        """Bridge i stopped and started again (raises BridgeStartError like `start`); None when it
-        was restarted `max_restarts` times within `window_s` already, or the bridges are stopping."""
-        now = time.monotonic()
-        restarts = self._restarts[i]
-        while restarts and restarts[0] < now - self.window_s:
-            restarts.popleft()
+        """Bridge i stopped (by PID: it may be hung rather than gone) and started again on a fresh
+        port (raises BridgeStartError like `start`); None when the bridges are stopping."""
         self.bridges[i].stop(grace_s=0.0, term_s=1.0)
-        if len(restarts) >= self.max_restarts or self._stopping.is_set():
+        if self._stopping.is_set():
             return None
-        restarts.append(now)
         fresh = BridgeProcess.start(**self._kwargs[i])
         with self._lock:
             if self._stopping.is_set():
@@ -342,10 +323,6 @@ class BridgeProcesses:
                 return None
             self.bridges[i] = fresh
         return fresh
-
-    def log_path(self, i: int) -> str | None:
-        path = self._kwargs[i].get("log_path")
-        return None if path is None else str(path)
 
     def __enter__(self) -> BridgeProcesses:
         return self
@@ -359,10 +336,6 @@ class BridgeProcesses:
             bridges = list(self.bridges)
         for bridge in bridges:
             bridge.stop()
-
-
-class EnvServerDown(RuntimeError):
-    """A bundled environment server kept exiting: it is not restarted again."""
 
 
 class EnvServerProcess(ChildHandle):
@@ -464,92 +437,3 @@ class EnvServerProcess(ChildHandle):
     def __repr__(self) -> str:
         state = "running" if self.alive else f"exited {self.proc.returncode}"
         return f"EnvServerProcess({self.name!r}, url={self.listening_url!r}, pid={self.pid}, {state})"
-
-
-class EnvServers:
-    """A run's bundled environment servers, kept running by a watcher thread: a server that exits
-    (killed, crashed) is restarted on its port within `poll_s` and counted in `restarts`. One that
-    exits more than `max_restarts` times within `window_s` is a real failure: it is left down,
-    and `check()` raises EnvServerDown naming it and its log. A context manager: leaving it stops
-    the watcher, then every server.
-    """
-
-    def __init__(self, max_restarts: int = 3, window_s: float = 600.0, poll_s: float = 0.2):
-        self.max_restarts, self.window_s, self.poll_s = max_restarts, window_s, poll_s
-        self.servers: dict[str, EnvServerProcess] = {}
-        self.restarts: collections.Counter[str] = collections.Counter()
-        self.error: str | None = None
-        self._exits: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
-        self._down: set[str] = set()  # left down: they kept exiting
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, daemon=True, name="env-servers")
-
-    def start(self, key: str, name: str, **kwargs) -> EnvServerProcess:
-        """Starts bundled environment `name` (EnvServerProcess.start arguments) and watches it as `key`."""
-        server = EnvServerProcess.start(name, **kwargs)
-        with self._lock:
-            self.servers[key] = server
-        if not self._watcher.is_alive():
-            self._watcher.start()
-        return server
-
-    def check(self) -> None:
-        """Raises EnvServerDown if a server kept exiting and was left down."""
-        if self.error is not None:
-            raise EnvServerDown(self.error)
-
-    def metrics(self) -> dict[str, float]:
-        """`env/<key>/restarts`: how many times each server was restarted so far."""
-        return {f"env/{key}/restarts": float(self.restarts[key]) for key in self.servers}
-
-    def _watch(self) -> None:
-        while not self._stopping.wait(self.poll_s):
-            for key, server in list(self.servers.items()):
-                if not server.alive and key not in self._down:
-                    self._restart(key, server)
-
-    def _restart(self, key: str, server: EnvServerProcess) -> None:
-        now = time.monotonic()
-        exits = self._exits[key]
-        exits.append(now)
-        while exits[0] < now - self.window_s:
-            exits.popleft()
-        code, log_path = server.proc.returncode, server.start_kwargs["log_path"]
-        if len(exits) > self.max_restarts:
-            self._down.add(key)
-            self.error = (f"environment server {key!r} (pid {server.pid}) exited {len(exits)} times within "
-                          f"{self.window_s:g} s (last exit code {code}); it is not restarted again: see its log "
-                          f"{log_path or '(none kept)'}")
-            log.error("%s", self.error)
-            return
-        log.warning("environment server %r (pid %d) exited with code %s; restarting it on port %d (log: %s)",
-                    key, server.pid, code, server.port, log_path)
-        try:
-            fresh = server.restart()
-        except EnvServerStartError as e:
-            log.warning("restarting environment server %r failed: %s", key, str(e).splitlines()[0])
-            return  # still down: the next poll tries again, counted as another exit
-        with self._lock:
-            if self._stopping.is_set():
-                fresh.stop(term_s=1.0)
-                return
-            self.servers[key] = fresh
-            self.restarts[key] += 1
-        log.warning("environment server %r restarted (pid %d, restart %d)", key, fresh.pid, self.restarts[key])
-
-    def __enter__(self) -> EnvServers:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        """Stops the watcher (a restart under way is given a few seconds), then every server."""
-        self._stopping.set()
-        if self._watcher.is_alive():
-            self._watcher.join(timeout=5.0)
-        with self._lock:
-            servers = list(self.servers.values())
-        for server in servers:
-            server.stop()

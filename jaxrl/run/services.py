@@ -24,10 +24,11 @@ import jax
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
-from bridge.wire import TOKEN_ENV, Limits, read_token_file
+from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec, read_token_file
 from jaxrl.compilation import bucket
 from jaxrl.run.config import TrainConfig
-from jaxrl.run.processes import BridgeProcesses, EnvServers
+from jaxrl.run.processes import BridgeProcesses
+from jaxrl.run.supervision import EnvServers
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -113,7 +114,7 @@ def bridge_limits(cfg: TrainConfig) -> dict[str, int]:
         requests.append((cfg.sft.demonstrations, 1))
     return {"max_group_size": max(size for _, size in requests),
             "max_groups": max(groups for groups, _ in requests),
-            "max_tokens": max(r.max_tokens, r.max_total_tokens),
+            "max_episode_tokens": max(r.max_tokens, r.max_total_tokens),
             "max_episodes_in_flight": sum(groups * size for groups, size in requests)}
 
 
@@ -174,15 +175,24 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
         "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
     }, indent=1))
     b = cfg.bridge
-    bridges = stack.enter_context(BridgeProcesses(max_restarts=b.max_restarts))
-    common = dict(model=model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
-                  engine_kwargs=engine_kwargs(cfg), envs_file=envs_file, timeout=b.start_timeout_s, token=token,
-                  snapshot_roots=[snapshot_root] if snapshot_root is not None else [], limits=bridge_limits(cfg))
+    bridges = stack.enter_context(BridgeProcesses())
+    launch = bridge_launch(cfg, model_dir, envs_file, snapshot_root)
     started = bridges.start([
-        {**common, "log_path": logs / ("bridge.log" if i == 0 else f"bridge-{i}.log"),
+        {"launch": launch, "timeout": b.start_timeout_s, "token": token,
+         "log_path": logs / ("bridge.log" if i == 0 else f"bridge-{i}.log"),
          "env": {**(bridge_env or {}), **({"CUDA_VISIBLE_DEVICES": b.devices[i]} if b.devices else {})}}
         for i in range(b.per_host)])
     return Services([bridge.address for bridge in started], env_servers, bridges)
+
+
+def bridge_launch(cfg: TrainConfig, model_dir: Path, envs_file: Path, snapshot_root: Path | str | None) -> BridgeLaunch:
+    """What the run's bridges are started with: its model and environments, its engine settings,
+    snapshots only from under `snapshot_root` (none: the model only), and limits that fit its requests."""
+    b = cfg.bridge
+    server = ServerSpec(snapshot_roots=() if snapshot_root is None else (snapshot_root,),
+                        limits=Limits(**bridge_limits(cfg)))
+    return BridgeLaunch(model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
+                        engine_kwargs=engine_kwargs(cfg), envs=envs_file, server=server)
 
 
 def _episodes_per_step(cfg: TrainConfig) -> int:
@@ -194,5 +204,6 @@ def engine_kwargs(cfg: TrainConfig) -> dict:
     """The started engine's arguments: for jax, sequences as long as the rollout's and every
     program compiled before the first request; `bridge.engine_kwargs` override."""
     r = cfg.rollout
-    defaults = {"max_seq_len": r.max_prompt_tokens + r.max_total_tokens, "warm_up": True} if cfg.bridge.engine == "jax" else {}
+    defaults = ({"max_seq_len": r.max_prompt_tokens + r.max_total_tokens, "warm_up": True}
+                if cfg.bridge.engine == "jax" else {})
     return {**defaults, **cfg.bridge.engine_kwargs}

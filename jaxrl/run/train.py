@@ -44,15 +44,16 @@ from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.run import report
 from jaxrl.run.batches import prompt_width, rl_batch
-from jaxrl.run.collection import Collector, EnvironmentsDown, RolloutClient, Share, StepRollouts, rollout_metrics
+from jaxrl.run.collection import Collector, EnvironmentsDown, Share, StepRollouts, rollout_metrics
 from jaxrl.run.config import DistributedConfig, TrainConfig
 from jaxrl.run.distributed import Exchange, exchange_step, initialize, share_of
 from jaxrl.run.evaluation import evaluate
-from jaxrl.run.processes import EnvServers
 from jaxrl.run.record import record_session
 from jaxrl.run.rewards import RewardWeights, SignalWatch
+from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
+from jaxrl.run.supervision import EnvServers
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.stopping import GracefulStop
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows

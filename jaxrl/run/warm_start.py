@@ -24,8 +24,8 @@ from jaxrl.learner import Learner
 from jaxrl.losses import LossConfig
 from jaxrl.models import Decoder
 from jaxrl.run.batches import learner_batch
-from jaxrl.run.collection import RolloutClient
 from jaxrl.run.config import TrainConfig
+from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.tasks import TaskSource
 from jaxrl.train_step import LearnerConfig
 
