@@ -53,9 +53,9 @@ from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
+from jaxrl.run.stopping import GracefulStop
 from jaxrl.run.supervision import EnvServers
 from jaxrl.run.tasks import TaskSource
-from jaxrl.run.stopping import GracefulStop
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows
 from jaxrl.run.typed_config import dump_yaml
 from jaxrl.run.warm_start import demonstrations, warm_start
