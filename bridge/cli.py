@@ -168,7 +168,8 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
                     ("max_groups", "most groups per request"),
                     ("max_episode_tokens", "most tokens of an episode of a request (max_total_tokens), and so of "
                                            "its model turns"),
-                    ("max_episodes_in_flight", "most episodes under way over all requests")):
+                    ("max_episodes_in_flight", "most episodes under way over all requests"),
+                    ("max_request_mb", "largest request message, in MiB (gRPC's receive limit)")):
         br.add_argument(wire.Limits.flag(f), dest=f, type=int, help=f"{what} (default {getattr(limits, f)})", **given)
     br.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit when this parent is gone
     br.set_defaults(func=_serve)

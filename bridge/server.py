@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
     # Two bridges must never share a port silently (gRPC sets SO_REUSEPORT by default).
     ("grpc.so_reuseport", 0),
@@ -74,7 +73,7 @@ class _Invalid(Exception):
 
 class TokenCheck(grpc.aio.ServerInterceptor):
     """Refuses every call that does not carry `token` (compared in constant time) with
-    UNAUTHENTICATED, before its request is decoded or reaches the servicer."""
+    UNAUTHENTICATED, before its request is received (see `refuse`) or reaches the servicer."""
 
     def __init__(self, token: str, counters: dict[str, int]):
         self._expected = (wire.BEARER + token).encode()
@@ -92,16 +91,14 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         log.warning("refused %s: the call carried %s", details.method, why)
         message = f"this bridge requires its token and the call carried {why}"
 
-        async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        async def refuse_stream(request, context):
+        async def refuse(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # never reached: makes this a stream handler
 
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(refuse_stream, None, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+        # A request-streaming handler is never handed a request it did not ask for: gRPC reads
+        # nothing of the body (beyond its flow-control window), so a stranger's big message is
+        # refused without being received. Every method is one at the HTTP/2 level.
+        return grpc.stream_stream_rpc_method_handler(refuse, None, handler.response_serializer)
 
 
 class BridgeServicer(pb_grpc.BridgeServicer):
@@ -431,7 +428,9 @@ async def serve(
         await envs.start()
     servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs,
                               snapshot_roots=spec.snapshot_roots, limits=spec.limits)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(token, servicer.counters)])
+    # No request is received beyond what the limits admit: gRPC refuses a longer one from its length prefix.
+    options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", spec.limits.max_request_bytes)]
+    server = grpc.aio.server(options=options, interceptors=[TokenCheck(token, servicer.counters)])
     pb_grpc.add_BridgeServicer_to_server(servicer, server)
     target_host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
     try:

@@ -62,13 +62,15 @@ def read_token_file(path) -> str:
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """The most one bridge accepts: per request (group size, groups, tokens of an episode, which
-    bounds a model turn's too) and episodes in flight over all requests. Each is a `python -m bridge serve` flag
-    (`flag`); a bridge's Stats report them as `limit.NAME`."""
+    bounds a model turn's too, and the request's size in MiB: gRPC's receive limit) and episodes in
+    flight over all requests. Each is a `python -m bridge serve` flag (`flag`); a bridge's Stats
+    report them as `limit.NAME`."""
 
     max_group_size: int = 256
     max_groups: int = 4096
     max_episode_tokens: int = 65536
     max_episodes_in_flight: int = 16384
+    max_request_mb: int = 128
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -78,6 +80,10 @@ class Limits:
     @staticmethod
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return min(self.max_request_mb << 20, MAX_MESSAGE_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)

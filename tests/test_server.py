@@ -359,7 +359,8 @@ def test_a_snapshot_read_stuck_on_storage_does_not_keep_the_bridge_from_stopping
 
 def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
     engine = ScriptedEngine(build_tokenizer(), lambda prompt: "ok", delay_s=1.0)
-    limits = wire.Limits(max_group_size=4, max_groups=3, max_episode_tokens=16, max_episodes_in_flight=6)
+    limits = wire.Limits(max_group_size=4, max_groups=3, max_episode_tokens=16, max_episodes_in_flight=6,
+                         max_request_mb=1)
     with running(engine, wire.ServerSpec(limits=limits)) as b:
         client = b.client
         for call, message in [
@@ -375,6 +376,9 @@ def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
             with pytest.raises(BridgeRequestError) as e:
                 list(call())
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details
+        with pytest.raises(BridgeRequestError) as e:  # a prompt of 4 MiB: over --max-request-mb
+            list(client.rollout([[1] * (1 << 20)], 1, _params()))
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         box = {}
         thread = threading.Thread(target=lambda: box.update(trajs=list(client.rollout([[1], [2]], 2, _params()))))
