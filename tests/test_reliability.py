@@ -15,6 +15,7 @@ import pytest
 
 from bridge.wire import BRIDGE_LISTENING, TOKEN_ENV
 from jaxrl.tiny import build_tiny_model
+from test_train import jaxrl, write_config
 
 ROOT = Path(__file__).parents[1]
 MiB = 1 << 20
@@ -64,3 +65,41 @@ def test_strangers_cannot_make_the_bridge_hold_their_messages(model_dir):
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+BAD_FILES = {"missing.jsonl": None, "prose.jsonl": "not json\n", "empty.jsonl": "",
+             "chess.jsonl": '{"env": "chess"}\n', "target.jsonl": '{"prompt": "Say it.", "target": "hi"}\n'}
+TRL_ENV = ["envs=[{name: target, env_class: 'tests.workers.trl_env:Target'}]"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train_file={tmp}/missing.jsonl"], "task file {tmp}/missing.jsonl: No such file or directory"),
+    (["data.train_file={tmp}/prose.jsonl"], "task file {tmp}/prose.jsonl line 1: not JSON"),
+    (["data.train_file={tmp}/empty.jsonl"], "task file {tmp}/empty.jsonl has no tasks"),
+    (["data.train_file={tmp}/chess.jsonl"], "line 1: needs \"env\" (or TRL's \"environment\") naming one of "
+                                            "['echo'], got 'chess'"),
+    (["data.eval_file={tmp}/missing.jsonl"], "task file {tmp}/missing.jsonl: No such file or directory"),
+    (["data.eval_file={tmp}/prose.jsonl"], "task file {tmp}/prose.jsonl line 1: not JSON"),
+    (["rewards=[{fn: 'tests.workers.rewards:__doc__'}]"], "'tests.workers.rewards:__doc__' is a str, not a function"),
+    (["rollout.top_p=2"], "rollout.top_p=2.0 must be in (0, 1]"),
+    (["rollout.temperature=.nan"], "rollout.temperature=nan must be > 0"),
+    (["run_dir={tmp}/prose.jsonl"], "run_dir {tmp}/prose.jsonl: cannot make {tmp}/prose.jsonl/checkpoints: Not a "
+                                    "directory"),
+    # A TRL task file and no eval_file: seed-drawn held-out tasks, which this reset cannot take.
+    ([*TRL_ENV, "data.train_file={tmp}/target.jsonl"],
+     "environment 'target' cannot take its held-out task {'seed': 1000000}: TypeError: Target.reset() missing 1 "
+     "required positional argument: 'target'; give data.eval_file rows it can take, or set eval.episodes: 0"),
+    ([*TRL_ENV, "data.train_file={tmp}/chess.jsonl", "data.eval_file={tmp}/target.jsonl"],
+     "line 1: needs \"env\""),
+])
+def test_config_errors_stop_the_run_in_one_line_before_any_child_starts(model_dir, tmp_path, overrides, message):
+    for name, text in BAD_FILES.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+    config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")
+    args = [a for o in overrides for a in ("--set", o.replace("{tmp}", str(tmp_path)))]
+    proc = jaxrl("train", config, *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message.replace("{tmp}", str(tmp_path)) in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started

@@ -17,6 +17,7 @@ from bridge.envs.scoring import RewardFunctions
 from bridge.envs.served import ServedConnector
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, import_object
 from bridge.envs.tool_class import ToolClassConnector
+from bridge.envs.tools import ToolEnvironment
 from bridge.tool_calls import ToolCallParser, hidden_special_ids
 
 Connector = ServedConnector | InProcessConnector | ToolClassConnector | RolloutFnConnector
@@ -40,6 +41,25 @@ def build_connector(spec: EnvSpec) -> Connector:
     if issubclass(cls, Environment):
         return InProcessConnector(spec, cls)
     return ToolClassConnector(spec, cls)
+
+
+async def reset_once(spec: EnvSpec, task: dict[str, Any]) -> None:
+    """One episode of `spec` started on `task` and closed again (a tool class's reward unread: no
+    turn was played); raises what its start raised."""
+    connector = build_connector(spec)
+    try:
+        await connector.start()
+        if isinstance(connector, ToolClassConnector):
+            env = ToolEnvironment(connector.cls())
+            try:
+                await env.areset(**task)
+            finally:
+                await env.aclose()
+        else:
+            episode = await connector.open(dict(task))
+            await episode.close()
+    finally:
+        await connector.aclose()
 
 
 class EnvRuntime:

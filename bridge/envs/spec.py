@@ -7,6 +7,7 @@ bridge the rest as plain dicts (`EnvSpec.from_dict`), so the bridge needs no con
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import math
@@ -252,6 +253,20 @@ def template_fields(template: str, what: str) -> list[str]:
             raise EnvConfigError(f"{what} {template!r}: {{{name}}} names no field; write {{field_name}}")
         fields.append(head)
     return fields
+
+
+def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
+    """Starts one episode of the `env_class` environment `spec` on `task` here, as the bridge would,
+    and closes it; EnvConfigError naming `what` task when the environment cannot take it."""
+    from bridge.envs.runtime import reset_once
+
+    try:
+        asyncio.run(reset_once(spec, task))
+    except EnvConfigError:
+        raise
+    except Exception as e:
+        raise EnvConfigError(f"environment {spec.name!r} cannot take its {what} {task!r}: "
+                             f"{type(e).__name__}: {e}") from None
 
 
 def import_object(path: str, what: str) -> Any:

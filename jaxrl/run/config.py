@@ -283,8 +283,10 @@ class TrainConfig:
             raise ValueError(f"rollout.max_unscored_steps={r.max_unscored_steps} must be >= 1")
         if not 0 <= r.min_success_fraction <= 1 or r.max_staleness < 0 or r.max_refills < 0:
             raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
-        if r.temperature <= 0:
+        if not r.temperature > 0:  # NaN included
             raise ValueError(f"rollout.temperature={r.temperature} must be > 0 (greedy is for evaluation)")
+        if not 0 < r.top_p <= 1:
+            raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1] (1: no top-p)")
         if r.mode == "async" and self.learner.loss.is_level == "none":
             raise ValueError("rollout.mode=async trains on trajectories of older weights: set "
                              "learner.loss.is_level to token or sequence (importance-sampling correction)")

@@ -65,9 +65,13 @@ def check_services(cfg: TrainConfig) -> None:
     for reward in cfg.rewards:
         if reward.fn != ENV_REWARD:
             try:
-                import_object(reward.fn, f"reward function {reward.key!r}")
+                fn = import_object(reward.fn, f"reward function {reward.key!r}")
             except EnvConfigError as e:
                 raise StartupError(str(e)) from None
+            if not callable(fn):
+                raise StartupError(f"reward function {reward.key!r}: {reward.fn!r} is a {type(fn).__name__}, not a "
+                                   "function; point fn at fn(prompts, completions, completion_ids, environments, "
+                                   "**task_fields)")
     if not cfg.bridge.addresses:
         return
     token, needs = bridge_token(cfg), bridge_limits(cfg)

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from bridge.envs.spec import task_prompt
+from bridge.envs.spec import EnvConfigError, check_reset, task_prompt
 from jaxrl.run.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
@@ -108,9 +108,42 @@ class TaskSource:
         return [(names[i % len(names)], self._fields(names[i % len(names)], i // len(names), split))
                 for i in range(n)]
 
+    def first_train(self, env: str) -> dict[str, Any] | None:
+        """`env`'s first training row, or a seed-drawn training task; None when the file has no row of it."""
+        if self.train_rows is None:
+            return self._fields(env, 0, "train")
+        return next((dict(row) for e, row in self.train_rows if e == env), None)
+
     def demonstrations(self, n: int, envs: list[str]) -> list[Task]:
         """`n` training tasks for solver demonstrations, split evenly over `envs`, seeds from the run's."""
         tasks = []
         for k, env in enumerate(envs):
             tasks += [(env, self._fields(env, self.cfg.seed + i, "train")) for i in range(len(range(k, n, len(envs))))]
         return tasks
+
+
+def checked_tasks(cfg: TrainConfig) -> TaskSource:
+    """The run's tasks, read before anything starts, and one reset of each `env_class` environment
+    on its first training task and first held-out one (run here, as the bridge would): a task file
+    that cannot be read, or a task an environment cannot take (a seed-drawn held-out task for a
+    reset that needs a dataset column), stops the run in one line. StartupError."""
+    from jaxrl.run.services import StartupError
+
+    try:
+        tasks = TaskSource(cfg)
+    except TaskError as e:
+        raise StartupError(f"{e}; fix the file or the data.* key naming it") from None
+    for spec in cfg.envs:
+        if not spec.env_class:  # bundled and served ones take seed tasks; a rollout_fn has no reset
+            continue
+        held_out = tasks.held_out(spec.name, 1) if cfg.eval.episodes else []
+        for what, task, fix in (
+                ("first training task", tasks.first_train(spec.name), "fix data.train_file"),
+                ("held-out task", held_out[0][1] if held_out else None,
+                 "give data.eval_file rows it can take, or set eval.episodes: 0")):
+            try:
+                if task is not None:
+                    check_reset(spec, task, what)
+            except EnvConfigError as e:
+                raise StartupError(f"{e}; {fix}") from None
+    return tasks

@@ -55,7 +55,7 @@ from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.stopping import GracefulStop
 from jaxrl.run.supervision import EnvServers
-from jaxrl.run.tasks import TaskSource
+from jaxrl.run.tasks import TaskSource, checked_tasks
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows
 from jaxrl.run.typed_config import dump_yaml
 from jaxrl.run.warm_start import demonstrations, warm_start
@@ -147,9 +147,14 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     # Check: everything that can fail before a child process starts.
     initialize(cfg.distributed)
     check_services(cfg)
+    tasks = checked_tasks(cfg)
     share = share_of(make_mesh(cfg.mesh), cfg)  # this process's groups of every step
     model_dir = _ensure_model_once(cfg)
-    run = RunDir.create(cfg.run_dir)
+    try:
+        run = RunDir.create(cfg.run_dir)
+    except OSError as e:  # a file where a directory goes, no permission
+        raise StartupError(f"run_dir {cfg.run_dir}: cannot make {e.filename}: {e.strerror}; point run_dir at a "
+                           "directory you can write") from None
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = _start_step(run, ckpt, resume)
     logs = _record(run, cfg, start_step)
@@ -164,7 +169,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         stack.callback(ckpt.close)
         snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
         # Start: environment servers and bridges, the base model's evaluation, the learner.
-        job = _start(cfg, run, ckpt, share, model_dir, logs, snapshots, stack, out)
+        job = _start(cfg, run, ckpt, share, model_dir, logs, snapshots, stack, out, tasks)
         startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
         publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
@@ -242,7 +247,7 @@ def _snapshot_room(cfg: TrainConfig, run: RunDir, model_dir: Path):
 
 
 def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share, model_dir: Path, logs: Path,
-           snapshots: Path | str, stack: contextlib.ExitStack, out) -> _Job:
+           snapshots: Path | str, stack: contextlib.ExitStack, out, tasks: TaskSource) -> _Job:
     """The environment servers and bridges (seconds: imports, model load, compiles), started while
     this process loads the tokenizer; their stop and the client's close go on `stack`."""
     services = stack.enter_context(contextlib.ExitStack())
@@ -255,7 +260,7 @@ def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share,
             tokenizer.save_pretrained(run.tokenizer)
         client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
     stack.callback(client.close)
-    return _Job(cfg, run, ckpt, client, TaskSource(cfg), tokenizer, started.result().env_servers, share, out)
+    return _Job(cfg, run, ckpt, client, tasks, tokenizer, started.result().env_servers, share, out)
 
 
 def _evaluate_base(job: _Job, publisher: _Publisher, model) -> dict[str, float]:

@@ -1,0 +1,20 @@
+"""A TRL-style environment class whose reset needs a dataset column (`target`), as TRL's
+`environment_factory` classes do: it cannot take a seed-drawn task."""
+
+
+class Target:
+    def reset(self, target: str, **kwargs) -> str:
+        self.target = target
+        return f"Say {target}."
+
+    def say(self, word: str) -> str:
+        """Say a word.
+
+        Args:
+            word: The word.
+        """
+        self.said = word
+        return "said"
+
+    def get_reward(self) -> float:
+        return float(getattr(self, "said", None) == self.target)
