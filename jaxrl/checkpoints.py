@@ -47,12 +47,17 @@ def abstract_like(state: TrainState, shardings: TrainState) -> TrainState:
     )
 
 
+class CheckpointFailed(RuntimeError):
+    """A save that did not finish; the message names its step, the cause says why."""
+
+
 class TrainCheckpointer:
     """Keeps the last `keep` checkpoints of a run under `directory`, saving every `every` steps."""
 
     def __init__(self, directory: str | Path, keep: int = 3, every: int = 1, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self.every = every
+        self._saving: int | None = None  # the step of the last save started, until it is known to be done
         # Named handlers let a fresh process read metadata before its first save.
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -68,18 +73,27 @@ class TrainCheckpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any], force: bool = False) -> bool:
-        """Starts saving (returns at once when async); `meta` must be JSON (config, RNG, data position)."""
+        """Starts saving (returns at once when async); `meta` must be JSON (config, RNG, data position).
+        Called every step: a save that failed since is raised here (CheckpointFailed), not at the next
+        save `every` steps later."""
+        if self._saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()  # done: returns at once, or raises its error
         if not force and step % self.every:
             return False
         try:
-            return self.manager.save(
+            saved = self.manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                 force=force,
             )
+        except Exception as e:
+            self._discard_unfinished()
+            raise CheckpointFailed(f"checkpoint of step {step} failed") from e
         except BaseException:
             self._discard_unfinished()
             raise
+        self._saving = step if saved else self._saving
+        return saved
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
         """Restores `step` (default: latest) onto `target`'s shapes and shardings."""
@@ -113,8 +127,13 @@ class TrainCheckpointer:
             )
 
     def wait(self) -> None:
+        """Until the save under way is done; CheckpointFailed if it failed."""
+        step, self._saving = self._saving, None
         try:
             self.manager.wait_until_finished()
+        except Exception as e:
+            self._discard_unfinished()
+            raise CheckpointFailed(f"checkpoint of step {step} failed") from e
         except BaseException:
             self._discard_unfinished()
             raise

@@ -119,3 +119,33 @@ def test_saves_every_n_steps_and_keeps_the_last_k(tmp_path):
     assert saved == [False, True, False, True, False, True]
     assert sorted(ckpt.manager.all_steps()) == [4, 6]
     ckpt.close()
+
+
+def test_a_save_that_fails_in_the_background_is_raised_at_the_next_step_naming_its_step(tmp_path, monkeypatch):
+    import errno
+    import time
+
+    import orbax.checkpoint as ocp
+
+    from jaxrl.checkpoints import CheckpointFailed
+
+    save_meta = ocp.JsonCheckpointHandler._save_fn
+
+    async def full_disk_at_step_4(self, item, directory):
+        if item["step"] == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await save_meta(self, item, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk_at_step_4)
+    learner = _learner(MeshConfig(fsdp=1), 1)
+    ckpt = TrainCheckpointer(tmp_path, keep=2, every=2)
+    assert [ckpt.save(step, learner.state, {"step": step}) for step in range(1, 5)] == [False, True, False, True]
+    deadline = time.monotonic() + 60
+    while ckpt.manager.is_saving_in_progress():  # the background write of step 4 fails meanwhile
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(CheckpointFailed, match="checkpoint of step 4 failed") as e:
+        ckpt.save(5, learner.state, {"step": 5})  # not a saving step: found all the same
+    assert "No space left on device" in str(e.value.__cause__)
+    assert ckpt.latest_step() == 2
+    ckpt.close()

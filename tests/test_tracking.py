@@ -3,12 +3,13 @@
 import json
 import struct
 import sys
+import threading
 import types
 
 import numpy as np
 import pytest
 
-from jaxrl.run.tracking import MetricsLogger, Progress, read_metrics
+from jaxrl.run.tracking import MetricsLogger, Progress, log_file, read_metrics
 
 
 def _lines(path):
@@ -131,3 +132,21 @@ def test_progress_shows_step_reward_and_kl_on_stderr(capsys):
         bar.update(5, {"reward": 0.5})
     last = capsys.readouterr().err.split("\r")[-1]
     assert "5/10" in last and "reward=0.5" in last and "kl=0.01" in last and "loss" not in last
+
+
+def test_errors_no_one_catches_in_other_threads_go_to_the_log_file_not_stderr(tmp_path, capfd):
+    def library_callback():
+        raise RuntimeError("Event loop is closed")
+
+    hooks = sys.excepthook, threading.excepthook
+    with log_file(tmp_path / "train.log"):
+        thread = threading.Thread(target=library_callback)
+        thread.start()
+        thread.join()
+        try:
+            library_callback()
+        except RuntimeError:
+            sys.excepthook(*sys.exc_info())  # what a C library's PyErr_Print calls
+    assert (sys.excepthook, threading.excepthook) == hooks
+    assert capfd.readouterr().err == ""
+    assert (tmp_path / "train.log").read_text().count("RuntimeError: Event loop is closed") == 2

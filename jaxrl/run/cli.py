@@ -95,6 +95,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     worded, anything else with its type."""
     from bridge.client import BridgeError
     from bridge.envs.spec import RewardError, RolloutFnError
+    from jaxrl.checkpoints import CheckpointFailed
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
     from jaxrl.run.processes import ChildStartError
@@ -106,13 +107,16 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     from jaxrl.snapshots import SnapshotError
 
     if disk_full(e):
-        return (f"disk full: no space left on the file system of {run_dir}; free some (or move run_dir), then "
-                "--resume from its last checkpoint")
+        failed = f"{e}: " if isinstance(e, CheckpointFailed) else ""
+        return (f"disk full: {failed}no space left on the file system of {run_dir}; free some (or move run_dir), "
+                "then --resume from its last checkpoint")
     if isinstance(e, SnapshotError):
         return f"snapshot {e}; once the snapshot store answers, --resume from the last checkpoint"
-    ours = (BridgeError, BridgesDown, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
+    ours = (BridgeError, BridgesDown, CheckpointFailed, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
             RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
+    if isinstance(e, CheckpointFailed) and e.__cause__ is not None:
+        text += f": {type(e.__cause__).__name__}: {e.__cause__}"
     lines = text.strip().splitlines() or [type(e).__name__]
     return lines[0] + (" ..." if len(lines) > 1 else "")
 

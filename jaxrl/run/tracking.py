@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -203,15 +204,25 @@ class Progress:
 
 @contextlib.contextmanager
 def log_file(path: Path):
-    """Every warning and error logged while the run trains, libraries' too, with tracebacks, in `path`."""
+    """Every warning and error logged while the run trains, libraries' too, with tracebacks, in `path`;
+    so are errors no one catches in other threads (TensorStore finishing the writes Orbax abandoned at
+    a full disk calls into a closed event loop, dozens of times): the run's own error is one line."""
     handler = logging.FileHandler(path)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
+    uncaught = logging.getLogger("uncaught")  # not jaxrl's: kept off stderr (see `jaxrl train`)
+    hooks = sys.excepthook, threading.excepthook, sys.unraisablehook
+    sys.excepthook = lambda kind, value, tb: uncaught.error("uncaught", exc_info=(kind, value, tb))
+    threading.excepthook = lambda a: uncaught.error("uncaught in thread %s", a.thread and a.thread.name,
+                                                     exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
+    sys.unraisablehook = lambda u: uncaught.error("%s: %r", u.err_msg or "ignored", u.object,
+                                                  exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
     try:
         yield
     finally:
+        sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
         root.removeHandler(handler)
         handler.close()
 
