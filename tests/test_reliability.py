@@ -4,6 +4,7 @@ careless config can do to a bridge or a run, and what the run does about it. Eac
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import pytest
 
 from bridge.wire import BRIDGE_LISTENING, TOKEN_ENV
 from jaxrl.tiny import build_tiny_model
-from test_train import jaxrl, write_config
+from jaxrl.run.tracking import read_metrics
+from test_train import jaxrl, summary_of, write_config
 
 ROOT = Path(__file__).parents[1]
 MiB = 1 << 20
@@ -103,3 +105,17 @@ def test_config_errors_stop_the_run_in_one_line_before_any_child_starts(model_di
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message.replace("{tmp}", str(tmp_path)) in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_a_resume_before_the_first_checkpoint_logs_each_step_once(model_dir, tmp_path):
+    """What a run killed at step 2 with no checkpoint yet leaves: rows of steps 1-2 and no
+    checkpoint. The resume redoes those steps, and logs each once."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=2, eval={"episodes": 0})
+    run_dir.mkdir()
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (run_dir / name).write_text("".join(f'{{"step": {s}, "killed_run": 1}}\n' for s in (1, 2)))
+    summary_of(jaxrl("train", config, "--resume"))
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in samples}) == [1, 2] and not any("killed_run" in r for r in samples)

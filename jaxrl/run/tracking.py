@@ -33,9 +33,10 @@ from jaxrl.run.run_dir import RunDir
 class MetricsLogger:
     """Logs each step's metrics to RUN/metrics.jsonl, TensorBoard and optionally W&B.
 
-    An existing run directory is appended to. `resume_step`: the run restarts from its
-    checkpoint at this step, so what the earlier run logged at or after it is dropped from
-    metrics.jsonl and samples.jsonl, and hidden in TensorBoard; curves have no duplicate steps.
+    An existing run directory is appended to. `resume_step`: the first step this run logs (its
+    checkpoint's step + 1, or 1 when it resumes before the first checkpoint), so what an earlier
+    attempt logged at or after it is dropped from metrics.jsonl and samples.jsonl, and hidden in
+    TensorBoard; curves have no duplicate steps.
     `wandb`: keyword arguments for `wandb.init` (None: no W&B).
     """
 

@@ -181,7 +181,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         _print_startup(startup, out)
         collector = stack.enter_context(contextlib.closing(Collector(cfg, job.client, job.tasks, job.stop_ids, share)))
         logger = stack.enter_context(MetricsLogger(run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
-                                                   resume_step=step + 1 if step > 0 else None)) if job.primary else None
+                                                   resume_step=step + 1)) if job.primary else None
         progress = (stack.enter_context(Progress(cfg.steps, initial=step))
                     if cfg.log.progress and job.primary else None)
         # Train.
