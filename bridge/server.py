@@ -20,6 +20,7 @@ import hmac
 import inspect
 import ipaddress
 import itertools
+import json
 import logging
 import os
 import signal
@@ -107,12 +108,14 @@ class BridgeServicer(pb_grpc.BridgeServicer):
     from the start, with growing waits, until its environment's `retry_budget_s` has passed
     since the first loss; then it is dropped (finish_reason "error") and counted.
     `snapshot_roots`: the directories or gs:// / s3:// prefixes LoadSnapshot may read under (none:
-    the model only)."""
+    the model only). `vocab_size`: prompt token ids must be below it (None: not checked here)."""
 
     def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
                  on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None,
-                 snapshot_roots: Sequence[str | Path] = (), limits: wire.Limits = wire.Limits()):
+                 snapshot_roots: Sequence[str | Path] = (), limits: wire.Limits = wire.Limits(),
+                 vocab_size: int | None = None):
         self.engine = engine
+        self.vocab_size = vocab_size
         self.snapshot_roots = [str(r).rstrip("/") if is_url(r) else Path(r).resolve() for r in snapshot_roots]
         self.limits = limits
         self._admitted = 0  # episodes of the requests under way (their limit: limits.max_episodes_in_flight)
@@ -184,6 +187,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         for g in groups:
             if len(g.prompt_ids) == 0 and not g.env:  # an environment writes its own prompt
                 raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"group {g.group_id!r} has an empty prompt")
+            self._check_ids(g)
             if g.env and self.envs is not None and g.env not in self.envs.connectors:
                 raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                                f"group {g.group_id!r} names environment {g.env!r}; this bridge serves: "
@@ -213,6 +217,27 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                            f"bridge's limit of {limit} ({wire.Limits.flag('max_episodes_in_flight')}); retry "
                            "when fewer run")
         return params, groups
+
+    def _check_ids(self, group: wire.PromptGroup) -> None:
+        """An id outside the vocabulary would index past the embedding (JAX clamps: a silent misread)."""
+        ids = group.prompt_ids
+        if len(ids) and (ids.min() < 0 or self.vocab_size is not None and ids.max() >= self.vocab_size):
+            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"group {group.group_id!r}: prompt token ids run from {ids.min()} to {ids.max()}; the "
+                           f"model's vocabulary is [0, {self.vocab_size if self.vocab_size is not None else '...'})")
+
+    def _outside_roots(self, directory: Path, version: int) -> Path | None:
+        """The first symlink of snapshot `version` under `directory` that leads outside the roots:
+        only someone with write access to a root can plant one, but the roots are the whole lock."""
+        top = directory / str(version)
+        entries = [top] + [Path(here) / name for here, dirs, files in os.walk(top) for name in dirs + files]
+        for entry in entries:  # os.walk lists symlinked directories without entering them
+            if entry.is_symlink() and not self._under_roots(entry.resolve()):
+                return entry
+        return None
+
+    def _under_roots(self, path: Path) -> bool:
+        return any(isinstance(root, Path) and (path == root or root in path.parents) for root in self.snapshot_roots)
 
     def _check_limit(self, what: str, value: int, limit_name: str) -> None:
         limit = getattr(self.limits, limit_name)
@@ -339,8 +364,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                 path = Path(request.path).resolve()  # symlinks and `..` resolved before the check
             except (OSError, RuntimeError) as e:  # a symlink loop
                 await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"{request.path}: {e}")
-            allowed = any(isinstance(root, Path) and (path == root or root in path.parents)
-                          for root in self.snapshot_roots)
+            allowed = self._under_roots(path)
         if not allowed:
             roots = ", ".join(map(str, self.snapshot_roots)) or "none"
             await self._fail(context, grpc.StatusCode.PERMISSION_DENIED,
@@ -348,6 +372,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                              "bridge with --snapshot-root DIR for the trainer's snapshot directory")
         if isinstance(path, Path) and not path.exists():
             await self._fail(context, grpc.StatusCode.NOT_FOUND, f"{request.path}: does not exist")
+        escape = self._outside_roots(path, request.version) if isinstance(path, Path) else None
+        if escape is not None:
+            await self._fail(context, grpc.StatusCode.PERMISSION_DENIED,
+                             f"{escape} is a symlink to {escape.resolve()}, outside this bridge's snapshot roots; "
+                             "snapshots load only from under them")
         async with self._load_lock:  # one load at a time: versions land in request order
             served = self.engine.policy_version
             if request.version < served:
@@ -410,6 +439,7 @@ async def serve(
     parent_pid: int | None = None,
     handle_signals: bool = True,
     grace_s: float = 5.0,
+    vocab_size: int | None = None,
 ) -> None:
     """Serves `engine` as `spec` says until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the
     parent's exit.
@@ -417,7 +447,7 @@ async def serve(
     `on_listening(host:port)` is called once the server accepts calls. `envs` is started (every
     environment checked) before that. The engine and the environments are closed on the way out.
     Every call must carry `token`. `tls` (private key PEM, certificate chain PEM) serves TLS; see
-    `check_exposure` for listening beyond loopback without it.
+    `check_exposure` for listening beyond loopback without it. `vocab_size`: see BridgeServicer.
     """
     host, port = spec.host, spec.port
     check_exposure(host, tls is not None, spec.insecure)
@@ -427,7 +457,7 @@ async def serve(
     if envs is not None:
         await envs.start()
     servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs,
-                              snapshot_roots=spec.snapshot_roots, limits=spec.limits)
+                              snapshot_roots=spec.snapshot_roots, limits=spec.limits, vocab_size=vocab_size)
     # No request is received beyond what the limits admit: gRPC refuses a longer one from its length prefix.
     options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", spec.limits.max_request_bytes)]
     server = grpc.aio.server(options=options, interceptors=[TokenCheck(token, servicer.counters)])
@@ -581,8 +611,9 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
         # Built inside the loop: an engine may create loop-bound objects.
         engine = build_engine(launch.engine, launch.model, launch.dtype, launch.max_batch, launch.seed,
                               launch.engine_kwargs)
+        vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
-                    parent_pid=parent_pid)
+                    parent_pid=parent_pid, vocab_size=vocab_size)
 
     from bridge.envs.spec import EnvConfigError
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -49,8 +50,12 @@ BEARER = "Bearer "
 
 def read_token_file(path) -> str:
     """The token in the file at `path` (surrounding whitespace dropped); ValueError naming the
-    file when it is missing, unreadable or empty."""
+    file when it is missing, unreadable, empty, or readable by other users (refused, not warned
+    about: a token others can read is no lock)."""
     try:
+        if Path(path).stat().st_mode & 0o004:
+            raise ValueError(f"the bridge token file {path} is readable by every user; make it its owner's only "
+                             f"(chmod 600 {path}) and, if others may have read it, write a new token")
         token = Path(path).read_text().strip()
     except OSError as e:
         raise ValueError(f"cannot read the bridge token file {path}: {e.strerror or e}") from None
@@ -201,6 +206,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
     """Engine SamplingParams, unseeded; raises WireError (bad bytes) or ValueError (bad values)."""
+    if not math.isfinite(msg.temperature):  # NaN passes every comparison SamplingParams makes
+        raise ValueError(f"sampling params: temperature={msg.temperature} must be a finite number >= 0")
     return SamplingParams(
         n=n,
         temperature=float(msg.temperature),

@@ -30,10 +30,14 @@ def test_the_cli_rejects_bad_arguments_in_one_line(capsys, tmp_path, monkeypatch
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     serve = ["serve", "--model", str(tmp_path)]
+    (tmp_path / "shared-token").write_text("a-token")
+    (tmp_path / "shared-token").chmod(0o644)
     for args, message in [
         ([], "jaxrl bridge: error: the bridge needs a token: pass --token-file FILE (a new token is written there "
              f"if FILE does not exist) or set {TOKEN_ENV}"),
         (["--token-file", str(tmp_path / "no-such-dir" / "token")], "cannot write a new token to"),
+        (["--token-file", str(tmp_path / "shared-token")], f"the bridge token file {tmp_path / 'shared-token'} is "
+                                                           "readable by every user"),
         (["--max-group-size", "0"], "jaxrl bridge: error: --max-group-size must be at least 1, got 0"),
     ]:
         assert bridge_main(serve + args) == 2

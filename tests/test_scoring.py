@@ -28,6 +28,8 @@ def tok():
     ("nan", "returned nan; rewards must be finite"),
     ("inf", "returned inf; rewards must be finite"),
     ("text", "returned '1.5' (str); rewards must be numbers or None"),
+    ("huge", "returned 1e+308; rewards must be within +-1e+09 (scale it down)"),
+    ("predicate", "returned True; rewards must be numbers or None (float(True) if that is meant)"),
 ])
 def test_a_reward_that_is_not_a_number_or_none_is_a_reward_error_naming_the_function(tok, fn, message):
     runtime = EnvRuntime([EnvSpec("counter", env_class="episodes:Counter")], tok, get_parser(),
@@ -41,6 +43,14 @@ def test_a_reward_that_is_not_a_number_or_none_is_a_reward_error_naming_the_func
 
 def not_a_list(completions, environments, **kwargs):
     return 1.0
+
+
+def huge(completions, **kwargs):
+    return [1e308] * len(completions)
+
+
+def predicate(completions, **kwargs):
+    return [True] * len(completions)
 
 
 def two_values(completions, environments, **kwargs):

@@ -109,7 +109,8 @@ def snapshots(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bridge(model_dir, snapshots):
-    with running(JaxEngine(model_dir), wire.ServerSpec(snapshot_roots=[snapshots])) as b:
+    engine = JaxEngine(model_dir)
+    with running(engine, wire.ServerSpec(snapshot_roots=[snapshots]), vocab_size=engine.cfg.vocab_size) as b:
         yield b
 
 
@@ -203,6 +204,23 @@ def test_bad_sampling_params_are_invalid_argument_with_the_message(bridge):
         list(stub.Rollout(request, timeout=10, metadata=bridge.client._metadata))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_tokens=0" in e.value.details() and "temperature=-1" in e.value.details()
+    for temperature in (float("nan"), float("inf")):
+        request.sampling.temperature, request.sampling.max_tokens = temperature, 4
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Rollout(request, timeout=10, metadata=bridge.client._metadata))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"temperature={temperature} must be a finite number" in e.value.details()
+
+
+def test_token_ids_outside_the_vocabulary_are_invalid_argument(bridge):
+    vocab = bridge.engine.cfg.vocab_size
+    for ids in ([1, -1], [1, vocab]):
+        with pytest.raises(BridgeRequestError) as e:
+            list(bridge.client.rollout([ids], 1, _params()))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"prompt token ids run from {min(ids)} to {max(ids)}; the model's vocabulary is [0, {vocab})" \
+            in e.value.details
+    assert len(list(bridge.client.rollout([[1, vocab - 1]], 1, _params()))) == 1
 
 
 def test_protocol_mismatch_is_failed_precondition(bridge):
@@ -294,7 +312,15 @@ def test_snapshots_load_only_from_under_the_roots_and_never_go_back(bridge, snap
     shutil.copytree(snapshots / "policy", sibling)
     link = snapshots / "link"
     link.symlink_to(foreign, target_is_directory=True)
+    planted = snapshots / "planted"  # a root's own directory, whose version directory leads outside
+    planted.mkdir()
+    (planted / str(SNAPSHOT_VERSION)).symlink_to(foreign / str(SNAPSHOT_VERSION), target_is_directory=True)
     try:
+        with pytest.raises(BridgeRequestError) as e:
+            client.load_snapshot(planted, SNAPSHOT_VERSION)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert f"{planted / str(SNAPSHOT_VERSION)} is a symlink to {foreign.resolve() / str(SNAPSHOT_VERSION)}" \
+            in e.value.details
         before = client.stats()
         for path in (foreign, link, snapshots / "policy" / ".." / os.path.relpath(foreign, snapshots), sibling):
             with pytest.raises(BridgeRequestError) as e:
@@ -316,6 +342,7 @@ def test_snapshots_load_only_from_under_the_roots_and_never_go_back(bridge, snap
         assert after["snapshot_refusals"] == before["snapshot_refusals"] + 1
     finally:
         link.unlink()
+        shutil.rmtree(planted)
 
 
 def test_snapshots_load_from_a_bucket_prefix_and_only_from_under_it(model_dir, snapshots, monkeypatch):

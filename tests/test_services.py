@@ -55,6 +55,10 @@ def test_the_bridges_token_is_the_runs_own_or_the_running_bridges(tmp_path, monk
     assert bridge_token(from_dict(TrainConfig, running)) == "from-the-environment"
     (tmp_path / "token").write_text("from-the-file\n")
     with_file = {**running, "bridge": {**running["bridge"], "token_file": str(tmp_path / "token")}}
+    with pytest.raises(StartupError, match=f"the bridge token file {tmp_path / 'token'} is readable by every user; "
+                                           f"make it its owner's only \\(chmod 600"):
+        bridge_token(from_dict(TrainConfig, with_file))
+    (tmp_path / "token").chmod(0o600)
     assert bridge_token(from_dict(TrainConfig, with_file)) == "from-the-file"
     (tmp_path / "token").write_text("  \n")
     with pytest.raises(StartupError, match=f"bridge.token_file: the bridge token file {tmp_path / 'token'} is empty"):

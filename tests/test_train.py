@@ -307,6 +307,7 @@ def test_training_through_a_bridge_started_on_its_own(model_dir, tmp_path):
                                                   server=ServerSpec(snapshot_roots=[tmp_path / "run" / "snapshots"])))
         try:
             (tmp_path / "token").write_text(bridge.token)
+            (tmp_path / "token").chmod(0o600)
             config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run", steps=2,
                                   envs=[{"name": "echo", "url": server.url}],
                                   bridge={"addresses": [bridge.address], "token_file": str(tmp_path / "token")})
@@ -372,6 +373,7 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
 def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")
     (tmp_path / "token").write_text("a-token")
+    (tmp_path / "token").chmod(0o600)
     args = [a for o in overrides for a in ("--set", o.replace("{tmp}", str(tmp_path)))]
     start = time.perf_counter()
     proc = jaxrl("train", config, *args, timeout=120)

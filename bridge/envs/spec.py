@@ -211,15 +211,23 @@ class RolloutFnError(ValueError):
     episode it ends has finish_reason "error" and an error starting with "RolloutFnError: "."""
 
 
+MAX_ABS_REWARD = 1e9  # the learner's float32 arithmetic (weights, sums, squares for the std) stays finite
+
+
 def reward_value(value: Any, what: str) -> float | None:
     """`value` as a float, None as None; RewardError naming `what` for anything else (strings,
-    NaN, inf, containers)."""
+    booleans, NaN, inf, beyond +-MAX_ABS_REWARD, containers)."""
     if value is None:
         return None
+    if isinstance(value, bool):  # a predicate returned by mistake: say so rather than count it as 1.0 / 0.0
+        raise RewardError(f"{what} returned {value!r}; rewards must be numbers or None (float({value!r}) if "
+                          "that is meant)")
     if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):
         raise RewardError(f"{what} returned {value!r} ({type(value).__name__}); rewards must be numbers or None")
     if not math.isfinite(value):
         raise RewardError(f"{what} returned {value!r}; rewards must be finite (None: does not apply)")
+    if abs(value) > MAX_ABS_REWARD:
+        raise RewardError(f"{what} returned {value!r}; rewards must be within +-{MAX_ABS_REWARD:g} (scale it down)")
     return float(value)
 
 
