@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
 
 import pytest
@@ -97,3 +98,35 @@ def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them():
     assert 1.0 < time.monotonic() - t0 < 5.0
     assert str(e.value).startswith(f"no bridge left: none has served for 1 s (bridge.grace_s=1); bridge 0 at "
                                    f"{address}: stopped answering (bridge at {address} unavailable during rollout")
+
+
+def test_a_request_stops_as_soon_as_the_run_cannot_go_on(bridges):
+    """An environment server left down: the request stops within CHECK_EVERY_S, not when the
+    bridge's replays of its episodes run out (retry_budget_s, minutes)."""
+    from jaxrl.run.rollout_client import CHECK_EVERY_S
+    from jaxrl.run.supervision import EnvServerDown
+
+    given_up = threading.Event()
+
+    def check():
+        if given_up.is_set():
+            raise EnvServerDown("environment server 'coin' exited 4 times")
+
+    client = RolloutClient([bridges[0][0]], config(), TOKEN, check=check)
+    slow = bridges[0][1]
+    slow.delay_s = 60.0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            request = pool.submit(client.request, [("coin", {"seed": 0})], ["g"], 2, SamplingParams(max_tokens=8), 0)
+            deadline = time.monotonic() + 30
+            while not client.outstanding[0]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            given_up.set()
+            t0 = time.monotonic()
+            with pytest.raises(EnvServerDown, match="exited 4 times"):
+                request.result(timeout=30)
+            assert time.monotonic() - t0 <= CHECK_EVERY_S + 2
+    finally:
+        slow.delay_s = 0.0
+        client.close()

@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from jaxrl.run.tasks import Task
 
 Group = list[TrajectoryData]
 log = logging.getLogger(__name__)
+CHECK_EVERY_S = 1.0
 
 
 class RolloutClient:
@@ -32,11 +34,15 @@ class RolloutClient:
     unfinished groups are requested again from the others, its complete ones kept, so each group
     is delivered once (and, seeded by its id, is the same episodes wherever it runs). With no bridge
     alive, requests wait for one (see `Bridges.wait_for_one`). `started`: the bridges the run
-    started itself, restarted when they die.
+    started itself, restarted when they die. `check`: raises when the run cannot go on (an environment
+    server left down); called every CHECK_EVERY_S while a request waits, so that it stops then
+    rather than when the bridges' episode replays run out.
     """
 
-    def __init__(self, addresses: list[str], cfg: TrainConfig, token: str, started: BridgeProcesses | None = None):
+    def __init__(self, addresses: list[str], cfg: TrainConfig, token: str, started: BridgeProcesses | None = None,
+                 check: Callable[[], None] = lambda: None):
         self.cfg = cfg
+        self.check = check
         self.bridges = Bridges(addresses, cfg.bridge, token, started)
         self.pool = concurrent.futures.ThreadPoolExecutor(8 * len(addresses), thread_name_prefix="rollout")
         self.outstanding = [0] * len(addresses)  # by bridge: episodes requested and not received yet, its load
@@ -68,8 +74,9 @@ class RolloutClient:
                 elif not running:
                     self.bridges.wait_for_one()
                     continue
-            finished, _ = concurrent.futures.wait(running, timeout=0.5 if pending else None,
+            finished, _ = concurrent.futures.wait(running, timeout=0.5 if pending else CHECK_EVERY_S,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
+            self.check()
             for future in finished:
                 bridge, client, share = running.pop(future)
                 pending += self._received(bridge, client, share, group_size, *future.result(), done)

@@ -258,7 +258,8 @@ def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share,
         tokenizer = load_tokenizer(model_dir)
         if jax.process_index() == 0:
             tokenizer.save_pretrained(run.tokenizer)
-        client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges)
+        client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges,
+                               check=started.result().env_servers.check)
     stack.callback(client.close)
     return _Job(cfg, run, ckpt, client, tasks, tokenizer, started.result().env_servers, share, out)
 
