@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -17,7 +19,7 @@ import pytest
 from bridge.wire import BRIDGE_LISTENING, TOKEN_ENV
 from jaxrl.tiny import build_tiny_model
 from jaxrl.run.tracking import read_metrics
-from test_train import jaxrl, summary_of, write_config
+from test_train import _answers, _children_of, _logged_steps, jaxrl, summary_of, write_config
 
 ROOT = Path(__file__).parents[1]
 MiB = 1 << 20
@@ -119,3 +121,74 @@ def test_a_resume_before_the_first_checkpoint_logs_each_step_once(model_dir, tmp
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in samples}) == [1, 2] and not any("killed_run" in r for r in samples)
+
+
+def _kill_env_server(proc: subprocess.Popen, then_wait_for_another: bool) -> int:
+    """SIGKILLs the run's (only) bundled environment server and, if asked, waits until its
+    replacement serves (on the same port); the killed one's pid."""
+    def servers():
+        return [c for c in _children_of(proc.pid) if b"env" in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")]
+
+    [server] = servers()
+    os.kill(server, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while then_wait_for_another:
+        fresh = [p for p in servers() if p != server]
+        if fresh:
+            args = Path(f"/proc/{fresh[0]}/cmdline").read_bytes().decode().split("\0")
+            if _answers(f"http://127.0.0.1:{args[args.index('--port') + 1]}"):
+                break
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the environment server was not restarted"
+        time.sleep(0.05)
+    return server
+
+
+def _train(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_run_that_survived_a_fault_replays_as_a_match(model_dir, tmp_path):
+    """Its restarts and replays are the machine's: --replay compares what the run computed."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=4, eval={"episodes": 0})
+    proc = _train(config)
+    try:
+        _logged_steps(proc, run_dir, 0)
+        _kill_env_server(proc, then_wait_for_another=True)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert read_metrics(run_dir)[-1]["env/echo/restarts"] == 1
+    replay = jaxrl("train", "--replay", run_dir)
+    assert replay.returncode == 0 and "replay matched 4 steps" in replay.stdout, replay.stdout[-2000:] + replay.stderr[-2000:]
+
+
+def test_an_environment_server_that_keeps_dying_stops_the_run_at_once_in_one_line(model_dir, tmp_path):
+    """Restarted 3 times within 10 minutes, its 4th exit stops the run within seconds, not when the
+    bridge's replays of its episodes run out (retry_budget_s: 120 s)."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, eval={"episodes": 0},
+                          checkpoint_every=1000)
+    proc = _train(config)
+    try:
+        _logged_steps(proc, run_dir, 0)
+        for _ in range(3):
+            _kill_env_server(proc, then_wait_for_another=True)
+        server = _kill_env_server(proc, then_wait_for_another=False)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=300)
+        took = time.monotonic() - killed
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"jaxrl train: error: environment server 'echo' (pid {server}) exited 4 times within "
+                           "600 s (last exit code -9); it is not restarted again: see its log"), err[-3000:]
+    assert took < 30  # stopping the children included; before: 120 s and more
+    last_step = read_metrics(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / str(last_step)).is_dir()  # the steps taken are kept

@@ -89,7 +89,7 @@ def test_compare_skips_timings_and_names_the_first_difference():
     assert compare(ROWS, rerun) == Comparison(2) and compare(ROWS, rerun).line() == "replay matched 2 steps"
     assert not compared("time/env_s") and not compared("compiles/learner") and compared("timeouts")
     assert not compared("env/echo/pool_wait_s") and compared("env/echo/reward")
-    survived = [dict(r, **{"bridges/deaths": 1.0, "bridges/restarts": 1.0, "env/echo/restarts": 2.0,
+    survived = [dict(r, **{"bridges/deaths": 1.0, "bridges/restarts": 1.0, "env/echo/restarts": 2.0, "env/echo/retries": 0.5,
                            "groups/re_requested": 3.0, "rollout/episodes_retried": 4.0, "rollout/requests": 9.0})
                 for r in ROWS]
     assert compare(survived, ROWS).matched  # faults the run survived are the machine's, not the run's

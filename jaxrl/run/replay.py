@@ -25,8 +25,8 @@ from jaxrl.run.tracking import read_metrics
 # (bridge deaths, restarts and returns, environment server restarts) and what they cost (groups
 # and episodes asked for again, and so requests): a replayed episode samples what it would have.
 NOT_COMPARED = ("time", "time/*", "step_s", "tokens_per_s", "compiles/*", "env/*/pool_waits", "env/*/pool_wait_s",
-                "env/*/capacity_refusals", "bridges/*", "env/*/restarts", "groups/re_requested",
-                "rollout/episodes_retried", "rollout/requests")
+                "env/*/capacity_refusals", "bridges/*", "env/*/restarts", "env/*/retries",
+                "groups/re_requested", "rollout/episodes_retried", "rollout/requests")
 ABSENT = "(absent)"
 
 
