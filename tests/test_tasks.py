@@ -83,3 +83,23 @@ def test_trl_dataset_rows(tmp_path):
     with pytest.raises(TaskError, match="trl.jsonl line 1: task field 'prompt' must be a string or a non-empty list "
                                         "of chat messages"):
         TaskSource(config(**one, data={"train_file": str(train)}))
+
+
+def test_an_env_class_is_reset_once_on_a_training_and_a_held_out_task_before_the_run_starts(tmp_path):
+    from jaxrl.run.services import StartupError
+    from jaxrl.run.tasks import checked_tasks
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Say it.", "target": "hi"}) + "\n")
+    trl = {"envs": [{"name": "target", "env_class": "tests.workers.trl_env:Target"}],
+           "data": {"train_file": str(rows)}}
+    with pytest.raises(StartupError) as e:
+        checked_tasks(config(**trl))
+    assert str(e.value) == ("environment 'target' cannot take its held-out task {'seed': 1000000}: TypeError: "
+                            "Target.reset() missing 1 required positional argument: 'target'; give data.eval_file "
+                            "rows it can take, or set eval.episodes: 0")
+    assert checked_tasks(config(**trl, eval={"episodes": 0})).train_rows  # no evaluation: nothing held out
+    tasks = checked_tasks(config(**{**trl, "data": {"train_file": str(rows), "eval_file": str(rows)}}))
+    assert tasks.held_out("target", 1) == [("target", {"prompt": "Say it.", "target": "hi"})]
+    with pytest.raises(StartupError, match="cannot take its first training task {'seed': 0}: TypeError"):
+        checked_tasks(config(**{**trl, "data": {"eval_file": str(rows)}}))  # seed-drawn training tasks
