@@ -192,3 +192,14 @@ def test_an_environment_server_that_keeps_dying_stops_the_run_at_once_in_one_lin
     assert took < 30  # stopping the children included; before: 120 s and more
     last_step = read_metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / str(last_step)).is_dir()  # the steps taken are kept
+
+
+def test_a_reward_too_large_for_the_learner_stops_the_run_naming_the_function(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=2, eval={"episodes": 0},
+                          rewards=[{"fn": "tests.workers.rewards:huge"}])
+    proc = jaxrl("train", config)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("jaxrl train: error: reward function 'huge' (tests.workers.rewards:huge) for episode ")
+    assert "returned 1e+308; rewards must be within +-1e+09 (scale it down)" in line

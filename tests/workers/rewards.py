@@ -20,3 +20,8 @@ def even_length(completions, **task_fields):
     """1 for a completion of an even number of characters: a signal an untrained model gets about half
     the time, so that its groups have advantages and its updates move the weights."""
     return [float(len(c) % 2 == 0) for c in completions]
+
+
+def huge(completions, **task_fields):
+    """Finite, but past what the learner's float32 arithmetic holds."""
+    return [1e308] * len(completions)
