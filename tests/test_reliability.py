@@ -86,7 +86,9 @@ TRL_ENV = ["envs=[{name: target, env_class: 'tests.workers.trl_env:Target'}]"]
     (["data.eval_file={tmp}/prose.jsonl"], "task file {tmp}/prose.jsonl line 1: not JSON"),
     (["rewards=[{fn: 'tests.workers.rewards:__doc__'}]"], "'tests.workers.rewards:__doc__' is a str, not a function"),
     (["rollout.top_p=2"], "rollout.top_p=2.0 must be in (0, 1]"),
-    (["rollout.temperature=.nan"], "rollout.temperature=nan must be > 0"),
+    (["rollout.temperature=.nan"], "rollout.temperature=nan must be a finite number > 0"),
+    (["rollout.temperature=.inf"], "rollout.temperature=inf must be a finite number > 0"),
+    (["eval.temperature=.nan"], "eval: episodes and every must be >= 0, pass_k >= 1, temperature finite and >= 0"),
     (["run_dir={tmp}/prose.jsonl"], "run_dir {tmp}/prose.jsonl: cannot make {tmp}/prose.jsonl/checkpoints: Not a "
                                     "directory"),
     # A TRL task file and no eval_file: seed-drawn held-out tasks, which this reset cannot take.

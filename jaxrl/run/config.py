@@ -10,6 +10,7 @@ keys: setting one is an error naming the key to set instead.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
@@ -283,8 +284,9 @@ class TrainConfig:
             raise ValueError(f"rollout.max_unscored_steps={r.max_unscored_steps} must be >= 1")
         if not 0 <= r.min_success_fraction <= 1 or r.max_staleness < 0 or r.max_refills < 0:
             raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
-        if not r.temperature > 0:  # NaN included
-            raise ValueError(f"rollout.temperature={r.temperature} must be > 0 (greedy is for evaluation)")
+        if not 0 < r.temperature < math.inf:  # NaN included
+            raise ValueError(f"rollout.temperature={r.temperature} must be a finite number > 0 (greedy is for "
+                             "evaluation)")
         if not 0 < r.top_p <= 1:
             raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1] (1: no top-p)")
         if r.mode == "async" and self.learner.loss.is_level == "none":
@@ -295,8 +297,9 @@ class TrainConfig:
         if (self.groups_per_step_rows % self.learner.grad_accum) != 0:
             raise ValueError(f"rollout.groups_per_step x learner.group_size = {self.groups_per_step_rows} must be "
                              f"divisible by learner.grad_accum={self.learner.grad_accum}")
-        if self.eval.episodes < 0 or self.eval.pass_k < 1 or self.eval.temperature < 0 or self.eval.every < 0:
-            raise ValueError("eval: episodes and every must be >= 0, pass_k >= 1, temperature >= 0")
+        if self.eval.episodes < 0 or self.eval.pass_k < 1 or not 0 <= self.eval.temperature < math.inf \
+                or self.eval.every < 0:
+            raise ValueError("eval: episodes and every must be >= 0, pass_k >= 1, temperature finite and >= 0")
         if self.sft.steps < 0 or self.sft.batch_size < 1 or self.sft.demonstrations < 1:
             raise ValueError("sft: steps must be >= 0, batch_size and demonstrations >= 1")
         no_solver = [e.name for e in self.envs if e.name in self.sft.envs and e.solver is None]
