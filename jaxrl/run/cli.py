@@ -112,8 +112,8 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
                 "then --resume from its last checkpoint")
     if isinstance(e, SnapshotError):
         return f"snapshot {e}; once the snapshot store answers, --resume from the last checkpoint"
-    ours = (BridgeError, BridgesDown, CheckpointFailed, ChildStartError, EnvServerDown, EnvironmentsDown, EvaluationFailed, NothingScored,
-            RewardError, RolloutFnError, TaskError, WarmStartError)
+    ours = (BridgeError, BridgesDown, CheckpointFailed, ChildStartError, EnvServerDown, EnvironmentsDown,
+            EvaluationFailed, NothingScored, RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     if isinstance(e, CheckpointFailed) and e.__cause__ is not None:
         text += f": {type(e.__cause__).__name__}: {e.__cause__}"
