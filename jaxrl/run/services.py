@@ -106,10 +106,11 @@ def bridge_token(cfg: TrainConfig) -> str:
 
 
 def bridge_limits(cfg: TrainConfig) -> dict[str, int]:
-    """The most the run asks of one bridge (`bridge.wire.Limits` fields): a step's groups, an
-    evaluation, the warm start's demonstrations, and all three under way at once."""
+    """The most the run asks of one bridge (`bridge.wire.Limits` fields): a step's groups (stream
+    mode: the groups under way), an evaluation, the warm start's demonstrations, and all three under
+    way at once."""
     r, e = cfg.rollout, cfg.eval
-    requests = [(r.groups_per_step, cfg.learner.group_size), (e.episodes, e.pass_k)]
+    requests = [(max(r.groups_per_step, cfg.streamed_groups), cfg.learner.group_size), (e.episodes, e.pass_k)]
     if cfg.sft.steps:
         requests.append((cfg.sft.demonstrations, 1))
     return {"max_group_size": max(size for _, size in requests),
