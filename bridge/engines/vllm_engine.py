@@ -3,13 +3,16 @@
 vLLM is imported only here, so the default (JAX) path never needs it. One worker thread owns the
 engine and drives it step by step (`add_request`, `step`): vLLM batches continuously, so requests
 join the running batch at the next step and each request's future resolves as soon as its last
-completion is finished.
+completion is finished. A cancelled request is aborted; a step that fails fails the requests under
+way, not the engine.
 
 Weights are swapped between two steps without draining: vLLM refuses to reset its prefix cache while
 requests hold KV blocks, so running requests are preempted (`reset_running_requests=True`) and
 recompute their KV with the new weights at the next step; no KV computed with the old weights is
 ever read again. vLLM labels each token with the weight version that sampled it
-(`set_weight_version`), which becomes `Completion.token_versions`.
+(`set_weight_version`), which becomes `Completion.token_versions`. Measured on the CPU build, whose
+steps are synchronous; with vLLM's async scheduling (GPU) the tokens still in flight at a swap are
+those of the preempted requests, which vLLM drops and samples again (unmeasured here).
 
 Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, the log-softmax of the logits
 after temperature (the default `raw_logprobs` ignores temperature). vLLM's processed logprobs also
@@ -101,7 +104,7 @@ def _repack_tied_lm_head(model) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # jobs are told apart by identity (and kept in sets)
 class _Job:
     """One `generate` call: a vLLM request per prompt, resolved when the last one finishes."""
 
@@ -163,7 +166,7 @@ class VLLMEngine:
         self._worker.start()
 
     def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Refuses here what vLLM would refuse, so that one bad request cannot fail its whole batch."""
+        """Refuses here, with a message that says what to change, what vLLM would refuse."""
         if params.temperature > 0 and (params.top_p < 1 or params.top_k > 0):
             raise ValueError(
                 f"vllm engine: top_p={params.top_p}, top_k={params.top_k}: vLLM reports logprobs of "

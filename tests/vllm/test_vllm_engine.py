@@ -13,7 +13,7 @@ import torch
 import transformers
 from flax import nnx
 
-from bridge.engines.base import SamplingParams, SnapshotRefused
+from bridge.engines.base import EngineError, SamplingParams, SnapshotRefused
 from bridge.engines.vllm_engine import CPU_ENGINE_KWARGS, VLLMEngine
 from jaxrl.models import Decoder, load_pretrained, save_pretrained
 from jaxrl.snapshots import SnapshotWriter
@@ -164,6 +164,34 @@ def test_a_short_request_finishes_while_a_long_one_started_with_it_runs_on(engin
 
     [[long]], [[short]] = loop.run_until_complete(together())
     assert len(long.token_ids) == 64 and len(short.token_ids) == 2
+
+
+def test_a_cancelled_request_leaves_the_engine(engine, loop):
+    async def cancelled_after_3_steps():
+        with held_before_step(engine, 3) as (reached, release):
+            request = asyncio.create_task(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=64)))
+            await asyncio.to_thread(reached.wait)
+            request.cancel()
+            release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        return await engine.generate(PROMPTS[1:2], SamplingParams(max_tokens=2))
+
+    [[after]] = loop.run_until_complete(cancelled_after_3_steps())
+    assert len(after.token_ids) == 2
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # aborted, not run to its 64 tokens
+
+
+def test_a_failed_step_fails_the_requests_under_way_not_the_engine(engine, loop):
+    def failing():
+        del engine.llm.llm_engine.step  # once
+        raise RuntimeError("device lost")
+
+    engine.llm.llm_engine.step = failing
+    with pytest.raises(EngineError, match="vllm generate failed: RuntimeError\\('device lost'\\)"):
+        loop.run_until_complete(engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=4)))
+    [[after]] = loop.run_until_complete(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2)))
+    assert len(after.token_ids) == 2 and not engine.llm.llm_engine.has_unfinished_requests()
 
 
 def test_raw_logprobs_mode_is_refused(model_dir):
