@@ -267,6 +267,23 @@ def test_a_stalled_then_killed_environment_server_costs_replays_and_a_restart_no
     print(f"stalled after step {stalled_at}, killed after step {killed_at}: {retried:.0f} episodes replayed")
 
 
+def test_a_streaming_run_trains_on_groups_as_they_complete_never_on_stale_tokens(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=4, eval={"episodes": 0},
+                          rollout={"mode": "stream", "in_flight_groups": 3, "max_staleness": 1, "groups_per_step": 2,
+                                   "max_tokens": 12, "max_total_tokens": 24, "max_prompt_tokens": 64},
+                          learner={"group_size": 4, "loss": {"is_level": "token"}})
+    summary = summary_of(jaxrl("train", config))
+    assert summary["steps"] == 4 and summary["compiles_after_step_1"] == 0
+    rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/groups_padded"] == 0 for r in rows)
+    # Every step trains all the tokens it kept, each of them at most one version behind.
+    assert all(r["rollout/trained_tokens"] == r.get("rollout/tokens_lag_0", 0) + r.get("rollout/tokens_lag_1", 0)
+               for r in rows)
+    assert [r["version"] for r in rows] == [2, 3, 4, 5]
+
+
 def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_path):
     server = subprocess.Popen([sys.executable, str(WORKER), "reverse"], stdout=subprocess.PIPE, text=True)
     try:

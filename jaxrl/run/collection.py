@@ -238,9 +238,10 @@ class Collector:
 
 
 class GroupStream:
-    """Stream mode's supply of groups: `rollout.in_flight_groups` requests under way at all times,
-    one group each, so a group is handed over the moment its last episode ends and the bridge never
-    waits for a step to start. Groups are numbered on from the first step's (STEP-SLOT ids and tasks
+    """Stream mode's supply of groups: `rollout.in_flight_groups` groups under way or done and not
+    yet taken, one request each, so a group is handed over the moment its last episode ends and the
+    bridge never waits for a step to start; the bound keeps groups from piling up (and going stale)
+    while the learner trains. Groups are numbered on from the first step's (STEP-SLOT ids and tasks
     as the other modes draw them), in the order they are requested; they complete in any order."""
 
     def __init__(self, collector: Collector, first_step: int):
@@ -251,14 +252,18 @@ class GroupStream:
         self._done: queue.Queue[Group | BaseException] = queue.Queue()
         self._closed = threading.Event()
         # This process's part of the run's groups under way (all of them with one process).
-        n = max(1, collector.cfg.streamed_groups * collector.share.count // collector.share.total)
-        self._pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="stream")
-        for _ in range(n):
+        self._n = max(1, collector.cfg.streamed_groups * collector.share.count // collector.share.total)
+        self._room = threading.Semaphore(self._n)  # a group takes one until a step takes the group
+        self._pool = concurrent.futures.ThreadPoolExecutor(self._n, thread_name_prefix="stream")
+        for _ in range(self._n):
             self._pool.submit(self._supply)
 
     def _supply(self) -> None:
         c, r = self.collector, self.collector.cfg.rollout
-        while not self._closed.is_set():
+        while True:
+            self._room.acquire()
+            if self._closed.is_set():
+                return
             with self._lock:
                 step, i = divmod(self._next, c.share.count)
                 self._next += 1
@@ -276,10 +281,12 @@ class GroupStream:
         item = self._done.get()
         if isinstance(item, BaseException):
             raise item
+        self._room.release()
         return item
 
     def close(self) -> None:
         self._closed.set()
+        self._room.release(self._n)  # wakes every supplier waiting for room, to see it closed
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
