@@ -79,6 +79,9 @@ class BridgeConfig:
         "the GPUs of each started bridge, one entry per bridge (per_host of them), given to it as "
         "CUDA_VISIBLE_DEVICES, e.g. ['0,1', '2,3'] for two vLLM bridges of two GPUs each; empty: every bridge "
         "sees every device", default_factory=list)
+    cpus: list[int] = _help(
+        "the CPUs the started bridges run on (e.g. [0] beside a trainer started with `taskset -c 1`, so that "
+        "generation and learning do not take each other's cores); empty: the trainer's", default_factory=list)
     health_timeout_s: float = _help(
         "a bridge that does not answer a health check (or a ping while it streams) within this is dead: its "
         "unfinished groups are requested again from the others", default=10.0)
@@ -95,6 +98,8 @@ class BridgeConfig:
                              "give one per bridge, or none")
         if self.health_timeout_s <= 0 or self.max_restarts < 0 or self.grace_s < 0:
             raise ValueError("health_timeout_s must be > 0, max_restarts and grace_s >= 0")
+        if any(not isinstance(c, int) or c < 0 for c in self.cpus):
+            raise ValueError(f"cpus={self.cpus} must be CPU numbers (integers >= 0), e.g. [0]")
 
 
 @dataclasses.dataclass(frozen=True)
