@@ -152,8 +152,8 @@ def _probe_the_bridge(pid: int, run_dir: Path, foreign: Path) -> None:
 
     from bridge.client import BridgeClient, BridgeRequestError, BridgeUnauthenticated
 
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    root = Path(args[args.index(b"--snapshot-root") + 1].decode())
+    # The root the run publishes under (its launch file is gone): where the bridge loaded step 1's weights.
+    root = Path(re.search(r"serving snapshot (\S+) version", (run_dir / "logs" / "bridge.log").read_text())[1])
     environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
     token = environ[b"JAXRL_BRIDGE_TOKEN"].decode()
     address = next(line.split()[1] for line in (run_dir / "logs" / "bridge.log").read_text().splitlines()
