@@ -125,10 +125,9 @@ class Collector:
         check_rewards(episodes)
         self.watch.observe(episodes)
         counts["episodes"] += len(episodes)
+        counts["episodes_failed"] += sum(t.finish_reason == "error" for t in episodes)  # logged when 0 too
         for t in episodes:
-            if t.finish_reason == "error":
-                counts["episodes_failed"] += 1
-            else:
+            if t.finish_reason != "error":
                 counts["episodes_scored" if self.rewards.total(t.rewards) is not None else "episodes_unscored"] += 1
         counts["episodes_retried"] += sum(t.metrics.get("retries", 0.0) > 0 for t in episodes)
 
