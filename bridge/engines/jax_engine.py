@@ -192,10 +192,14 @@ class JaxEngine:
 
     async def load_snapshot(self, path: str, version: int) -> float:
         start = time.perf_counter()
-        params = await read_off_loop(self._read_snapshot, path, version)
+        await self.swap(await read_off_loop(self._read_snapshot, path, version), version)
+        return time.perf_counter() - start
+
+    async def swap(self, params, version: int) -> None:
+        """Serves `params` (shaped, typed and placed like the served ones) as `version` from the next
+        device call on; rows under way go on with them."""
         async with self._swap_lock:
             self.params, self.policy_version = params, version
-        return time.perf_counter() - start
 
     def _read_snapshot(self, path: str, version: int):
         """Snapshot `version`'s weights as new params shaped, typed and placed like the served ones
