@@ -124,13 +124,25 @@ def prefill_order(prompt_len: np.ndarray, cached: np.ndarray, leader: np.ndarray
     return order, block_I, np.int32(len(steps))
 
 
+def _copy_rows(dst, src, from_N, to_N, n):
+    """Row to_N[i] of the arrays of `dst` becomes row from_N[i] of those of `src` (None: of `dst`
+    itself, as it is by then), for i < n. One row at a time, in place: XLA:CPU's scatter of whole
+    rows was several times slower."""
+    def body(i, dst):
+        return jax.tree.map(lambda d, s: jax.lax.dynamic_update_slice_in_dim(
+            d, jax.lax.dynamic_slice_in_dim(s, from_N[i], 1), to_N[i], 0), dst, dst if src is None else src)
+
+    return jax.lax.fori_loop(0, n, body, dst)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("pool", "slots", "logits_BxV"))
-def _insert(params, graphdef, pool: KVCache, slots: KVCache, logits_BxV, save_slot_K, save_row_K, move_from_K,
-            move_to_K, src_K, slot_K, cached_K, leader_K, prefill_block_I, prefill_steps, tokens_KxW, prompt_len_K,
-            chunk: int):
+def _insert(params, graphdef, pool: KVCache, slots: KVCache, logits_BxV, save_slot_K, save_row_K, n_save,
+            move_from_K, move_to_K, n_move, src_K, slot_K, cached_K, leader_K, n_new, prefill_block_I, prefill_steps,
+            tokens_KxW, prompt_len_K, chunk: int):
     """Between two decode calls, in this order: copies the caches of slots save_slot_K[k] to pool
-    rows save_row_K[k] and frees those slots; moves slot move_from_K[k] to move_to_K[k]; prefills
-    K new rows into slots slot_K[k]. Slot indices past the last slot are padding: dropped.
+    rows save_row_K[k] and frees those slots (k < n_save); prefills n_new new rows into slots
+    slot_K[k]; moves slot move_from_K[k] to move_to_K[k] (k < n_move). Entries past those counts
+    are padding.
 
     New row k starts from pool row src_K[k], whose first cached_K[k] slots hold its prompt's first
     tokens; prefills the rest `chunk` tokens at a time (a row whose leader_K[k] is another row has
@@ -144,17 +156,14 @@ def _insert(params, graphdef, pool: KVCache, slots: KVCache, logits_BxV, save_sl
     model: Decoder = nnx.merge(graphdef, params)
     K = tokens_KxW.shape[0]
     R = prefill_block_rows(K)
-    kept = jax.tree.map(lambda s: s[save_slot_K], slots)
-    pool = jax.tree.map(lambda p, x: p.at[save_row_K].set(x), pool, kept)
+    pool = _copy_rows(pool, slots, save_slot_K, save_row_K, n_save)
     # A free slot's length 0 keeps the decode's attention window to the slots in use.
     slots = slots._replace(length_B=slots.length_B.at[save_slot_K].set(0, mode="drop"))
-    moved = jax.tree.map(lambda s: s[move_from_K], (slots, logits_BxV))
-    slots, logits_BxV = jax.tree.map(lambda s, x: s.at[move_to_K].set(x, mode="drop"), (slots, logits_BxV), moved)
-    slots = slots._replace(length_B=slots.length_B.at[move_from_K].set(0, mode="drop"))
 
     leads_K = leader_K == jnp.arange(K)
-    cache = KVCache(tuple(k[src_K] for k in pool.k_BxKxHxS), tuple(v[src_K] for v in pool.v_BxKxSxH),
-                    jnp.where(leads_K, cached_K, prompt_len_K))
+    width = slots.v_BxKxSxH[0].shape[2]
+    cache = _copy_rows(KVCache.empty(model.cfg, K, width), pool, src_K, jnp.arange(K), n_new)
+    cache = cache._replace(length_B=jnp.where(leads_K, cached_K, prompt_len_K))
 
     def prefill_body(carry):
         i, cache, logits_KxV = carry
@@ -179,9 +188,11 @@ def _insert(params, graphdef, pool: KVCache, slots: KVCache, logits_BxV, save_sl
     logits_KxV = jnp.zeros((K, logits_BxV.shape[1]), jnp.float32)
     _, cache, logits_KxV = jax.lax.while_loop(
         lambda carry: carry[0] < prefill_steps, prefill_body, (jnp.int32(0), cache, logits_KxV))
-    cache, logits_KxV = jax.tree.map(lambda x: x[leader_K], (cache, logits_KxV))
-    slots, logits_BxV = jax.tree.map(lambda s, x: s.at[slot_K].set(x, mode="drop"),
-                                     (slots, logits_BxV), (cache, logits_KxV))
+    slots, logits_BxV = _copy_rows((slots, logits_BxV), (cache, logits_KxV), leader_K, slot_K, n_new)
+    # Moves last (their sources and targets are none of the slots above): every loop that writes the
+    # slots in place then follows every read of them (unordered, XLA copied every slot to be safe).
+    slots, logits_BxV = _copy_rows((slots, logits_BxV), None, move_from_K, move_to_K, n_move)
+    slots = slots._replace(length_B=slots.length_B.at[move_from_K].set(0, mode="drop"))
     return pool, slots, logits_BxV
 
 
@@ -416,10 +427,10 @@ class Slots:
         slot = pad(free[:len(new)], B)
         self.prefix.pool, self.cache, self.logits_BxV = _insert(
             params, graphdef, self.prefix.pool, self.cache, self.logits_BxV,
-            pad([s for s, _, _ in ended], B), pad([r for _, r, _ in ended], S),
-            pad([s for s, _ in moves], B), pad([d for _, d in moves], B),
-            src[order], slot[order], cached[order], position[leader[order]], block_I, steps, tokens[order],
-            prompt_len[order], chunk=self.shapes.chunk)
+            pad([s for s, _, _ in ended], B), pad([r for _, r, _ in ended], S), np.int32(len(ended)),
+            pad([s for s, _ in moves], B), pad([d for _, d in moves], B), np.int32(len(moves)),
+            src[order], slot[order], cached[order], position[leader[order]], np.int32(len(new)), block_I, steps,
+            tokens[order], prompt_len[order], chunk=self.shapes.chunk)
         for k, row in enumerate(new):
             self.rows[slot[k]] = row
             self.keep_row[slot[k]] = dst[k]
