@@ -161,8 +161,7 @@ def _insert(params, graphdef, pool: KVCache, slots: KVCache, logits_BxV, save_sl
     slots = slots._replace(length_B=slots.length_B.at[save_slot_K].set(0, mode="drop"))
 
     leads_K = leader_K == jnp.arange(K)
-    width = slots.v_BxKxSxH[0].shape[2]
-    cache = _copy_rows(KVCache.empty(model.cfg, K, width), pool, src_K, jnp.arange(K), n_new)
+    cache = jax.tree.map(lambda x: x[src_K], pool)
     cache = cache._replace(length_B=jnp.where(leads_K, cached_K, prompt_len_K))
 
     def prefill_body(carry):
