@@ -152,10 +152,13 @@ class JaxEngine:
                     self.slots.waiting.clear()
                     self.slots.reset()
                     continue
-            for req in [req for req in self._running if all(row.finish_reason for row in req.rows)]:
+            done = [req for req in self._running if all(row.finish_reason for row in req.rows)]
+            for req in done:
                 self._running.remove(req)
                 if not req.future.done():
                     req.future.set_result(self._completions(req))
+            if done:  # callers woken by their results queue their next turn before the next call starts
+                await asyncio.sleep(0)
 
     def _start(self, req: _Request) -> None:
         if not req.future.done():
