@@ -4,8 +4,8 @@ same tokens (the ceiling), and vs. transformers' `generate` serving the same epi
 
     python -m experiments.bench.multiturn [--episodes 64] [--model-dir DIR | --hidden 128 --layers 4 ...]
         [--prompt-tokens 350] [--turns 2 4] [--turn-tokens 16 48] [--mix uniform|long-tail]
-        [--tool-tokens 10 20] [--max-delay-ms 50] [--decode-steps 16] [--hf-batching round|grouped]
-        [--skip-hf] [--skip-sequential] [--tiny]
+        [--tool-tokens 10 20] [--max-delay-ms 50] [--decode-steps 16] [--repeats 3]
+        [--hf-batching round|grouped] [--skip-hf] [--skip-sequential] [--tiny]
 
 The script (seeded, the same for every side): episode i arrives after a delay drawn in
 [0, --max-delay-ms], has a prompt of --prompt-tokens +- 10% random ids, a number of turns drawn in
@@ -44,8 +44,10 @@ new prompt, as the bridge does.
 
 The JAX engines compile every batch size before their timed runs (`warm_up`) and keep recent
 sequences' keys and values (an episode's next turn prefills only its new tokens:
-`prompt_tokens_from_prefix_cache` is the share of prompt tokens it did not prefill); transformers
-runs the script once untimed (torch allocates), then once timed.
+`prompt_tokens_from_prefix_cache` is the share of prompt tokens it did not prefill; the cache is
+emptied before each run). The three JAX sides run `--repeats` times, alternated: each side reports
+its median run, each ratio is the median of the runs' ratios. Transformers runs the script once
+untimed (torch allocates), then once timed.
 Generated tokens are asserted equal on every side (the script's total). Reported per side: wall
 seconds for all episodes, generated tokens/s, the median per-turn latency (JAX: the `generate` call
 of that turn, batching wait included; turn-synchronous: from the round's start to the end of the
@@ -301,6 +303,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--max-batch", type=int, default=64, help="the JAX engine's max_batch")
     p.add_argument("--decode-steps", type=int, default=16, help="the JAX engine's decode_steps (continuous side)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each JAX side, alternated; figures of the median run, ratios the median of each run's")
     p.add_argument("--hf-batching", choices=("round", "grouped"), default="round")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: the cores this process may use, as XLA)")
@@ -313,7 +317,7 @@ def parse_args(argv=None):
         args.episodes, args.prompt_tokens, args.turns = 3, 24, (2, 3)
         args.turn_tokens, args.tool_tokens, args.max_delay_ms = (4, 8), (2, 4), 10.0
         args.hidden, args.layers, args.intermediate, args.vocab = 64, 2, 128, 512
-        args.max_batch, args.decode_steps = 4, 4
+        args.max_batch, args.decode_steps, args.repeats = 4, 4, 1
     if args.mix == "long-tail":
         args.turn_tokens, args.tail = ((2, 4), (0.1, 16, 32)) if args.tiny else ((8, 32), (0.1, 256, 512))
     return args
@@ -352,22 +356,28 @@ def main(argv=None) -> dict:
             "load_before": {},
         }
 
-        # Sequences as long as the script's longest; every batch size compiled up front. No untimed run:
-        # its sequences would sit in the engine's prefix cache and serve the timed run's turns.
+        # Sequences as long as the script's longest; every batch size compiled up front. No untimed run,
+        # and the prefix cache emptied before each run: earlier runs' sequences would serve its turns.
         longest = max(len(ep.prompt) + ep.tokens + sum(map(len, ep.tools)) for ep in script)
-        for side, decode_steps in (("jax", args.decode_steps), ("jax_batch_sync", longest)):
-            engine = JaxEngine(model_dir, max_batch=args.max_batch, max_seq_len=longest, decode_steps=decode_steps,
-                               warm_up=True)
-            figures["load_before"][side] = os.getloadavg()[0]
-            figures[side] = run_jax(engine, script)
-            if side == "jax":
-                figures["load_before"]["ceiling"] = os.getloadavg()[0]
-                figures["ceiling"] = run_ceiling(engine, args.max_batch, round(figures["prompt_tokens_mean"]), tokens,
-                                                 cfg["vocab_size"])
+        engines = {side: JaxEngine(model_dir, max_batch=args.max_batch, max_seq_len=longest, decode_steps=steps,
+                                   warm_up=True)
+                   for side, steps in (("jax", args.decode_steps), ("jax_batch_sync", longest))}
+        runs = {side: [] for side in ("jax", "ceiling", "jax_batch_sync")}
+        for _ in range(args.repeats):  # the sides alternate, so that the machine's load falls on all of them
+            for side, engine in (("jax", engines["jax"]), ("ceiling", engines["jax"]),
+                                 ("jax_batch_sync", engines["jax_batch_sync"])):
+                engine.prefix.forget()
+                figures["load_before"][side] = os.getloadavg()[0]
+                runs[side].append(run_jax(engine, script) if side != "ceiling" else run_ceiling(
+                    engine, args.max_batch, round(figures["prompt_tokens_mean"]), tokens, cfg["vocab_size"]))
+        for engine in engines.values():
             asyncio.run(engine.close())
-            del engine
-        figures["ratios"]["jax_over_ceiling"] = figures["jax"]["tok_s"] / figures["ceiling"]["tok_s"]
-        figures["ratios"]["continuous_over_batch_sync"] = figures["jax"]["tok_s"] / figures["jax_batch_sync"]["tok_s"]
+        del engines
+        for side, results in runs.items():  # the median run
+            figures[side] = sorted(results, key=lambda f: f["tok_s"])[len(results) // 2]
+        for key, num, den in (("jax_over_ceiling", "jax", "ceiling"),
+                              ("continuous_over_batch_sync", "jax", "jax_batch_sync")):
+            figures["ratios"][key] = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs[num], runs[den]))
 
         hf = None if args.skip_hf else HF(model_dir, threads)
         if hf is not None:
