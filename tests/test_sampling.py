@@ -225,6 +225,22 @@ def test_a_row_inserted_into_running_slots_samples_what_it_samples_alone(model, 
     assert slots.stats["rows"] == 6
 
 
+def test_a_dropped_row_frees_its_slot_for_a_waiting_one(model):
+    graphdef, params = nnx.split(model)
+    slots = slots_for(model, Shapes(max_seq_len=32, chunk=4, max_batch=2, decode_steps=3))
+    gone, kept, waiting = Row([1, 2], 20, 1), Row([3, 4], 9, 2), Row([5, 6], 6, 3)
+    slots.add([gone, kept, waiting])
+    slots.step(graphdef, params, 0)
+    assert slots.rows == [gone, kept] and list(slots.waiting) == [waiting]
+    slots.drop([gone])
+    slots.step(graphdef, params, 0)
+    assert slots.rows == [waiting, kept] and len(gone.tokens) == 3 and gone.finish_reason is None
+    while slots.busy():
+        slots.step(graphdef, params, 0)
+    for row in (kept, waiting):
+        same(row, run(model, [Row(row.prompt, row.max_tokens, row.seed)])[0])
+
+
 def test_new_weights_between_decode_calls_reach_the_rows_under_way(model):
     """A swap between two calls: a live row keeps its keys and values and samples its next tokens
     with the new weights; each token carries the version that computed its logits. Nothing it
