@@ -75,7 +75,7 @@ def _serve(args) -> int:
 
 # The serve flags that make up a launch (`wire.BridgeLaunch`), by their argparse names; left out of
 # `args` when not given, so that a launch's defaults are its dataclass's.
-_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs")
+_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs", "cpus")
 _SERVER_FLAGS = ("host", "port", "insecure", "snapshot_root")
 _LIMIT_FLAGS = tuple(f.name for f in dataclasses.fields(wire.Limits))
 
@@ -149,6 +149,8 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
                     **given)
     br.add_argument("--max-batch", type=int, help="most sequences generated together", **given)
     br.add_argument("--seed", type=int, help="sampling seed for requests without one (default 0)", **given)
+    br.add_argument("--cpus", type=lambda v: tuple(int(c) for c in v.split(",")), metavar="0,1",
+                    help="CPUs the bridge runs on, e.g. to keep it off a trainer's (default: all it may use)", **given)
     br.add_argument("--engine-kwargs", **given,
                     help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
     br.add_argument("--envs", help="JSON file of the environments and reward functions to serve: "

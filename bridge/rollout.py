@@ -61,11 +61,14 @@ class Trajectory:
     env_s: float = 0.0
     total_s: float = 0.0
 
-    def append(self, ids, logprobs, trained: bool, version: int) -> None:
+    def append(self, ids, logprobs, trained: bool, version: int | list[int]) -> None:
+        """`version`: the weights' version of every token, or of each (new weights may arrive while a
+        completion is sampled); environment tokens get ENV_VERSION."""
         self.completion_ids += ids
         self.sampler_logprobs += logprobs if trained else [0.0] * len(ids)
         self.loss_mask += [int(trained)] * len(ids)
-        self.token_versions += [version if trained else ENV_VERSION] * len(ids)
+        versions = version if isinstance(version, list) else [version] * len(ids)
+        self.token_versions += versions if trained else [ENV_VERSION] * len(ids)
 
 
 async def run_episode(
@@ -102,7 +105,7 @@ async def run_episode(
             t0 = time.perf_counter()
             [[completion]] = await engine.generate([traj.prompt_ids + traj.completion_ids], turn_params)
             traj.generate_s += time.perf_counter() - t0
-            traj.append(completion.token_ids, completion.logprobs, True, completion.policy_version)
+            traj.append(completion.token_ids, completion.logprobs, True, completion.token_versions)
             traj.num_turns += 1
             if hook is None:
                 traj.finish_reason = completion.finish_reason

@@ -601,6 +601,12 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
     async def main() -> None:
         envs = None
         check_exposure(launch.server.host, tls is not None, launch.server.insecure)  # before minutes of loading
+        if launch.cpus:  # before the engine's thread pools are sized by the CPUs it may use
+            try:
+                os.sched_setaffinity(0, launch.cpus)
+            except OSError as e:
+                raise StartupError(f"cannot run on CPUs {list(launch.cpus)} ({e.strerror}); this machine lets it use "
+                                   f"{sorted(os.sched_getaffinity(0))}") from None
         if not (Path(launch.model) / "config.json").is_file():
             raise StartupError(f"{launch.model}: not a model directory (no config.json)")
         if launch.envs is not None:

@@ -123,9 +123,11 @@ class BridgeLaunch:
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
     envs: str | None = None
     server: ServerSpec = ServerSpec()
+    cpus: tuple[int, ...] = ()  # the CPUs the bridge process runs on; empty: those it was started with
 
     def __post_init__(self):
         object.__setattr__(self, "model", str(self.model))
+        object.__setattr__(self, "cpus", tuple(int(c) for c in self.cpus))
         if self.envs is not None:
             object.__setattr__(self, "envs", str(self.envs))
 

@@ -5,14 +5,25 @@ from benches import tiny_figures
 
 def test_tiny_multiturn_benchmark_prints_its_figures():
     figures = tiny_figures("multiturn", one_device=True)
-    assert set(figures["ratios"]) == {"jax_over_hf_turn_sync", "jax_over_hf_sequential"}
+    assert set(figures["ratios"]) == {"jax_over_ceiling", "continuous_over_batch_sync", "jax_over_hf_turn_sync",
+                                      "jax_over_hf_sequential"}
     assert all(r > 0 for r in figures["ratios"].values())
-    for side in ("jax", "hf_turn_sync", "hf_sequential"):
+    assert figures["ceiling"]["tokens"] == figures["generated_tokens"] and figures["ceiling"]["compiles"] == 0
+    for side in ("jax", "jax_batch_sync", "hf_turn_sync", "hf_sequential"):
         f = figures[side]
         assert f["tokens"] == figures["generated_tokens"] > 0, side  # every side generates the same tokens
         assert f["turns"] == figures["turns"], side
         assert f["wall_s"] > 0 and f["tok_s"] > 0 and f["turn_latency_median_ms"] > 0, side
-    assert figures["jax"]["batches"] >= 1 and figures["jax"]["rows"] == figures["turns"]
-    assert figures["jax"]["compiles"] == 0  # the warm-up compiled every batch size
-    assert 0 < figures["jax"]["prompt_tokens_from_prefix_cache"] < 1  # later turns reuse earlier ones
+    for side in ("jax", "jax_batch_sync"):
+        assert figures[side]["batches"] >= 1 and figures[side]["rows"] == figures["turns"]
+        assert figures[side]["compiles"] == 0  # the warm-up compiled every batch size
+        assert 0 < figures[side]["prompt_tokens_from_prefix_cache"] < 1  # later turns reuse earlier ones
+    # A call of the batch-synchronous engine runs until its rows end: fewer, longer calls.
+    assert figures["jax_batch_sync"]["batches"] < figures["jax"]["batches"]
     assert figures["hf_turn_sync"]["generate_calls"] >= 2  # every episode has at least two turns
+
+
+def test_tiny_long_tail_mix_runs():
+    figures = tiny_figures("multiturn", "--mix", "long-tail", "--skip-hf", one_device=True)
+    assert set(figures["ratios"]) == {"jax_over_ceiling", "continuous_over_batch_sync"}
+    assert figures["mix"] == "long-tail" and figures["jax"]["tokens"] == figures["generated_tokens"]

@@ -128,6 +128,30 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(bridges):
     assert result.counts["groups_zero_variance"] == 6 and result.counts["groups_padded"] == 2
 
 
+def test_stream_takes_groups_as_they_complete_and_never_trains_a_stale_token(bridges):
+    cfg = config(rollout={"mode": "stream", "in_flight_groups": 3, "max_staleness": 1},
+                 learner={"loss": {"is_level": "token"}})
+    engine = bridges[0][1]
+    client = RolloutClient([bridges[0][0]], cfg, TOKEN)
+    collector = Collector(cfg, client, TaskSource(cfg), (0,))
+    try:
+        first = collector.collect(0, 0)
+        assert len(first.groups) == 2 and first.staleness_max == 0 and first.counts["tokens_lag_0"] > 0
+        # New weights: the groups sampled before (in flight or done and waiting) are two versions old.
+        engine.policy_version = 2
+        second = collector.collect(1, 2)
+    finally:
+        collector.close()
+        client.close()
+        engine.policy_version = 0
+    versions = np.concatenate([t.token_versions[t.loss_mask.astype(bool)] for g in second.groups for t in g])
+    assert len(second.groups) == 2 and versions.min() >= 1 and second.staleness_max <= 1
+    looked_at = second.counts["groups_looked_at"]
+    assert looked_at == 2 + second.counts["groups_stale"] and second.counts["groups_stale"] <= 3
+    ids = [g[0].group_id for g in first.groups + second.groups]
+    assert len(set(ids)) == 4  # each group requested once, numbered on from step 0's
+
+
 def test_failed_and_stale_groups_are_dropped():
     cfg = config(rollout={"mode": "async", "max_staleness": 1}, learner={"loss": {"is_level": "token"}})
     collector = Collector(cfg, client=None, tasks=None, stop_ids=(0,))

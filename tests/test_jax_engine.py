@@ -76,6 +76,8 @@ def test_one_program_per_batch_size_compiled_by_the_warm_up(model_dir, tmp_path)
     before = compiles()
     for length, max_tokens, n in ((3, 5, 1), (40, 2, 3), (100, 20, 2), (7, 60, 4)):
         run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=max_tokens, seed=0, n=n)))
+    more = run(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=9, seed=0, n=3)))  # 6 rows, 4 slots
+    assert [[len(c.token_ids) for c in group] for group in more] == [[9] * 3] * 2
     assert compiles() == before
     model = load_pretrained(model_dir)  # generation with swapped-in weights compiles nothing either
     with contextlib.closing(SnapshotWriter(tmp_path, model.cfg)) as writer:
@@ -160,6 +162,8 @@ def test_bad_requests_are_refused(model_dir):
     engine = JaxEngine(model_dir)
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         run(engine.generate([[1], []], SamplingParams()))
+    with pytest.raises(ValueError, match="9 stop_token_ids, but the jax engine takes at most 8"):
+        run(engine.generate([[1]], SamplingParams(stop_token_ids=tuple(range(9)))))
     with pytest.raises(ValueError, match="n=0 must be >= 1"):
         SamplingParams(n=0)
 
@@ -176,3 +180,57 @@ def test_an_episodes_next_turn_reuses_its_cached_prefix_until_the_weights_change
     [[again]] = run(engine.generate([turn], params))
     assert engine.stats["prefix_cached_tokens"] == len(prompt) + len(first.token_ids) - 1
     assert again.token_ids == second.token_ids and again.logprobs == pytest.approx(second.logprobs, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def slot_engine(model_dir):
+    """4 slots advanced 4 tokens per device call, every program compiled up front."""
+    return JaxEngine(model_dir, max_batch=4, max_seq_len=64, prefill_chunk=16, decode_steps=4, warm_up=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_joins_running_slots_and_samples_what_it_samples_alone(slot_engine, temperature):
+    engine = slot_engine
+    target = ([[9, 8, 7, 6, 5]], SamplingParams(temperature=temperature, max_tokens=12, seed=5))
+    [[alone]] = run(engine.generate(*target))
+
+    async def scenario():
+        long = asyncio.create_task(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=40, seed=1)))
+        await engine.generate([[4, 5]], SamplingParams(max_tokens=2, seed=2))  # done after the first call
+        joined = await engine.generate(*target)
+        return await long, joined
+
+    before, compiled = engine.stats["batches"], compiles()
+    [[long]], [[joined]] = run(scenario())
+    assert engine.stats["batches"] - before == 10  # the long row's 10 calls: the others rode along
+    assert compiles() == compiled
+    assert joined.token_ids == alone.token_ids and len(long.token_ids) == 40
+    np.testing.assert_allclose(joined.logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_new_weights_reach_a_completion_under_way_and_tag_its_tokens(slot_engine):
+    engine = slot_engine
+    params = SamplingParams(max_tokens=40, seed=1)
+    [[old]] = run(engine.generate([[1, 2, 3]], params))
+    served = engine.params
+    new = jax.tree.map(lambda x: x * 1.5, served)
+
+    async def scenario():
+        long = asyncio.create_task(engine.generate([[1, 2, 3]], params))
+        await engine.generate([[4, 5]], SamplingParams(max_tokens=2, seed=2))  # done after the first call
+        await engine.swap(new, 1)  # from the second call on
+        return await long
+
+    compiled = compiles()
+    try:
+        [[swapped]] = run(scenario())
+        [[after]] = run(engine.generate([[1, 2, 3]], params))
+    finally:
+        run(engine.swap(served, 0))
+    assert compiles() == compiled
+    # One call of 4 tokens, and the token sampled from the logits that call left: old weights.
+    assert swapped.token_versions == [0] * 5 + [1] * 35 and swapped.policy_version == 0
+    assert swapped.token_ids[:5] == old.token_ids[:5]
+    np.testing.assert_allclose(swapped.logprobs[:5], old.logprobs[:5], atol=1e-5)
+    assert swapped.token_ids != old.token_ids
+    assert after.token_versions == [1] * 40 and after.policy_version == 1

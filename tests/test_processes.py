@@ -134,11 +134,13 @@ def test_a_taken_port_is_a_start_up_error(model_dir):
 
 def test_stop_asks_for_shutdown_and_the_bridge_exits_cleanly(model_dir, tmp_path):
     log = tmp_path / "bridge.log"
-    with _start(model_dir, log_path=log, engine_kwargs={"batch_window_s": 0.01}) as bridge:
+    with _start(model_dir, log_path=log, engine_kwargs={"batch_window_s": 0.01}, cpus=(0,)) as bridge:
         host, port = bridge.address.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0
         assert bridge.client.health().engine == "jax"
         pid = bridge.pid
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert "Cpus_allowed_list:\t0\n" in status  # on the CPU its launch names
         # Its token travels in its environment, not its argv (which `ps` shows to everyone).
         assert bridge.token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert f"JAXRL_BRIDGE_TOKEN={bridge.token}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from bridge.engines.base import SamplingParams, derive_seed
+from bridge.engines.base import Completion, SamplingParams, derive_seed
 from bridge.engines.jax_engine import JaxEngine
 from bridge.rollout import ENV_VERSION, TurnResult, run_episode
 from jaxrl.tiny import build_tiny_model
@@ -101,3 +101,19 @@ def test_a_failing_environment_ends_the_episode_with_an_error(engine):
     assert traj.finish_reason == "error"
     assert "ConnectionError: environment went away" in traj.error
     assert hook.closed and traj.num_turns == 2
+
+
+class _SwappedMidCompletion:
+    """An engine whose weights change while it samples: the last token comes from version 5."""
+
+    policy_version = 4
+
+    async def generate(self, prompts, params):
+        return [[Completion([11, 12, 13], [-1.0, -2.0, -3.0], "length", 4, [4, 4, 5])]]
+
+
+def test_each_token_keeps_the_version_that_sampled_it():
+    traj = asyncio.run(run_episode(_SwappedMidCompletion(), "g", 0, [1, 2], SamplingParams(max_tokens=3),
+                                   ToolHook(done_after=2), max_turns=2, max_total_tokens=32))
+    assert traj.token_versions == [4, 4, 5] + [ENV_VERSION] * len(TOOL_RESULT) + [4, 4, 5]
+    assert traj.loss_mask == [1, 1, 1] + [0] * len(TOOL_RESULT) + [1, 1, 1]

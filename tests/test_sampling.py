@@ -1,4 +1,5 @@
-"""KV-cache sampling: tokens and logprobs agree with full forward passes."""
+"""KV-cache sampling over decode slots: tokens and logprobs agree with full forward passes, and a
+row samples what it samples alone, whatever joins or leaves the slots around it."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bridge.engines.sampler import PrefixCache, RowParams, Shapes, generate_rows
-from jaxrl.models import Decoder, positions_from_mask
+from bridge.engines.sampler import PrefixCache, Row, Shapes, Slots
+from jaxrl.models import Decoder, KVCache, positions_from_mask
 from jaxrl.tiny import tiny_config
 
-SHAPES = Shapes(max_seq_len=32, chunk=4, max_batch=4)  # prompts longer than a chunk take several
+# Prompts longer than a chunk take several; rows longer than 3 tokens take several decode calls.
+SHAPES = Shapes(max_seq_len=32, chunk=4, max_batch=4, decode_steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +20,28 @@ def model():
     return Decoder(tiny_config("qwen3", vocab_size=128), nnx.Rngs(3))
 
 
-def generate(model, prompts, max_new_tokens, stop_token_ids=(), temperature=0.0, seed=0, top_p=1.0, top_k=0):
-    """One completion per prompt with shared settings (greedy at temperature 0)."""
-    n = len(prompts)
-    rows = RowParams(
-        temperature=np.full(n, temperature, np.float32), top_p=np.full(n, top_p, np.float32),
-        top_k=np.full(n, top_k, np.int32), max_tokens=np.full(n, max_new_tokens, np.int32),
-        seed=np.arange(n, dtype=np.uint32) + np.uint32(seed), stop_ids=[tuple(stop_token_ids)] * n,
-    )
+def slots_for(model, shapes=SHAPES, prefix_rows=0):
+    return Slots(model.cfg, shapes, PrefixCache(model.cfg, shapes, prefix_rows))
+
+
+def run(model, rows, slots=None, version=0):
+    """Steps the slots until every row ended; returns the rows."""
+    slots = slots or slots_for(model)
     graphdef, params = nnx.split(model)
-    return generate_rows(graphdef, params, prompts, rows, SHAPES, PrefixCache(model.cfg, SHAPES, rows=0))
+    slots.add(rows)
+    while slots.busy():
+        slots.step(graphdef, params, version)
+    return rows
+
+
+def rows_of(prompts, max_tokens, stop_ids=(), temperature=0.0, seed=0, top_p=1.0, top_k=0):
+    """One row per prompt with shared settings (greedy at temperature 0), seeds seed, seed + 1, ..."""
+    return [Row(list(p), max_tokens, seed + i, temperature, top_p, top_k, tuple(stop_ids))
+            for i, p in enumerate(prompts)]
+
+
+def generate(model, prompts, max_new_tokens, **kwargs):
+    return run(model, rows_of(prompts, max_new_tokens, **kwargs))
 
 
 def _full_logp(model, prompt, completion, temperature):
@@ -42,42 +56,40 @@ def _full_logp(model, prompt, completion, temperature):
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_sampled_logprobs_match_a_full_forward_pass(model, temperature):
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [10, 11], [12]]
-    out = generate(model, prompts, max_new_tokens=6, temperature=temperature, seed=1)
-    for prompt, toks, logps in zip(prompts, out.tokens, out.logprobs):
-        assert len(toks) == 6
-        _, ref = _full_logp(model, prompt, toks, temperature)
-        np.testing.assert_allclose(logps, ref, atol=1e-5)
+    for prompt, row in zip(prompts, generate(model, prompts, max_new_tokens=6, temperature=temperature, seed=1)):
+        assert len(row.tokens) == 6 and row.versions == [0] * 6
+        _, ref = _full_logp(model, prompt, row.tokens, temperature)
+        np.testing.assert_allclose(row.logprobs, ref, atol=1e-5)
 
 
 def test_greedy_follows_argmax_and_stops_at_stop_tokens(model):
     prompts = [[1, 2, 3], [4, 5]]
     free = generate(model, prompts, max_new_tokens=5)
-    for prompt, toks in zip(prompts, free.tokens):
-        logp, _ = _full_logp(model, prompt, toks, 1.0)
-        assert toks == np.asarray(jnp.argmax(logp, -1)).tolist()
-    assert free.finish_reasons == ["length", "length"]
+    for prompt, row in zip(prompts, free):
+        logp, _ = _full_logp(model, prompt, row.tokens, 1.0)
+        assert row.tokens == np.asarray(jnp.argmax(logp, -1)).tolist()
+    assert [row.finish_reason for row in free] == ["length", "length"]
 
-    stop = free.tokens[0][-1]
-    first = free.tokens[0].index(stop)
-    stopped = generate(model, prompts, max_new_tokens=5, stop_token_ids=(stop,))
-    assert stopped.tokens[0] == free.tokens[0][:first + 1]
-    assert stopped.finish_reasons[0] == "stop"
+    stop = free[0].tokens[-1]
+    first = free[0].tokens.index(stop)
+    stopped = generate(model, prompts, max_new_tokens=5, stop_ids=(stop,))
+    assert stopped[0].tokens == free[0].tokens[:first + 1]
+    assert stopped[0].finish_reason == "stop"
 
 
 def test_different_seeds_sample_differently(model):
     a = generate(model, [[1, 2]], max_new_tokens=8, temperature=1.0, seed=0)
     b = generate(model, [[1, 2]], max_new_tokens=8, temperature=1.0, seed=1)
-    assert a.tokens != b.tokens
+    assert a[0].tokens != b[0].tokens
 
 
-def test_empty_prompt_is_rejected(model):
-    with pytest.raises(ValueError, match="every prompt needs a token"):
-        generate(model, [[1], []], max_new_tokens=2)
-
-
-def test_sequences_longer_than_max_seq_len_are_refused(model):
-    with pytest.raises(ValueError, match="more than max_seq_len 32"):
+def test_rows_that_do_not_fit_are_refused(model):
+    with pytest.raises(ValueError, match="within max_seq_len 32 tokens in all; got 30 \\+ 3"):
         generate(model, [[1] * 30], max_new_tokens=3)
+    with pytest.raises(ValueError, match="a row needs a prompt"):
+        generate(model, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="9 stop token ids, more than the engine's 8"):
+        generate(model, [[1]], max_new_tokens=2, stop_ids=range(9))
 
 
 def test_top_k_and_top_p_filters_match_their_definitions():
@@ -118,92 +130,156 @@ def test_sampled_tokens_follow_the_tempered_and_filtered_distribution():
 
 def test_truncated_sampling_reports_full_vocabulary_logprobs(model):
     prompt = [3, 4, 5]
-    greedy = generate(model, [prompt], max_new_tokens=6)
-    top1 = generate(model, [prompt], max_new_tokens=6, temperature=0.8, top_k=1, seed=5)
+    [greedy] = generate(model, [prompt], max_new_tokens=6)
+    [top1] = generate(model, [prompt], max_new_tokens=6, temperature=0.8, top_k=1, seed=5)
     assert top1.tokens == greedy.tokens
-    _, ref = _full_logp(model, prompt, top1.tokens[0], 0.8)
-    np.testing.assert_allclose(top1.logprobs[0], ref, atol=1e-5)
-    assert max(top1.logprobs[0]) < 0  # not the truncated distribution's log(1) = 0
-    tiny_p = generate(model, [prompt], max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=7)
+    _, ref = _full_logp(model, prompt, top1.tokens, 0.8)
+    np.testing.assert_allclose(top1.logprobs, ref, atol=1e-5)
+    assert max(top1.logprobs) < 0  # not the truncated distribution's log(1) = 0
+    [tiny_p] = generate(model, [prompt], max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=7)
     assert tiny_p.tokens == greedy.tokens
 
 
 def test_rows_in_one_batch_keep_their_own_settings(model):
-    graphdef, params = nnx.split(model)
-    rows = RowParams(
-        temperature=np.array([0.0, 1.0, 1.0], np.float32), top_p=np.ones(3, np.float32),
-        top_k=np.zeros(3, np.int32), max_tokens=np.array([2, 7, 4], np.int32),
-        seed=np.array([0, 1, 1], np.uint32), stop_ids=[(), (), ()],
-    )
-    out = generate_rows(graphdef, params, [[1, 2], [1, 2], [1, 2]], rows, SHAPES, PrefixCache(model.cfg, SHAPES, 0))
-    assert [len(t) for t in out.tokens] == [2, 7, 4]
-    assert out.finish_reasons == ["length"] * 3
+    rows = [Row([1, 2], 2, 0, temperature=0.0), Row([1, 2], 7, 1), Row([1, 2], 4, 1)]
+    run(model, rows)
+    assert [len(r.tokens) for r in rows] == [2, 7, 4]
+    assert [r.finish_reason for r in rows] == ["length"] * 3
     # Same seed and prompt: the shorter row is a prefix of the longer one.
-    assert out.tokens[1][:4] == out.tokens[2]
-    assert out.tokens[0] == generate(model, [[1, 2]], max_new_tokens=2).tokens[0]
+    assert rows[1].tokens[:4] == rows[2].tokens
+    assert rows[0].tokens == generate(model, [[1, 2]], max_new_tokens=2)[0].tokens
 
 
 def test_a_continuation_prefills_only_its_new_tokens_and_samples_what_a_fresh_prefill_would(model):
     """An episode's next turn extends its last prompt and completion: with the prefix cache it
     prefills only the new tokens, and samples exactly what it samples without the cache."""
-    graphdef, params = nnx.split(model)
 
-    def rows(n, max_tokens, seed):
-        return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
-                         np.full(n, max_tokens, np.int32), np.arange(n, dtype=np.uint32) + seed, [()] * n)
+    def rows(prompts, max_tokens, seed):
+        return rows_of(prompts, max_tokens, temperature=1.0, seed=seed)
 
-    cached = PrefixCache(model.cfg, SHAPES, rows=4)
+    cached = slots_for(model, prefix_rows=4)
     prompts = [[3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8], [9, 10]]  # the first two: one prefill
-    first = generate_rows(graphdef, params, prompts, rows(3, 5, 0), SHAPES, cached)
-    assert cached.stats == {"prompt_tokens": 14, "cached_tokens": 6}
-    assert first.tokens[0] != first.tokens[1]  # same prompt, own seeds
-    nxt = [p + t + [11, 12, 13] for p, t in zip(prompts, first.tokens)]
-    second = generate_rows(graphdef, params, nxt, rows(3, 4, 7), SHAPES, cached)
-    assert cached.stats["cached_tokens"] == 6 + sum(len(p) + len(t) - 1 for p, t in zip(prompts, first.tokens))
-    fresh = generate_rows(graphdef, params, nxt, rows(3, 4, 7), SHAPES, PrefixCache(model.cfg, SHAPES, 0))
-    assert second.tokens == fresh.tokens
-    np.testing.assert_allclose(np.concatenate(second.logprobs), np.concatenate(fresh.logprobs), atol=1e-5)
-    for prompt, toks, logps in zip(nxt, second.tokens, second.logprobs):
-        np.testing.assert_allclose(logps, _full_logp(model, prompt, toks, 1.0)[1], atol=1e-5)
+    first = run(model, rows(prompts, 5, 0), cached)
+    assert cached.prefix.stats == {"prompt_tokens": 14, "cached_tokens": 6}
+    assert first[0].tokens != first[1].tokens  # same prompt, own seeds
+    nxt = [p + r.tokens + [11, 12, 13] for p, r in zip(prompts, first)]
+    second = run(model, rows(nxt, 4, 7), cached)
+    assert cached.prefix.stats["cached_tokens"] == 6 + sum(len(p) + len(r.tokens) - 1 for p, r in zip(prompts, first))
+    fresh = run(model, rows(nxt, 4, 7))
+    assert [r.tokens for r in second] == [r.tokens for r in fresh]
+    np.testing.assert_allclose(np.concatenate([r.logprobs for r in second]),
+                               np.concatenate([r.logprobs for r in fresh]), atol=1e-5)
+    for prompt, row in zip(nxt, second):
+        np.testing.assert_allclose(row.logprobs, _full_logp(model, prompt, row.tokens, 1.0)[1], atol=1e-5)
+
+
+def same(row, alone):
+    assert row.tokens == alone.tokens
+    np.testing.assert_allclose(row.logprobs, alone.logprobs, atol=1e-5)
 
 
 def test_a_row_samples_the_same_tokens_alone_batched_or_from_the_prefix_cache(model):
     """A row's random stream is its own, so neither batch nor cache changes what it samples. Its
     logprobs may move in the last bits: XLA:CPU picks kernels (and reduction orders) by the whole
     batch's shape, and a cached prefix's keys were computed by decode steps, not a prefill."""
-    graphdef, params = nnx.split(model)
-    shapes = SHAPES  # the programs the other tests compiled
-
-    def rows(seeds, max_tokens=8):
-        n = len(seeds)
-        return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
-                         np.full(n, max_tokens, np.int32), np.asarray(seeds, np.uint64), [()] * n)
-
-    def same(out, ref, i=-1):
-        assert out.tokens[i] == ref.tokens[0]
-        np.testing.assert_allclose(out.logprobs[i], ref.logprobs[0], atol=1e-5)
-
     target, seed = [5, 6, 7, 8, 9, 10, 11, 12, 13], 2**63 + 11
-    alone = generate_rows(graphdef, params, [target], rows([seed]), shapes, PrefixCache(model.cfg, shapes, 0))
+
+    def row(prompt, seed, max_tokens=8):
+        return Row(list(prompt), max_tokens, seed)
+
+    [alone] = run(model, [row(target, seed)])
     others = [[1, 2], list(range(1, 21)), [4, 5, 6]]
     for n in (1, 2, 3):  # batches of 2 and 4 rows, the target last
-        same(generate_rows(graphdef, params, others[:n] + [target], rows([1, 2, 3][:n] + [seed]), shapes,
-                           PrefixCache(model.cfg, shapes, 0)), alone)
+        same(run(model, [row(p, s) for p, s in zip(others[:n], (1, 2, 3))] + [row(target, seed)])[-1], alone)
 
-    cache = PrefixCache(model.cfg, shapes, rows=4)
-    first = generate_rows(graphdef, params, [target[:4]], rows([7], 5), shapes, cache)
-    turn = target[:4] + first.tokens[0] + [20, 21]  # an episode's next turn
-    fresh = generate_rows(graphdef, params, [turn], rows([seed]), shapes, PrefixCache(model.cfg, shapes, 0))
-    cached = generate_rows(graphdef, params, [others[1], turn], rows([1, seed]), shapes, cache)
-    assert cache.stats["cached_tokens"] == len(target[:4]) + len(first.tokens[0]) - 1
-    same(cached, fresh)
+    cache = slots_for(model, prefix_rows=4)
+    [first] = run(model, [row(target[:4], 7, 5)], cache)
+    turn = target[:4] + first.tokens + [20, 21]  # an episode's next turn
+    [fresh] = run(model, [row(turn, seed)])
+    cached = run(model, [row(others[1], 1), row(turn, seed)], cache)
+    assert cache.prefix.stats["cached_tokens"] == len(target[:4]) + len(first.tokens) - 1
+    same(cached[1], fresh)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_inserted_into_running_slots_samples_what_it_samples_alone(model, temperature):
+    """Rows join and leave the slots around the target: it is inserted while three rows run,
+    they end while it runs (and it moves down to the first slot), and new rows join after."""
+    graphdef, params = nnx.split(model)
+    target = Row([7, 8, 9, 10, 11], 12, 2**40 + 5, temperature)
+    [alone] = run(model, [Row(target.prompt, 12, target.seed, temperature)])
+    slots = slots_for(model)
+    slots.add([Row([1, 2, 3], 4, 1), Row(list(range(1, 12)), 5, 2), Row([4], 6, 3)])
+    slots.step(graphdef, params, 0)
+    slots.add([target])
+    slots.step(graphdef, params, 0)
+    assert slots.rows[3] is target and len(target.tokens) == 3  # inserted into the last free slot
+    while len([r for r in slots.rows if r is not None]) > 1:
+        slots.step(graphdef, params, 0)
+    slots.step(graphdef, params, 0)
+    assert slots.rows[0] is target  # moved down: one slot decoded
+    slots.add([Row([3, 1], 6, 9), Row([2, 2, 2], 3, 10)])
+    while slots.busy():
+        slots.step(graphdef, params, 0)
+    same(target, alone)
+    assert slots.stats["rows"] == 6
+
+
+def test_a_dropped_row_frees_its_slot_for_a_waiting_one(model):
+    graphdef, params = nnx.split(model)
+    slots = slots_for(model, Shapes(max_seq_len=32, chunk=4, max_batch=2, decode_steps=3))
+    gone, kept, waiting = Row([1, 2], 20, 1), Row([3, 4], 9, 2), Row([5, 6], 6, 3)
+    slots.add([gone, kept, waiting])
+    slots.step(graphdef, params, 0)
+    assert slots.rows == [gone, kept] and list(slots.waiting) == [waiting]
+    slots.drop([gone])
+    slots.step(graphdef, params, 0)
+    assert slots.rows == [waiting, kept] and len(gone.tokens) == 3 and gone.finish_reason is None
+    while slots.busy():
+        slots.step(graphdef, params, 0)
+    for row in (kept, waiting):
+        same(row, run(model, [Row(row.prompt, row.max_tokens, row.seed)])[0])
+
+
+def test_new_weights_between_decode_calls_reach_the_rows_under_way(model):
+    """A swap between two calls: a live row keeps its keys and values and samples its next tokens
+    with the new weights; each token carries the version that computed its logits. Nothing it
+    cached under the old weights serves a request under the new ones."""
+    graphdef, params = nnx.split(model)
+    new_params = jax.tree.map(lambda x: x * 1.5, params)
+    prompt = [5, 6, 7, 8]
+    slots = slots_for(model, prefix_rows=4)
+    row = Row(prompt, 9, 0)
+    slots.add([row])
+    slots.step(graphdef, params, 0)
+    slots.step(graphdef, new_params, 1)
+    while slots.busy():
+        slots.step(graphdef, new_params, 1)
+    # The token sampled first after the swap came from logits of the old weights.
+    assert row.versions == [0] * 4 + [1] * 5
+    [old] = run(model, [Row(prompt, 4, 0)])
+    same(Row(prompt, 4, 0, tokens=row.tokens[:4], logprobs=row.logprobs[:4]), old)
+    # The later ones: the new weights over the old weights' keys of the prompt and first 3 tokens.
+    seq, L = prompt + row.tokens, len(prompt) + 3
+    empty = KVCache.empty(model.cfg, 1, 32)
+    _, cache = model(jnp.asarray([seq[:L]]), jnp.arange(L)[None], jnp.ones((1, L), bool), empty)
+    new_model = nnx.merge(graphdef, new_params)
+    rest = seq[L:-1]
+    logits, _ = new_model(jnp.asarray([rest]), L + jnp.arange(len(rest))[None], jnp.ones((1, len(rest)), bool), cache)
+    logp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+    np.testing.assert_allclose(row.logprobs[4:], logp[np.arange(len(rest)), row.tokens[4:]], atol=1e-5)
+
+    before = slots.prefix.stats["cached_tokens"]
+    [turn] = run(new_model, [Row(prompt + row.tokens + [3], 2, 0)], slots, version=1)
+    assert slots.prefix.stats["cached_tokens"] == before  # the row saw two versions: not kept
+    run(new_model, [Row(prompt + row.tokens + [3] + turn.tokens + [4], 2, 0)], slots, version=1)
+    assert slots.prefix.stats["cached_tokens"] == before + len(prompt + row.tokens) + len(turn.tokens)
 
 
 def test_a_batch_prefills_its_leaders_in_blocks_and_every_row_samples_what_it_samples_alone(model):
     """17 rows (blocks of 2 prefilled together, the last one partial): groups sharing a prompt
     interleaved with rows of their own, prompt rests of one to four chunks, one row continuing
     from the prefix cache. Each row samples the tokens it samples alone."""
-    graphdef, params = nnx.split(model)
     shapes = Shapes(max_seq_len=32, chunk=4, max_batch=17)
     rng = np.random.default_rng(0)
     shared = [list(rng.integers(1, 128, n)) for n in (3, 14)]
@@ -211,18 +287,11 @@ def test_a_batch_prefills_its_leaders_in_blocks_and_every_row_samples_what_it_sa
     prompts = [shared[0], list(rng.integers(1, 128, 9)), shared[1], shared[0], earlier + [7, 8, 9],
                shared[1], list(rng.integers(1, 128, 16)), shared[0], shared[1], [5]]
     prompts += [list(rng.integers(1, 128, n)) for n in (2, 5, 11, 1, 7, 13, 4)]
-    seeds = np.arange(len(prompts), dtype=np.uint64) + 100
+    seeds = range(100, 100 + len(prompts))
 
-    def rows(seeds, max_tokens=6):
-        n = len(seeds)
-        return RowParams(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
-                         np.full(n, max_tokens, np.int32), np.asarray(seeds, np.uint64), [()] * n)
-
-    cache = PrefixCache(model.cfg, shapes, rows=17)
-    generate_rows(graphdef, params, [earlier], rows([1], 1), shapes, cache)
-    batched = generate_rows(graphdef, params, prompts, rows(seeds), shapes, cache)
-    assert cache.stats["cached_tokens"] == len(earlier) + 3 * len(shared[0]) - len(shared[0]) + len(shared[1]) * 2
-    for prompt, seed, tokens, logprobs in zip(prompts, seeds, batched.tokens, batched.logprobs):
-        alone = generate_rows(graphdef, params, [prompt], rows([seed]), shapes, PrefixCache(model.cfg, shapes, 0))
-        assert tokens == alone.tokens[0]
-        np.testing.assert_allclose(logprobs, alone.logprobs[0], atol=1e-5)
+    cache = slots_for(model, shapes, prefix_rows=17)
+    run(model, [Row(earlier, 1, 1)], cache)
+    batched = run(model, [Row(p, 6, s) for p, s in zip(prompts, seeds)], cache)
+    assert cache.prefix.stats["cached_tokens"] == len(earlier) + 2 * len(shared[0]) + 2 * len(shared[1])
+    for prompt, seed, row in zip(prompts, seeds, batched):
+        same(row, run(model, [Row(prompt, 6, seed)], slots_for(model, shapes))[0])

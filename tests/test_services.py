@@ -42,6 +42,8 @@ def test_the_runs_bridges_are_launched_with_its_model_environments_engine_snapsh
     assert launch == BridgeLaunch("model", max_batch=16, seed=7, engine_kwargs=engine_kwargs(cfg),
                                   envs="logs/bridge_envs.json", server=server)
     assert bridge_launch(cfg, Path("model"), Path("envs.json"), None).server.snapshot_roots == ()
+    pinned = from_dict(TrainConfig, {**BASE, "bridge": {"cpus": [0]}})
+    assert bridge_launch(pinned, Path("model"), Path("envs.json"), None).cpus == (0,)
 
 
 def test_the_bridges_token_is_the_runs_own_or_the_running_bridges(tmp_path, monkeypatch):

@@ -152,8 +152,8 @@ def _probe_the_bridge(pid: int, run_dir: Path, foreign: Path) -> None:
 
     from bridge.client import BridgeClient, BridgeRequestError, BridgeUnauthenticated
 
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    root = Path(args[args.index(b"--snapshot-root") + 1].decode())
+    # The root the run publishes under (its launch file is gone): where the bridge loaded step 1's weights.
+    root = Path(re.search(r"serving snapshot (\S+) version", (run_dir / "logs" / "bridge.log").read_text())[1])
     environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
     token = environ[b"JAXRL_BRIDGE_TOKEN"].decode()
     address = next(line.split()[1] for line in (run_dir / "logs" / "bridge.log").read_text().splitlines()
@@ -265,6 +265,23 @@ def test_a_stalled_then_killed_environment_server_costs_replays_and_a_restart_no
     assert restarts[0] == 0 and restarts[-1] == 1  # the kill, not the stall
     assert "exited with code -9; restarting it on port" in err
     print(f"stalled after step {stalled_at}, killed after step {killed_at}: {retried:.0f} episodes replayed")
+
+
+def test_a_streaming_run_trains_on_groups_as_they_complete_never_on_stale_tokens(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=4, eval={"episodes": 0},
+                          rollout={"mode": "stream", "in_flight_groups": 3, "max_staleness": 1, "groups_per_step": 2,
+                                   "max_tokens": 12, "max_total_tokens": 24, "max_prompt_tokens": 64},
+                          learner={"group_size": 4, "loss": {"is_level": "token"}})
+    summary = summary_of(jaxrl("train", config))
+    assert summary["steps"] == 4 and summary["compiles_after_step_1"] == 0
+    rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/groups_padded"] == 0 for r in rows)
+    # Every step trains all the tokens it kept, each of them at most one version behind.
+    assert all(r["rollout/trained_tokens"] == r.get("rollout/tokens_lag_0", 0) + r.get("rollout/tokens_lag_1", 0)
+               for r in rows)
+    assert [r["version"] for r in rows] == [2, 3, 4, 5]
 
 
 def test_two_environments_async_with_a_test_only_url_environment(model_dir, tmp_path):

@@ -128,8 +128,9 @@ def test_bad_task_json_is_a_wire_error():
 def test_a_bridge_launch_round_trips_as_json_and_a_bad_one_says_why():
     launch = wire.BridgeLaunch("m", engine="vllm", max_batch=8, engine_kwargs={"gpu_memory_utilization": 0.4},
                                envs="envs.json", server=wire.ServerSpec(port=7, snapshot_roots=["/run/snapshots"],
-                                                                        limits=wire.Limits(max_groups=5)))
-    assert wire.BridgeLaunch.from_json(launch.to_json()) == launch
+                                                                        limits=wire.Limits(max_groups=5)),
+                               cpus=[1, 0])
+    assert wire.BridgeLaunch.from_json(launch.to_json()) == launch and launch.cpus == (1, 0)
     assert wire.BridgeLaunch.from_json('{"model": "m"}') == wire.BridgeLaunch("m")
     for text, message in [("[1]", "not a bridge launch"), ('{"model": "m", "gpus": 2}', "gpus"),
                           ('{"model": "m", "server": {"limits": {"max_groups": 0}}}',

@@ -64,7 +64,14 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
-    policy_version: int  # the weights that generated every token of this completion
+    # The weights that sampled the first token: the oldest of `token_versions` (a completion
+    # under way when new weights arrive goes on with them).
+    policy_version: int
+    token_versions: list[int] | None = None  # each token's policy version; None: all policy_version
+
+    def __post_init__(self):
+        if self.token_versions is None:
+            self.token_versions = [self.policy_version] * len(self.token_ids)
 
 
 class Engine(Protocol):

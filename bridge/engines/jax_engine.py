@@ -1,11 +1,16 @@
-"""The JAX engine: jaxrl's own KV-cache sampler over `jaxrl.models`, batching concurrent requests.
+"""The JAX engine: jaxrl's own KV-cache sampler over `jaxrl.models`, with continuous batching.
 
-Requests that arrive within `batch_window_s` of each other run as one device call of at most
-`max_batch` rows, padded to a power of two. Sequences (prompt + completion) hold at most
-`max_seq_len` tokens: a longer prompt is refused and a completion that reaches it ends "length".
-The only shapes are the batch sizes, so with `warm_up` every program is compiled before the first
-request and none mid-run. Weights are swapped only between device calls, and every completion
-records the policy version that produced it.
+Requests become rows (one per completion) that wait for one of `max_batch` decode slots
+(`bridge.engines.sampler.Slots`). Each device call advances every live slot `decode_steps` tokens;
+between calls, rows that ended are handed back and waiting rows are prefilled into the free slots.
+When the engine is idle, requests that arrive within `batch_window_s` of the first start together.
+Sequences (prompt + completion) hold at most `max_seq_len` tokens: a longer prompt is refused and a
+completion that reaches it ends "length". The only shapes are the powers of two up to `max_batch`,
+so with `warm_up` every program is compiled before the first request and none mid-run.
+
+Weights are swapped between two device calls, without draining the slots: a row under way samples
+its next tokens with the new weights over the keys and values it has (see the sampler), and every
+token records the policy version that sampled it (`Completion.token_versions`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from flax import nnx
 
 from bridge.engines.base import (Completion, EngineError, SamplingParams, SnapshotRefused, derive_seed,
                                  read_off_loop)
-from bridge.engines.sampler import Generation, PrefixCache, RowParams, Shapes, generate_rows
+from bridge.engines.sampler import PrefixCache, Row, Shapes, Slots
 from jaxrl.compilation import compiles
 from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
 from jaxrl.snapshots import SnapshotError, SnapshotReader
@@ -40,7 +45,7 @@ SHAPE_FIELDS = (
 class _Request:
     prompts: list[list[int]]
     params: SamplingParams
-    seeds: np.ndarray
+    rows: list[Row]  # prompt-major, params.n per prompt
     future: asyncio.Future
 
 
@@ -49,7 +54,8 @@ class JaxEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str | None = None, max_batch: int = 64,
                  batch_window_s: float = 0.005, seed: int = 0, tokenizer=None, max_seq_len: int = 2048,
-                 prefill_chunk: int = 64, prefix_cache_rows: int | None = None, warm_up: bool = False):
+                 prefill_chunk: int = 64, prefix_cache_rows: int | None = None, decode_steps: int = 16,
+                 max_stop_ids: int = 8, warm_up: bool = False):
         model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
         self.cfg: ModelConfig = model.cfg
         self.graphdef, params = nnx.split(model)
@@ -57,16 +63,18 @@ class JaxEngine:
         # first weights would compile every program again after the first swap.
         self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, params))
         self.policy_version = 0
-        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
+                            ("decode_steps", decode_steps), ("max_stop_ids", max_stop_ids)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jax engine: {name}={value!r} must be a positive integer")
-        self.shapes = Shapes(min(max_seq_len, self.cfg.max_position_embeddings), prefill_chunk, max_batch)
+        self.shapes = Shapes(min(max_seq_len, self.cfg.max_position_embeddings), prefill_chunk, max_batch,
+                             decode_steps, max_stop_ids)
         # Enough rows for every episode of two full batches to find its last turn again.
         rows = 2 * max_batch if prefix_cache_rows is None else prefix_cache_rows
         if not isinstance(rows, int) or rows < 0:
             raise ValueError(f"jax engine: prefix_cache_rows={rows!r} must be an integer >= 0")
         self.prefix = PrefixCache(self.cfg, self.shapes, rows)
-        self._prefix_version = self.policy_version
+        self.slots = Slots(self.cfg, self.shapes, self.prefix)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.tokenizer = tokenizer
@@ -74,20 +82,15 @@ class JaxEngine:
         self._queue: asyncio.Queue[_Request] | None = None
         self._swap_lock = asyncio.Lock()
         self._worker: asyncio.Task | None = None
+        self._running: list[_Request] = []
         self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0, "compiles": compiles()}
         if warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compiles (or loads from the persistent cache) the program of every batch size."""
-        rows = self.shapes.batches()[-1]
-        for n in self.shapes.batches():
-            generate_rows(self.graphdef, self.params, [[0]] * n, RowParams(
-                temperature=np.ones(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
-                max_tokens=np.ones(n, np.int32), seed=np.arange(n, dtype=np.uint32), stop_ids=[()] * n),
-                self.shapes, self.prefix)
-        self.prefix.clear()
-        log.info("jax engine: compiled batch sizes up to %d (max_seq_len %d)", rows, self.shapes.max_seq_len)
+        """Compiles (or loads from the persistent cache) the programs of every batch size."""
+        self.slots.warm_up(self.graphdef, self.params)
+        log.info("jax engine: compiled batch sizes up to %d (max_seq_len %d)", self.max_batch, self.shapes.max_seq_len)
         self.stats["compiles"] = compiles()
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -95,6 +98,9 @@ class JaxEngine:
             raise ValueError("every prompt needs at least one token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer; pass stop_token_ids instead")
+        if len(params.stop_token_ids) > self.shapes.max_stop_ids:
+            raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids, but the jax engine takes at most "
+                             f"{self.shapes.max_stop_ids} (its max_stop_ids)")
         longest = self.shapes.max_seq_len
         for i, p in enumerate(prompts):
             if len(p) >= longest:
@@ -104,100 +110,81 @@ class JaxEngine:
                     f"generate; shorten the prompt or raise max_seq_len")
         if self._worker is None or self._worker.get_loop() is not asyncio.get_running_loop():
             # The batching task lives in the caller's event loop (one per asyncio.run).
+            # Requests of an earlier loop are gone with it.
+            self.slots.drop([row for req in self._running for row in req.rows])
             self._queue = asyncio.Queue()
+            self._running = []
             self._worker = asyncio.create_task(self._batch_loop())
-        rows = len(prompts) * params.n
         base = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
-        seeds = np.array([derive_seed(base, r) for r in range(rows)], np.uint64)
+        rows = [Row(list(prompt), min(params.max_tokens, longest - len(prompt)), derive_seed(base, r),
+                    params.temperature, params.top_p, params.top_k, params.stop_token_ids)
+                for r, prompt in enumerate(p for p in prompts for _ in range(params.n))]
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(prompts, params, seeds, future))
+        await self._queue.put(_Request(prompts, params, rows, future))
         return await future
 
     async def _batch_loop(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            deadline = time.monotonic() + self.batch_window_s
-            rows = len(batch[0].prompts) * batch[0].params.n
-            while rows < self.max_batch:
-                try:
-                    req = await asyncio.wait_for(self._queue.get(), max(deadline - time.monotonic(), 0))
-                except asyncio.TimeoutError:
-                    break
-                batch.append(req)
-                rows += len(req.prompts) * req.params.n
-            batch = [req for req in batch if not req.future.done()]  # cancelled: no device time
-            if not batch:
+            if not self.slots.busy():
+                self._start(await self._queue.get())
+                deadline = time.monotonic() + self.batch_window_s
+                while len(self.slots.waiting) < self.max_batch:
+                    try:
+                        self._start(await asyncio.wait_for(self._queue.get(), max(deadline - time.monotonic(), 0)))
+                    except asyncio.TimeoutError:
+                        break
+            while not self._queue.empty():
+                self._start(self._queue.get_nowait())
+            cancelled = [req for req in self._running if req.future.done()]  # no device time for them
+            self.slots.drop([row for req in cancelled for row in req.rows])
+            self._running = [req for req in self._running if not req.future.done()]
+            if not self.slots.busy():
                 continue
             async with self._swap_lock:
                 params, version = self.params, self.policy_version
                 try:
-                    results = await asyncio.to_thread(self._run, batch, params, version)
-                except Exception as e:  # one bad batch fails its requests, not the engine
-                    for req in batch:
+                    await asyncio.to_thread(self._step, params, version)
+                except Exception as e:  # one bad call fails the requests under way, not the engine
+                    for req in self._running:
                         if not req.future.done():
                             req.future.set_exception(EngineError(f"jax engine generate failed: {e}"))
+                    self._running = []
+                    self.slots.waiting.clear()
+                    self.slots.reset()
                     continue
-            for req, result in zip(batch, results):
+            done = [req for req in self._running if all(row.finish_reason for row in req.rows)]
+            for req in done:
+                self._running.remove(req)
                 if not req.future.done():
-                    req.future.set_result(result)
+                    req.future.set_result(self._completions(req))
+            if done:  # callers woken by their results queue their next turn before the next call starts
+                await asyncio.sleep(0)
 
-    def _run(self, batch: list[_Request], params, version: int) -> list[list[list[Completion]]]:
-        prompts, fields = [], {k: [] for k in ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids")}
-        for req in batch:
-            for prompt in req.prompts:
-                for _ in range(req.params.n):
-                    prompts.append(prompt)
-                    for key in fields:
-                        fields[key].append(getattr(req.params, key))
-                    # A completion that reaches max_seq_len ends "length".
-                    fields["max_tokens"][-1] = min(req.params.max_tokens, self.shapes.max_seq_len - len(prompt))
-        rows = RowParams(
-            temperature=np.asarray(fields["temperature"], np.float32),
-            top_p=np.asarray(fields["top_p"], np.float32),
-            top_k=np.asarray(fields["top_k"], np.int32),
-            max_tokens=np.asarray(fields["max_tokens"], np.int32),
-            seed=np.concatenate([req.seeds for req in batch]),
-            stop_ids=fields["stop_token_ids"],
-        )
+    def _start(self, req: _Request) -> None:
+        if not req.future.done():
+            self.slots.add(req.rows)
+            self._running.append(req)
+
+    def _step(self, params, version: int) -> None:
         start = time.perf_counter()
-        if version != self._prefix_version:  # cached keys and values of other weights
-            self.prefix.clear()
-            self._prefix_version = version
-        out = Generation([], [], [])
-        for lo in range(0, len(prompts), self.max_batch):  # one request may bring more rows than a batch
-            try:
-                part = generate_rows(self.graphdef, params, prompts[lo:lo + self.max_batch],
-                                     rows.slice(lo, lo + self.max_batch), self.shapes, self.prefix)
-            except Exception:
-                self.prefix.clear()
-                raise
-            out.tokens += part.tokens
-            out.logprobs += part.logprobs
-            out.finish_reasons += part.finish_reasons
-            self.stats["batches"] += 1
+        self.slots.step(self.graphdef, params, version)
         self.stats["generate_s"] += time.perf_counter() - start
-        self.stats["rows"] += len(prompts)
-        self.stats["tokens"] += sum(len(t) for t in out.tokens)
-        self.stats["compiles"] = compiles()
+        self.stats.update(batches=self.slots.stats["decode_calls"], rows=self.slots.stats["rows"],
+                          tokens=self.slots.stats["tokens"], compiles=compiles())
         self.stats.update({f"prefix_{k}": v for k, v in self.prefix.stats.items()})
-        results, i = [], 0
-        for req in batch:
-            per_prompt = []
-            for _ in req.prompts:
-                group = []
-                for _ in range(req.params.n):
-                    group.append(self._finish(out.tokens[i], out.logprobs[i], out.finish_reasons[i], req.params, version))
-                    i += 1
-                per_prompt.append(group)
-            results.append(per_prompt)
-        return results
 
-    def _finish(self, tokens, logprobs, reason, params: SamplingParams, version: int) -> Completion:
+    def _completions(self, req: _Request) -> list[list[Completion]]:
+        n = req.params.n
+        return [[self._finish(row, req.params) for row in req.rows[i * n:(i + 1) * n]] for i in range(len(req.prompts))]
+
+    def _finish(self, row: Row, params: SamplingParams) -> Completion:
+        end = len(row.tokens)
+        reason = row.finish_reason
         if reason != "stop" and params.stop:
-            end = self._stop_string_end(tokens, params.stop)
-            if end is not None:
-                return Completion(tokens[:end], logprobs[:end], "stop", version)
-        return Completion(tokens, logprobs, reason, version)
+            cut = self._stop_string_end(row.tokens, params.stop)
+            if cut is not None:
+                end, reason = cut, "stop"
+        return Completion(row.tokens[:end], row.logprobs[:end], reason, row.versions[0], row.versions[:end])
 
     def _stop_string_end(self, tokens, stops) -> int | None:
         """Tokens up to the one that completes the first stop string (token ids stay untouched)."""
@@ -208,10 +195,14 @@ class JaxEngine:
 
     async def load_snapshot(self, path: str, version: int) -> float:
         start = time.perf_counter()
-        params = await read_off_loop(self._read_snapshot, path, version)
+        await self.swap(await read_off_loop(self._read_snapshot, path, version), version)
+        return time.perf_counter() - start
+
+    async def swap(self, params, version: int) -> None:
+        """Serves `params` (shaped, typed and placed like the served ones) as `version` from the next
+        device call on; rows under way go on with them."""
         async with self._swap_lock:
             self.params, self.policy_version = params, version
-        return time.perf_counter() - start
 
     def _read_snapshot(self, path: str, version: int):
         """Snapshot `version`'s weights as new params shaped, typed and placed like the served ones

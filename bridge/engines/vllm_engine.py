@@ -1,9 +1,18 @@
-"""vLLM engine: `vllm.LLM` in-process, token ids in and out, weights replaced in place.
+"""vLLM engine: vLLM's `LLMEngine` in-process, token ids in and out, weights replaced in place.
 
-vLLM is imported only here, so the default (JAX) path never needs it. Its `LLM` is synchronous:
-one worker thread runs it, and the requests that arrive while it is busy are sent together as the
-next `llm.generate` batch. Weights change only between batches, under the same lock, so every
-completion carries the one policy version that generated it.
+vLLM is imported only here, so the default (JAX) path never needs it. One worker thread owns the
+engine and drives it step by step (`add_request`, `step`): vLLM batches continuously, so requests
+join the running batch at the next step and each request's future resolves as soon as its last
+completion is finished. A cancelled request is aborted; a step that fails fails the requests under
+way, not the engine.
+
+Weights are swapped between two steps without draining: vLLM refuses to reset its prefix cache while
+requests hold KV blocks, so running requests are preempted (`reset_running_requests=True`) and
+recompute their KV with the new weights at the next step; no KV computed with the old weights is
+ever read again. vLLM labels each token with the weight version that sampled it
+(`set_weight_version`), which becomes `Completion.token_versions`. Measured on the CPU build, whose
+steps are synchronous; with vLLM's async scheduling (GPU) the tokens still in flight at a swap are
+those of the preempted requests, which vLLM drops and samples again (unmeasured here).
 
 Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, the log-softmax of the logits
 after temperature (the default `raw_logprobs` ignores temperature). vLLM's processed logprobs also
@@ -15,7 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import itertools
 import json
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -92,8 +104,26 @@ def _repack_tied_lm_head(model) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+@dataclasses.dataclass(eq=False)  # jobs are told apart by identity (and kept in sets)
+class _Job:
+    """One `generate` call: a vLLM request per prompt, resolved when the last one finishes."""
+
+    prompts: list[list[int]]
+    params: object  # vllm.SamplingParams
+    results: list[list[Completion] | None]
+    future: concurrent.futures.Future
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Swap:
+    weights: list
+    version: int
+    future: concurrent.futures.Future
+
+
 class VLLMEngine:
-    """`vllm.LLM` serving `model_dir`; `engine_kwargs` go to `vllm.LLM` as they are.
+    """vLLM serving `model_dir`; `engine_kwargs` go to `vllm.LLM` as they are.
 
     Building it loads the model and takes seconds: construct it off the event loop if that matters.
     """
@@ -122,22 +152,21 @@ class VLLMEngine:
             and not (self._served_config["tie_word_embeddings"] and name == "lm_head.weight")
         }
         self.llm = vllm.LLM(model=str(self.model_dir), **kwargs)
+        self.llm.update_weight_version(str(policy_version))
         self._max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._vllm = vllm
         self.policy_version = policy_version
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm")
-        self._lock: asyncio.Lock | None = None  # created on first use, inside the running loop
-        self._pending: list[tuple[list[list[int]], SamplingParams, asyncio.Future]] = []
-        self._pump: asyncio.Task | None = None
         self._broken: str | None = None
-
-    def _engine_lock(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
+        # Handed to the worker thread, which alone touches the engine: _Job, _Swap, or None to stop.
+        self._inbox: list[_Job | _Swap | None] = []
+        self._wake = threading.Condition()
+        self._running: dict[str, tuple[_Job, int]] = {}  # vLLM request id: (its job, prompt index)
+        self._request_ids = itertools.count()
+        self._worker = threading.Thread(target=self._work, name="vllm", daemon=True)
+        self._worker.start()
 
     def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Refuses here what vLLM would refuse, so that one bad request cannot fail its whole batch."""
+        """Refuses here, with a message that says what to change, what vLLM would refuse."""
         if params.temperature > 0 and (params.top_p < 1 or params.top_k > 0):
             raise ValueError(
                 f"vllm engine: top_p={params.top_p}, top_k={params.top_k}: vLLM reports logprobs of "
@@ -157,35 +186,20 @@ class VLLMEngine:
         self._check_request(prompts, params)
         if not prompts:
             return []
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((prompts, params, future))
-        if self._pump is None or self._pump.done():
-            # A task, not a direct call: every request made in this loop iteration joins the batch.
-            self._pump = asyncio.create_task(self._run_pending())
-        return await future
+        job = _Job(prompts, self._sampling_params(params), [None] * len(prompts), concurrent.futures.Future())
+        self._submit(job)
+        return await asyncio.wrap_future(job.future)
 
-    async def _run_pending(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            async with self._engine_lock():
-                batch, self._pending = self._pending, []
-                try:
-                    if self._broken:
-                        raise EngineError(self._broken)
-                    results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
-                except Exception as e:
-                    if not isinstance(e, EngineError):
-                        e = EngineError(f"vllm generate failed: {e!r}")
-                    results = [e] * len(batch)
-                for (*_, future), result in zip(batch, results):
-                    if future.done():  # the caller was cancelled meanwhile
-                        continue
-                    if isinstance(result, EngineError):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+    def _submit(self, item: _Job | _Swap) -> None:
+        with self._wake:
+            if self._broken:
+                raise EngineError(self._broken)
+            self._inbox.append(item)
+            self._wake.notify()
 
     def _sampling_params(self, p: SamplingParams):
+        from vllm.sampling_params import RequestOutputKind
+
         # top_p / top_k stay at vLLM's "off": truncated sampling is refused, and for greedy rows
         # truncation would change nothing but their logprobs.
         return self._vllm.SamplingParams(
@@ -199,44 +213,111 @@ class VLLMEngine:
             seed=p.seed,
             logprobs=0,  # the sampled token's logprob only
             detokenize=bool(p.stop),  # text is needed only to match stop strings
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def _generate_batch(self, batch) -> list[list[list[Completion]]]:
-        """Runs in the worker thread: one `llm.generate` for every request of the batch."""
+    def _work(self) -> None:
+        """The worker thread; if it fails, every request fails with it instead of waiting forever."""
+        try:
+            self._serve()
+        except Exception as e:
+            with self._wake:
+                self._broken = f"vllm engine stopped: {e!r}"
+                inbox, self._inbox = self._inbox, []
+            error = EngineError(self._broken)
+            for job, _ in self._running.values():
+                _fail(job.future, error)
+            for item in inbox:
+                if item is not None:
+                    _fail(item.future, error)
+            raise
+
+    def _serve(self) -> None:
+        """Takes in new requests and swaps, then advances the engine one step, until closed."""
+        engine = self.llm.llm_engine
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._inbox or engine.has_unfinished_requests())
+                inbox, self._inbox = self._inbox, []
+            for item in inbox:
+                if item is None:
+                    self._fail_running(EngineError("vllm engine is closed"))
+                    return
+                if isinstance(item, _Swap):
+                    self._swap(item)
+                else:
+                    self._start(item)
+            self._abort_cancelled()
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # one bad step fails the requests under way, not the engine
+                self._fail_running(EngineError(f"vllm generate failed: {e!r}"))
+                continue
+            for output in outputs:
+                if output.finished:
+                    self._finish(output)
+
+    def _start(self, job: _Job) -> None:
         from vllm.inputs import TokensPrompt
 
-        prompts, sampling = [], []
-        for request_prompts, params, _ in batch:
-            sp = self._sampling_params(params)
-            prompts += [TokensPrompt(prompt_token_ids=list(p)) for p in request_prompts]
-            sampling += [sp] * len(request_prompts)
-        outputs = iter(self.llm.generate(prompts, sampling, use_tqdm=False))
-        version = self.policy_version
-        results = []
-        for request_prompts, _, _ in batch:
-            results.append(
-                [[self._completion(c, version) for c in next(outputs).outputs] for _ in request_prompts]
-            )
-        return results
+        if job.future.cancelled():
+            return
+        try:
+            if self._broken:
+                raise EngineError(self._broken)
+            for i, prompt in enumerate(job.prompts):
+                request_id = str(next(self._request_ids))
+                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), job.params)
+                job.request_ids.append(request_id)
+                self._running[request_id] = (job, i)
+        except Exception as e:
+            self._end(job, e if isinstance(e, EngineError) else EngineError(f"vllm refused a request: {e!r}"))
 
-    @staticmethod
-    def _completion(c, version: int) -> Completion:
-        if c.finish_reason not in ("stop", "length"):
-            raise EngineError(f"vllm finished a completion with reason {c.finish_reason!r}")
-        token_ids = list(c.token_ids)
-        logprobs = [step[t].logprob for t, step in zip(token_ids, c.logprobs)]
-        return Completion(token_ids, logprobs, c.finish_reason, version)
+    def _finish(self, output) -> None:
+        if output.request_id not in self._running:  # its job failed earlier in this step
+            return
+        job, i = self._running.pop(output.request_id)
+        try:
+            job.results[i] = [_completion(c) for c in output.outputs]
+        except Exception as e:
+            self._end(job, e if isinstance(e, EngineError) else EngineError(f"vllm output unreadable: {e!r}"))
+            return
+        if all(r is not None for r in job.results):
+            self._end(job, job.results)
+
+    def _end(self, job: _Job, result) -> None:
+        """Hands `job` its result (or error) and frees its requests that are still running."""
+        unfinished = [r for r in job.request_ids if self._running.pop(r, None)]
+        if unfinished:
+            self.llm.llm_engine.abort_request(unfinished)
+        if isinstance(result, Exception):
+            _fail(job.future, result)
+        elif job.future.set_running_or_notify_cancel():  # False: the caller was cancelled
+            job.future.set_result(result)
+
+    def _abort_cancelled(self) -> None:
+        """No more steps for the requests of callers that were cancelled."""
+        for job in {job for job, _ in self._running.values() if job.future.cancelled()}:
+            self._end(job, None)
+
+    def _fail_running(self, error: EngineError) -> None:
+        for job in {job for job, _ in self._running.values()}:
+            self._end(job, error)
 
     async def load_snapshot(self, path: str, version: int) -> float:
         start = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        # Read and check off the lock: generation goes on with the old weights meanwhile.
-        weights = await read_off_loop(self._read_snapshot, path, version)
-        async with self._engine_lock():
-            if self._broken:
-                raise EngineError(self._broken)
-            await loop.run_in_executor(self._executor, self._swap_weights, weights, version)
+        # Read and checked off the worker thread: generation goes on with the old weights meanwhile.
+        await self.swap(await read_off_loop(self._read_snapshot, path, version), version)
         return time.perf_counter() - start
+
+    async def swap(self, weights: list, version: int) -> None:
+        """Serves `weights` ([(HF name, torch tensor)], every tensor that changes) as `version` from
+        the next engine step on; requests under way go on with them."""
+        swap = _Swap(weights, version, concurrent.futures.Future())
+        self._submit(swap)
+        await asyncio.wrap_future(swap.future)
 
     def _read_snapshot(self, path: str, version: int) -> list:
         from jaxrl.snapshots import SnapshotError, SnapshotReader
@@ -265,26 +346,54 @@ class VLLMEngine:
             )
         return [(name, _to_torch(x)) for name, x in snapshot.tensors.items()]
 
-    def _swap_weights(self, weights: list, version: int) -> None:
-        """Runs in the worker thread, between generate batches."""
+    def _swap(self, swap: _Swap) -> None:
+        """Runs in the worker thread, between two engine steps."""
+        if self._broken:
+            _fail(swap.future, EngineError(self._broken))
+            return
+        if not swap.future.set_running_or_notify_cancel():
+            return
         try:
             # One call with the full list: vLLM fuses q/k/v and gate/up, so each group arrives whole.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": swap.weights})
             if self._served_config["tie_word_embeddings"]:
                 self.llm.apply_model(_repack_tied_lm_head)
-            # Cached prefixes hold KV computed with the old weights.
-            if not self.llm.reset_prefix_cache():
+            # Cached prefixes and running requests hold KV computed with the old weights: the
+            # running ones are preempted and recompute it (prompt and tokens so far) at the next step.
+            if not self.llm.reset_prefix_cache(reset_running_requests=True):
                 raise EngineError("vllm could not reset its prefix cache")
         except Exception as e:
             self._broken = (
-                f"vllm weight reload of version {version} failed; the weights are in an unknown "
+                f"vllm weight reload of version {swap.version} failed; the weights are in an unknown "
                 f"state, restart the engine: {e!r}"
             )
-            raise EngineError(self._broken) from e
-        self.policy_version = version
+            self._fail_running(EngineError(self._broken))
+            swap.future.set_exception(EngineError(self._broken))
+            return
+        self.llm.update_weight_version(str(swap.version))
+        self.policy_version = swap.version
+        swap.future.set_result(None)
 
     async def close(self) -> None:
-        async with self._engine_lock():
-            self._executor.shutdown(wait=True)
+        with self._wake:
             self._broken = "vllm engine is closed"
-            self.llm.llm_engine.engine_core.shutdown()
+            self._inbox.append(None)
+            self._wake.notify()
+        await asyncio.to_thread(self._worker.join)
+        self.llm.llm_engine.engine_core.shutdown()  # a second call does nothing
+
+
+def _fail(future: concurrent.futures.Future, error: Exception) -> None:
+    if future.set_running_or_notify_cancel():  # False: the caller was cancelled
+        future.set_exception(error)
+
+
+def _completion(c) -> Completion:
+    if c.finish_reason not in ("stop", "length"):
+        raise EngineError(f"vllm finished a completion with reason {c.finish_reason!r}")
+    token_ids = list(c.token_ids)
+    logprobs = [step[t].logprob for t, step in zip(token_ids, c.logprobs)]
+    versions = [int(span.version) for span in c.weight_versions or () for _ in range(span.start, span.end)]
+    if len(versions) != len(token_ids):
+        raise EngineError(f"vllm labelled {len(versions)} of {len(token_ids)} tokens with a weight version")
+    return Completion(token_ids, logprobs, c.finish_reason, versions[0], versions)

@@ -38,7 +38,9 @@ LOGPROB_TOLERANCE = 1e-4  # float32 on the wire, float64 in Python: the same num
 class Generation:
     """What one `GenerationHandle.generate` call produced: the prompt as sent, the tokens the
     engine sampled and their logprobs, why it stopped ('stop' or 'length'), the weights' version,
-    and the tokens decoded without special tokens (for reading, never for training)."""
+    and the tokens decoded without special tokens (for reading, never for training). `version` is the
+    weights' that sampled the first token; new weights may arrive while a generation runs, and
+    `token_versions` has each token's."""
 
     prompt_ids: list[int]
     ids: list[int]
@@ -46,6 +48,7 @@ class Generation:
     finish_reason: str
     version: int
     text: str
+    token_versions: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,8 @@ class GenerationHandle:
         self.generate_s += time.perf_counter() - t0
         out = Generation(ids, list(completion.token_ids), [float(x) for x in completion.logprobs],
                          completion.finish_reason, completion.policy_version,
-                         self.tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+                         self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+                         list(completion.token_versions))
         self.generations.append(out)
         return out
 
@@ -222,7 +226,7 @@ def _check_generated(trained: list[tuple[int, float, int, int]], generations: li
             raise RolloutFnError(f"{what}: turn {turn} trains on token {token} at position {pos}, which the handle "
                                  "did not generate there (re-tokenised text?); train only on Generation.ids as "
                                  "returned (Turn.model), and give everything else loss mask 0")
-        versions += [g.version] * n
+        versions += g.token_versions[start:start + n]
         i += n
     return versions
 

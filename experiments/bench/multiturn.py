@@ -1,22 +1,35 @@
-"""Generation on the multi-turn rollout path: episodes arriving one by one, 2-4 turns each, JAX engine
-vs. transformers' `generate` serving the same episodes.
+"""Generation on the multi-turn rollout path: episodes arriving one by one, 2-4 turns each; the JAX
+engine's continuous batching vs. the same engine run batch-synchronously, vs. one full batch of the
+same tokens (the ceiling), and vs. transformers' `generate` serving the same episodes.
 
     python -m experiments.bench.multiturn [--episodes 64] [--model-dir DIR | --hidden 128 --layers 4 ...]
-        [--prompt-tokens 350] [--turns 2 4] [--turn-tokens 16 48] [--tool-tokens 10 20]
-        [--max-delay-ms 50] [--hf-batching round|grouped] [--skip-sequential] [--tiny]
+        [--prompt-tokens 350] [--turns 2 4] [--turn-tokens 16 48] [--mix uniform|long-tail]
+        [--tool-tokens 10 20] [--max-delay-ms 50] [--decode-steps 16] [--repeats 3]
+        [--hf-batching round|grouped] [--skip-hf] [--skip-sequential] [--tiny]
 
-The script (seeded, the same for both sides): episode i arrives after a delay drawn in
+The script (seeded, the same for every side): episode i arrives after a delay drawn in
 [0, --max-delay-ms], has a prompt of --prompt-tokens +- 10% random ids, a number of turns drawn in
---turns, per turn a number of tokens to generate drawn in --turn-tokens (temperature 1, no stop
-tokens: every turn produces exactly that many) and after every turn but the last a "tool result" of
-ids drawn in --tool-tokens, appended before the next turn. Each turn re-sends the whole sequence so
-far (prompt, completions, tool results) as a new prompt: a fresh prefill, as the bridge does.
+--turns, per turn a number of tokens to generate (temperature 1, no stop tokens: every turn
+produces exactly that many) and after every turn but the last a "tool result" of ids drawn in
+--tool-tokens, appended before the next turn. Turn lengths: `--mix uniform` draws them in
+--turn-tokens; `--mix long-tail` draws 90% of turns in 8-32 tokens and 10% in 256-512 (`--tiny`:
+2-4 and 16-32). Each turn re-sends the whole sequence so far (prompt, completions, tool results) as a
+new prompt, as the bridge does.
 
-- `jax`: `JaxEngine` in this process; each episode an asyncio task that sleeps its delay and then
-  calls `engine.generate([ids], SamplingParams(n=1, max_tokens=turn tokens))` once per turn, as
-  `bridge.rollout.run_episode` does; the engine (`--max-batch`, its default batch window) batches
-  what arrives within its batch window. Not behind a bridge process: the bridge's contract runs whole
-  episodes against environments, and `engines` measures what the bridge adds to one batch.
+- `jax`: `JaxEngine` (`--max-batch` slots advanced `--decode-steps` tokens per device call) in this
+  process; each episode an asyncio task that sleeps its delay and then calls
+  `engine.generate([ids], SamplingParams(n=1, max_tokens=turn tokens))` once per turn, as
+  `bridge.rollout.run_episode` does. A turn that arrives while others decode joins them at the next
+  device call. Not behind a bridge process: the bridge's contract runs whole episodes against
+  environments, and `engines` measures what the bridge adds to one batch.
+- `jax_batch_sync`: the same, on an engine whose device call runs until every row in it ended
+  (`decode_steps` = max_seq_len) and takes new rows only between calls: the engine's behaviour
+  before continuous batching (a turn that arrives during a call waits for the call's slowest row).
+  One difference, in its favour: between two busy calls it starts at once with the rows that
+  arrived, where the old engine waited its batch window for more.
+- `ceiling`: the continuous engine given the same number of generated tokens as one full batch:
+  `--max-batch` rows arriving together, prompts of the script's mean prompt length, the tokens split
+  evenly. `jax_over_ceiling` is the share of that throughput the multi-turn path keeps.
 - `hf_turn_sync`: the same model in transformers (torch, CPU) served the way TRL's
   `environment_factory` loop serves it: turn-synchronous rounds. Every episode is there at the start
   (no arrival delays: its best case); round r generates turn r of every episode that has one in one
@@ -29,10 +42,12 @@ far (prompt, completions, tool results) as a new prompt: a fresh prefill, as the
 - `hf_sequential`: one episode after another, one `generate` of exactly the turn's tokens per turn
   (batch 1; a single-stream server). `--skip-sequential` leaves it out.
 
-The JAX engine compiles every batch size before the timed run (`warm_up`) and keeps recent
+The JAX engines compile every batch size before their timed runs (`warm_up`) and keep recent
 sequences' keys and values (an episode's next turn prefills only its new tokens:
-`prompt_tokens_from_prefix_cache` is the share of prompt tokens it did not prefill); transformers
-runs the script once untimed (torch allocates), then once timed.
+`prompt_tokens_from_prefix_cache` is the share of prompt tokens it did not prefill; the cache is
+emptied before each run). The three JAX sides run `--repeats` times, alternated: each side reports
+its median run, each ratio is the median of the runs' ratios. Transformers runs the script once
+untimed (torch allocates), then once timed.
 Generated tokens are asserted equal on every side (the script's total). Reported per side: wall
 seconds for all episodes, generated tokens/s, the median per-turn latency (JAX: the `generate` call
 of that turn, batching wait included; turn-synchronous: from the round's start to the end of the
@@ -43,7 +58,8 @@ Threads: XLA's CPU client uses one intra-op thread per core it may use; torch ge
 On a machine shared with other work, torch's threads suffer far more than XLA's when a core is
 taken (the `--tiny` turn-synchronous run at load 3.6 on 2 cores: 0.24 s with 2 torch threads, 0.02 s
 with 1): read `load_before` (1-minute load average) next to each figure.
-The last line is one JSON object; `ratios` are JAX tokens/s over transformers tokens/s (>1: JAX faster).
+The last line is one JSON object; `ratios`: `jax_over_ceiling` (multi-turn tokens/s over one full
+batch's), `continuous_over_batch_sync`, and JAX tokens/s over transformers tokens/s (>1: JAX faster).
 """
 
 from __future__ import annotations
@@ -81,21 +97,27 @@ class Episode:
 
 def make_script(episodes: int, vocab: int, prompt_tokens: int, turns: tuple[int, int],
                 turn_tokens: tuple[int, int], tool_tokens: tuple[int, int], max_delay_ms: float,
-                seed: int = 0) -> list[Episode]:
-    """The episodes both sides serve; ids in [10, vocab) (clear of the usual special ids)."""
+                seed: int = 0, tail: tuple[float, int, int] | None = None) -> list[Episode]:
+    """The episodes every side serves; ids in [10, vocab) (clear of the usual special ids). `tail`:
+    (share, low, high): that share of turns draws its length in [low, high] instead."""
     rng = np.random.default_rng(seed)
     script = []
     for i in range(episodes):
         n_turns = int(rng.integers(turns[0], turns[1] + 1))
         length = max(1, int(rng.integers(round(0.9 * prompt_tokens), round(1.1 * prompt_tokens) + 1)))
-        script.append(Episode(
+        episode = Episode(
             index=i,
             delay_s=float(rng.uniform(0, max_delay_ms / 1000)),
             prompt=rng.integers(10, vocab, length).tolist(),
             turns=rng.integers(turn_tokens[0], turn_tokens[1] + 1, n_turns).tolist(),
             tools=[rng.integers(10, vocab, rng.integers(tool_tokens[0], tool_tokens[1] + 1)).tolist()
                    for _ in range(n_turns - 1)],
-        ))
+        )
+        if tail is not None:
+            share, low, high = tail
+            long = rng.random(n_turns) < share
+            episode.turns[:] = np.where(long, rng.integers(low, high + 1, n_turns), episode.turns).tolist()
+        script.append(episode)
     return script
 
 
@@ -140,6 +162,25 @@ def run_jax(engine: JaxEngine, script: list[Episode]) -> dict:
                device_s=delta["generate_s"], compiles=compiles() - compiled,
                prompt_tokens_from_prefix_cache=delta["prefix_cached_tokens"] / delta["prefix_prompt_tokens"])
     return out
+
+
+def run_ceiling(engine: JaxEngine, rows: int, prompt_tokens: int, tokens: int, vocab: int) -> dict:
+    """`tokens` generated as one full batch: `rows` prompts arriving together, the tokens split evenly."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, vocab, prompt_tokens).tolist() for _ in range(rows)]
+    budgets = [tokens // rows + (r < tokens % rows) for r in range(rows)]
+
+    async def batch():
+        return await asyncio.gather(*(engine.generate([p], SamplingParams(n=1, temperature=1.0, max_tokens=m, seed=r))
+                                      for r, (p, m) in enumerate(zip(prompts, budgets))))
+
+    before, compiled = engine.stats["batches"], compiles()
+    start = time.perf_counter()
+    produced = sum(len(c.token_ids) for [[c]] in asyncio.run(batch()))
+    wall = time.perf_counter() - start
+    assert produced == tokens, (produced, tokens)
+    return {"wall_s": wall, "tok_s": tokens / wall, "tokens": tokens, "rows": rows, "prompt_tokens": prompt_tokens,
+            "batches": engine.stats["batches"] - before, "compiles": compiles() - compiled}
 
 
 # -- transformers --------------------------------------------------------------------------------
@@ -249,6 +290,8 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"))
     p.add_argument("--turn-tokens", type=int, nargs=2, default=(16, 48), metavar=("MIN", "MAX"),
                    help="tokens generated per turn")
+    p.add_argument("--mix", choices=("uniform", "long-tail"), default="uniform",
+                   help="turn lengths: uniform in --turn-tokens, or 90%% in 8-32 and 10%% in 256-512 tokens")
     p.add_argument("--tool-tokens", type=int, nargs=2, default=(10, 20), metavar=("MIN", "MAX"),
                    help="tokens of each tool result")
     p.add_argument("--max-delay-ms", type=float, default=50.0, help="arrival delays in [0, this]")
@@ -259,6 +302,9 @@ def parse_args(argv=None):
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--max-batch", type=int, default=64, help="the JAX engine's max_batch")
+    p.add_argument("--decode-steps", type=int, default=16, help="the JAX engine's decode_steps (continuous side)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each JAX side, alternated; figures of the median run, ratios the median of each run's")
     p.add_argument("--hf-batching", choices=("round", "grouped"), default="round")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: the cores this process may use, as XLA)")
@@ -266,10 +312,14 @@ def parse_args(argv=None):
     p.add_argument("--skip-sequential", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a smoke size, for the test")
     args = p.parse_args(argv)
+    args.tail = None
     if args.tiny:
         args.episodes, args.prompt_tokens, args.turns = 3, 24, (2, 3)
         args.turn_tokens, args.tool_tokens, args.max_delay_ms = (4, 8), (2, 4), 10.0
         args.hidden, args.layers, args.intermediate, args.vocab = 64, 2, 128, 512
+        args.max_batch, args.decode_steps, args.repeats = 4, 4, 1
+    if args.mix == "long-tail":
+        args.turn_tokens, args.tail = ((2, 4), (0.1, 16, 32)) if args.tiny else ((8, 32), (0.1, 256, 512))
     return args
 
 
@@ -288,7 +338,7 @@ def main(argv=None) -> dict:
         model_dir = Path(args.model_dir) if args.model_dir else _build_model(args, tmp)
         cfg = json.loads((model_dir / "config.json").read_text())
         script = make_script(args.episodes, cfg["vocab_size"], args.prompt_tokens, tuple(args.turns),
-                             tuple(args.turn_tokens), tuple(args.tool_tokens), args.max_delay_ms, args.seed)
+                             tuple(args.turn_tokens), tuple(args.tool_tokens), args.max_delay_ms, args.seed, args.tail)
         tokens = sum(ep.tokens for ep in script)
         figures = {
             "ratios": {},
@@ -296,6 +346,9 @@ def main(argv=None) -> dict:
             "turns": sum(len(ep.turns) for ep in script),
             "generated_tokens": tokens,
             "prompt_tokens_mean": statistics.mean(len(ep.prompt) for ep in script),
+            "mix": args.mix,
+            "max_batch": args.max_batch,
+            "decode_steps": args.decode_steps,
             "model": str(model_dir) if args.model_dir else
             f"tiny qwen3 hidden {args.hidden}, {args.layers} layers, mlp {args.intermediate}, vocab {args.vocab}",
             "threads": threads,
@@ -303,14 +356,28 @@ def main(argv=None) -> dict:
             "load_before": {},
         }
 
-        # Sequences as long as the script's longest; every batch size compiled up front. No untimed run:
-        # its sequences would sit in the engine's prefix cache and serve the timed run's turns.
+        # Sequences as long as the script's longest; every batch size compiled up front. No untimed run,
+        # and the prefix cache emptied before each run: earlier runs' sequences would serve its turns.
         longest = max(len(ep.prompt) + ep.tokens + sum(map(len, ep.tools)) for ep in script)
-        engine = JaxEngine(model_dir, max_batch=args.max_batch, max_seq_len=longest, warm_up=True)
-        figures["load_before"]["jax"] = os.getloadavg()[0]
-        figures["jax"] = run_jax(engine, script)
-        asyncio.run(engine.close())
-        del engine
+        engines = {side: JaxEngine(model_dir, max_batch=args.max_batch, max_seq_len=longest, decode_steps=steps,
+                                   warm_up=True)
+                   for side, steps in (("jax", args.decode_steps), ("jax_batch_sync", longest))}
+        runs = {side: [] for side in ("jax", "ceiling", "jax_batch_sync")}
+        for _ in range(args.repeats):  # the sides alternate, so that the machine's load falls on all of them
+            for side, engine in (("jax", engines["jax"]), ("ceiling", engines["jax"]),
+                                 ("jax_batch_sync", engines["jax_batch_sync"])):
+                engine.prefix.forget()
+                figures["load_before"][side] = os.getloadavg()[0]
+                runs[side].append(run_jax(engine, script) if side != "ceiling" else run_ceiling(
+                    engine, args.max_batch, round(figures["prompt_tokens_mean"]), tokens, cfg["vocab_size"]))
+        for engine in engines.values():
+            asyncio.run(engine.close())
+        del engines
+        for side, results in runs.items():  # the median run
+            figures[side] = sorted(results, key=lambda f: f["tok_s"])[len(results) // 2]
+        for key, num, den in (("jax_over_ceiling", "jax", "ceiling"),
+                              ("continuous_over_batch_sync", "jax", "jax_batch_sync")):
+            figures["ratios"][key] = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs[num], runs[den]))
 
         hf = None if args.skip_hf else HF(model_dir, threads)
         if hf is not None:
@@ -325,7 +392,7 @@ def main(argv=None) -> dict:
                 figures["ratios"]["jax_over_hf_sequential"] = (
                     figures["jax"]["tok_s"] / figures["hf_sequential"]["tok_s"])
 
-    for side in ("jax", "hf_turn_sync", "hf_sequential"):
+    for side in ("jax", "jax_batch_sync", "ceiling", "hf_turn_sync", "hf_sequential"):
         if side in figures:
             assert figures[side]["tokens"] == tokens, (side, figures[side]["tokens"], tokens)
     _print(figures)
@@ -341,20 +408,26 @@ def _round(x):
 
 
 def _print(figures: dict) -> None:
-    print(f"multi-turn bench: {figures['episodes']} episodes, {figures['turns']} turns, "
+    print(f"multi-turn bench: {figures['episodes']} episodes, {figures['turns']} turns ({figures['mix']}), "
           f"{figures['generated_tokens']} generated tokens, prompts ~{figures['prompt_tokens_mean']:.0f} tokens; "
-          f"{figures['model']}; {figures['threads']} threads")
-    for side in ("jax", "hf_turn_sync", "hf_sequential"):
+          f"{figures['model']}; {figures['max_batch']} slots, {figures['decode_steps']} decode steps a call; "
+          f"{figures['threads']} threads")
+    for side in ("jax", "jax_batch_sync", "ceiling", "hf_turn_sync", "hf_sequential"):
         if side not in figures:
             continue
         f = figures[side]
-        extra = (f"{f['batches']} device calls ({f['rows_per_batch']:.1f} rows each), "
-                 f"{f['compiles']} compiles in the timed run" if side == "jax" else
-                 f"{f['generate_calls']} generate calls")
-        print(f"  {side:<14} {f['wall_s']:8.2f} s  {f['tok_s']:9.1f} tok/s  "
-              f"turn p50 {f['turn_latency_median_ms']:8.1f} ms  {extra}  (load {figures['load_before'][side]:.2f})")
+        if side == "ceiling":
+            extra = f"{f['rows']} rows of {f['prompt_tokens']} prompt tokens at once, {f['batches']} device calls"
+            latency = ""
+        else:
+            extra = (f"{f['batches']} device calls ({f['rows_per_batch']:.1f} rows each), "
+                     f"{f['compiles']} compiles in the timed run" if side.startswith("jax") else
+                     f"{f['generate_calls']} generate calls")
+            latency = f"turn p50 {f['turn_latency_median_ms']:8.1f} ms  "
+        print(f"  {side:<14} {f['wall_s']:8.2f} s  {f['tok_s']:9.1f} tok/s  {latency}{extra}  "
+              f"(load {figures['load_before'][side]:.2f})")
     for key, value in figures["ratios"].items():
-        print(f"  {key:<24} {value:.2f}")
+        print(f"  {key:<28} {value:.2f}")
     print(json.dumps(_round(figures)), flush=True)
 
 

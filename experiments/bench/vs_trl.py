@@ -2,7 +2,7 @@
 
     bash scripts/setup_trl.sh                      # once: .venv-trl (TRL 1.16 + the CPU torch wheel)
     .venv/bin/python -m experiments.bench.vs_trl [--steps 10] [--prompts 1] [--generations 8]
-        [--max-completion-length 128] [--max-tool-calls 4] [--lr 1e-6] [--async]
+        [--max-completion-length 128] [--max-tool-calls 4] [--lr 1e-6] [--async] [--stream]
         [--hidden 128] [--layers 4] [--intermediate 256] [--vocab 1000] [--repeats 1] [--jaxrl-only] [--tiny]
 
 The workload, the same on both sides:
@@ -31,6 +31,14 @@ jaxrl's XLA compiles after its first step (learner and bridge; 0 expected), and 
 see both sides did the same work; the bench fails (exit 1, after printing) if either side makes
 ~0 tool calls. The last line is one JSON object; its `ratios` are jaxrl / TRL (lower is better
 for jaxrl): `jaxrl_over_trl_step` and one per phase.
+
+`--stream` runs jaxrl twice more with the bridge and the trainer pinned to one CPU each (the bridge
+on the first of this process's CPUs, `bridge.cpus`; the trainer on the second, `taskset`): sync
+mode, then stream mode (`rollout.mode: stream`, `in_flight_groups` = two steps' groups), and reports
+`stream_over_sync_episodes_per_s` (same episodes per step, so the ratio of wall seconds per step)
+with what bounds it: each phase alone (sync's rollout and learn), the learner's step while the
+bridge generates (stream's learn), and the step that perfect overlap of the phases alone predicts,
+max(rollout, learn), next to the one measured.
 
 `--jaxrl-only` skips TRL (no .venv-trl needed); `--tiny` is a smoke size (a 2-layer model, 3
 steps of 1 x 4 episodes, a short priming) for the test.
@@ -254,11 +262,12 @@ def run_trl(args, model_dir: Path, tasks: Path, tmp: Path) -> dict:
     return out
 
 
-def jaxrl_config(args, model_dir: Path, tasks: Path, run_dir: Path, mode: str) -> dict:
+def jaxrl_config(args, model_dir: Path, tasks: Path, run_dir: Path, mode: str, bridge_cpus: list[int]) -> dict:
     loss = {"loss_type": "dapo", "beta": 0.0}
-    if mode == "async":
+    if mode != "sync":
         loss["is_level"] = "token"
     return {
+        "bridge": {"cpus": bridge_cpus},
         "run_dir": str(run_dir),
         "model": {"dir": str(model_dir)},
         "envs": [{"name": "guess", "env_class": ENV_CLASS}],
@@ -279,17 +288,22 @@ def jaxrl_config(args, model_dir: Path, tasks: Path, run_dir: Path, mode: str) -
     }
 
 
-def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str) -> dict:
+def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: bool = False) -> dict:
+    """`jaxrl train` in `mode`; `pinned`: the bridge on this process's first CPU, the trainer on its second."""
     import yaml
 
-    run_dir = tmp / f"jaxrl_{mode}"
-    cfg_path = tmp / f"jaxrl_{mode}.yaml"
-    cfg_path.write_text(yaml.safe_dump(jaxrl_config(args, model_dir, tasks, run_dir, mode), sort_keys=False))
+    name = f"jaxrl_{mode}" + "_pinned" * pinned
+    run_dir = tmp / name
+    cfg_path = tmp / f"{name}.yaml"
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    cfg_path.write_text(yaml.safe_dump(jaxrl_config(args, model_dir, tasks, run_dir, mode, cpus[:1] if pinned else []),
+                                       sort_keys=False))
     jaxrl = Path(sys.executable).parent / "jaxrl"
     if not jaxrl.is_file():
         raise SystemExit(f"vs_trl: no `jaxrl` console script next to {sys.executable}: run the bench with the "
                          "python of the venv jaxrl is installed in")
-    launch, last = _run([str(jaxrl), "train", str(cfg_path)], tmp / f"jaxrl_{mode}.log", args.timeout)
+    cmd = ["taskset", "-c", str(cpus[1])] * pinned + [str(jaxrl), "train", str(cfg_path)]
+    launch, last = _run(cmd, tmp / f"{name}.log", args.timeout)
     end = time.time()
     summary = json.loads(last)
     rows = []
@@ -309,8 +323,9 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str) -> dict:
     for r in rows:
         r["prompt_tokens"] = prompt_tokens
     out = summarize(rows, launch, first_begin, end, args.skip)
-    out.update(framework=f"jaxrl ({mode})", run_wall_s=summary.get("wall_s"), startup_phases=summary.get("startup"),
-               compiles_after_step_1=summary.get("compiles_after_step_1"), log=str(tmp / f"jaxrl_{mode}.log"))
+    out.update(framework=f"jaxrl ({mode}{', pinned' * pinned})", run_wall_s=summary.get("wall_s"),
+               startup_phases=summary.get("startup"), compiles_after_step_1=summary.get("compiles_after_step_1"),
+               log=str(tmp / f"{name}.log"))
     return out
 
 
@@ -341,6 +356,17 @@ def ratios(jaxrl: dict, trl: dict) -> dict:
         a, b = jaxrl.get(key), trl.get(key)
         out[f"jaxrl_over_trl_{name}"] = round(a / b, 3) if a is not None and b else None
     return out
+
+
+def stream_figures(sync: dict, stream: dict) -> dict:
+    """Streaming over sync, both pinned, and what bounds it: the phases alone and overlapped."""
+    rollout, learn = sync["rollout_s"], sync["learn_s"]
+    return {"stream_over_sync_episodes_per_s": round(sync["wall_per_step_s"] / stream["wall_per_step_s"], 3),
+            "alone": {"rollout_s": rollout, "learn_s": learn, "step_s": sync["wall_per_step_s"]},
+            "overlapped": {"learn_s": stream["learn_s"], "waiting_for_groups_s": stream["rollout_s"],
+                           "step_s": stream["wall_per_step_s"]},
+            "predicted_step_s": round(max(rollout, learn), 4),
+            "predicted_over_sync": round(sync["wall_per_step_s"] / max(rollout, learn), 3)}
 
 
 def _print_table(sides: dict[str, dict]) -> None:
@@ -377,6 +403,8 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--prime-steps", type=int, default=300, help="supervised priming steps")
     p.add_argument("--async", dest="run_async", action="store_true", help="also run jaxrl in async mode")
+    p.add_argument("--stream", action="store_true", help="also run jaxrl pinned (bridge and trainer on one CPU each) "
+                   "in sync and in stream mode")
     p.add_argument("--jaxrl-only", action="store_true", help="skip TRL (no .venv-trl needed)")
     p.add_argument("--tiny", action="store_true", help="smoke size: hidden 64, 2 layers, 3 steps of 1 x 4, short priming")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories and logs here")
@@ -387,6 +415,8 @@ def main(argv=None) -> dict:
         args.steps, args.prompts, args.generations = min(args.steps, 3), 1, 4
         args.hidden, args.layers, args.intermediate, args.prime_steps = 64, 2, 128, 100
     args.skip = 2 if args.steps >= 4 else 1  # steps 1-2 compile / warm up
+    if args.stream and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("vs_trl: --stream pins the bridge and the trainer to a CPU each: it needs two CPUs")
     if not args.jaxrl_only and not TRL_PYTHON.is_file():
         print(f"vs_trl: {TRL_PYTHON.parent.parent.relative_to(ROOT)} is missing: create it with "
               f"`bash scripts/setup_trl.sh` (~1-2 min), or pass --jaxrl-only")
@@ -406,11 +436,14 @@ def main(argv=None) -> dict:
         for _ in range(args.repeats):  # alternating, so that a change in the machine's load hits both sides
             for name, fn in (("trl", lambda: run_trl(args, model_dir, trl_tasks, tmp)),
                              ("jaxrl", lambda: run_jaxrl(args, model_dir, tasks, tmp, "sync")),
-                             ("jaxrl_async", lambda: run_jaxrl(args, model_dir, tasks, tmp, "async"))):
-                if (name == "trl" and args.jaxrl_only) or (name == "jaxrl_async" and not args.run_async):
+                             ("jaxrl_async", lambda: run_jaxrl(args, model_dir, tasks, tmp, "async")),
+                             ("jaxrl_sync_pinned", lambda: run_jaxrl(args, model_dir, tasks, tmp, "sync", True)),
+                             ("jaxrl_stream_pinned", lambda: run_jaxrl(args, model_dir, tasks, tmp, "stream", True))):
+                if ((name == "trl" and args.jaxrl_only) or (name == "jaxrl_async" and not args.run_async)
+                        or (name.endswith("_pinned") and not args.stream)):
                     continue
                 load = os.getloadavg()[0]  # other work on the machine skews both sides, torch's threads most
-                for stale in ("jaxrl_sync", "jaxrl_async", "trl_out"):
+                for stale in ("jaxrl_sync", "jaxrl_async", "jaxrl_sync_pinned", "jaxrl_stream_pinned", "trl_out"):
                     shutil.rmtree(tmp / stale, ignore_errors=True)
                 runs.setdefault(name, []).append({**fn(), "loadavg_1m_before": round(load, 2)})
         sides = {}
@@ -436,6 +469,8 @@ def main(argv=None) -> dict:
     if idle:
         result["error"] = (f"tool calls per episode below {MIN_TOOL_CALLS} on {', '.join(idle)} ({idle}): that side "
                            "hardly reaches the tool, so the sides did not do the same work")
+    if args.stream:
+        result["stream"] = stream_figures(sides["jaxrl_sync_pinned"], sides["jaxrl_stream_pinned"])
     if "trl" in sides:  # last, as promised
         result["ratios"] = ratios(sides["jaxrl"], sides["trl"])
         if "jaxrl_async" in sides:

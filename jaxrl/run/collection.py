@@ -1,6 +1,14 @@
 """From environment tasks to a step's groups: this process's share of them, requested through the
-run's `RolloutClient`, group filters, DAPO dynamic sampling with refills, async prefetch with a
-staleness bound, warnings about what the episodes show of the environments, and rollout metrics.
+run's `RolloutClient`, group filters, DAPO dynamic sampling with refills, async prefetch and
+streaming with a staleness bound, warnings about what the episodes show of the environments, and
+rollout metrics.
+
+The three modes differ only in where a step's groups come from. sync: requested when the step
+starts, at the version just published. async: requested while the previous step trains. stream:
+`rollout.in_flight_groups` groups under way at all times, each requested alone, so a step takes
+groups as they complete; episodes under way when new weights arrive go on with them (partial
+rollouts: every token carries the version that sampled it), and a group is judged by its oldest
+token.
 
 Groups are the unit: GRPO advantages compare the samples of one task, so a group with a failed
 or stale episode is dropped whole (and refilled), never trained half. A truncated episode keeps
@@ -14,6 +22,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from collections.abc import Mapping
 
@@ -43,6 +53,7 @@ class StepRollouts:
     wall_s: float
     generate_s: float  # the wall time split by the episodes' own generate/env shares
     env_s: float
+    staleness_max: int = 0  # versions between the learner and the oldest token trained
 
     def summaries(self) -> list[list[EpisodeSummary]]:
         return [[EpisodeSummary.of(t) for t in g] for g in self.groups]
@@ -81,15 +92,16 @@ class Collector:
         self.params = cfg.sampling_params(stop_ids)
         self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending: tuple[int, concurrent.futures.Future] | None = None
+        self.stream: GroupStream | None = None  # stream mode's, from its first step on
         self.watch = EnvWatch(cfg.rollout.max_turns, {e.name: e for e in cfg.envs})
 
     def _keep(self, group: Group, learner_version: int, counts: collections.Counter) -> bool:
         if any(t.finish_reason == "error" for t in group):
             counts["groups_failed"] += 1
             return False
-        # Sync mode trains on the version just published only; async on versions at most
+        # Sync mode trains on the version just published only; async and stream on versions at most
         # max_staleness behind. A newer version than the learner's was never published by this run.
-        oldest = learner_version - (self.cfg.rollout.max_staleness if self.cfg.rollout.mode == "async" else 0)
+        oldest = learner_version - (self.cfg.rollout.max_staleness if self.cfg.rollout.mode != "sync" else 0)
         versions = [t.token_versions[t.loss_mask.astype(bool)] for t in group]
         versions = np.concatenate(versions) if versions else np.zeros(0, np.int64)
         if len(versions) and versions.max() > learner_version:
@@ -108,13 +120,33 @@ class Collector:
                 return False
         return True
 
+    def _tally(self, episodes: list[TrajectoryData], counts: collections.Counter) -> None:
+        """What the step's counts and the environment warnings take of `episodes`, kept or not."""
+        check_rewards(episodes)
+        self.watch.observe(episodes)
+        counts["episodes"] += len(episodes)
+        counts["episodes_failed"] += sum(t.finish_reason == "error" for t in episodes)  # logged when 0 too
+        for t in episodes:
+            if t.finish_reason != "error":
+                counts["episodes_scored" if self.rewards.total(t.rewards) is not None else "episodes_unscored"] += 1
+        counts["episodes_retried"] += sum(t.metrics.get("retries", 0.0) > 0 for t in episodes)
+
+    def _check_success(self, step: int, episodes: list[TrajectoryData]) -> None:
+        failed = [t for t in episodes if t.finish_reason == "error"]
+        fraction = self.cfg.rollout.min_success_fraction
+        if len(episodes) - len(failed) < fraction * len(episodes):
+            worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
+            raise EnvironmentsDown(
+                f"step {step}: only {len(episodes) - len(failed)} of {len(episodes)} episodes succeeded "
+                f"(rollout.min_success_fraction={fraction}); most common error ({n}x): {worst}")
+
     def _collect(self, step: int, min_version: int, learner_version_at_use: int) -> StepRollouts:
         r = self.cfg.rollout
         need, taken = self.share.count, 0
         kept: list[Group] = []
         counts: collections.Counter = collections.Counter()
         start = time.perf_counter()
-        gen = env = 0.0
+        episodes_all: list[TrajectoryData] = []
         for attempt in range(r.max_refills + 1):
             n = need - len(kept)
             slots = [self.share.slot(taken + i) for i in range(n)]
@@ -124,35 +156,62 @@ class Collector:
             groups = self.client.request(tasks, ids, self.cfg.learner.group_size, self.params, min_version)
             counts["requests"] += 1
             episodes = [t for g in groups for t in g]
-            check_rewards(episodes)
-            self.watch.observe(episodes)
-            failed = [t for t in episodes if t.finish_reason == "error"]
-            counts["episodes"] += len(episodes)
-            counts["episodes_failed"] += len(failed)
-            counts["episodes_retried"] += sum(t.metrics.get("retries", 0.0) > 0 for t in episodes)
-            if len(episodes) - len(failed) < r.min_success_fraction * len(episodes):
-                worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
-                raise EnvironmentsDown(
-                    f"step {step}: only {len(episodes) - len(failed)} of {len(episodes)} episodes succeeded "
-                    f"(rollout.min_success_fraction={r.min_success_fraction}); most common error ({n}x): {worst}")
-            for t in episodes:
-                if t.finish_reason != "error":
-                    counts["episodes_scored" if self.rewards.total(t.rewards) is not None else "episodes_unscored"] += 1
-            gen += sum(t.generate_s for t in episodes)
-            env += sum(t.env_s for t in episodes)
+            self._tally(episodes, counts)
+            self._check_success(step, episodes)
+            episodes_all += episodes
             kept += [g for g in groups if self._keep(g, learner_version_at_use, counts)]
             if len(kept) >= need:
                 break
-        wall = time.perf_counter() - start
         counts["refills"] = max(counts["requests"] - 1, 0)
-        counts["groups_padded"] = need - len(kept)
+        return self._result(kept, counts, start, episodes_all, learner_version_at_use)
+
+    def _take_streamed(self, step: int, learner_version: int) -> StepRollouts:
+        """Stream mode: the first groups to complete that may be trained at `learner_version`; at
+        most (max_refills + 1) x the share's groups are looked at, as the other modes request."""
+        need = self.share.count
+        if self.stream is None:
+            self.stream = GroupStream(self, first_step=step)
+        self.stream.version = learner_version
+        kept: list[Group] = []
+        counts: collections.Counter = collections.Counter()
+        start = time.perf_counter()
+        episodes_all: list[TrajectoryData] = []
+        for _ in range(need * (self.cfg.rollout.max_refills + 1)):
+            group = self.stream.take()
+            self._tally(group, counts)
+            episodes_all += group
+            if self._keep(group, learner_version, counts):
+                kept.append(group)
+            if len(kept) >= need:
+                break
+        self._check_success(step, episodes_all)
+        counts["groups_looked_at"] = len(episodes_all) // max(self.cfg.learner.group_size, 1)
+        return self._result(kept, counts, start, episodes_all, learner_version)
+
+    def _result(self, kept: list[Group], counts: collections.Counter, start: float,
+                episodes: list[TrajectoryData], learner_version: int) -> StepRollouts:
+        """The step's groups with its counts, timings and the staleness of the tokens it trains."""
+        wall = time.perf_counter() - start
+        counts["groups_padded"] = self.share.count - len(kept)
+        gen = sum(t.generate_s for t in episodes)
+        env = sum(t.env_s for t in episodes)
+        lags = [learner_version - t.token_versions[t.loss_mask.astype(bool)] for g in kept for t in g]
+        lags = np.concatenate(lags) if lags else np.zeros(0, np.int64)
+        counts["trained_tokens"] += len(lags)
+        counts["trained_token_lag_sum"] += int(lags.sum())
+        for lag, n in zip(*np.unique(lags, return_counts=True)):
+            counts[f"tokens_lag_{lag}"] += int(n)  # tokens per policy version, by how far behind
         share = env / (gen + env) if gen + env > 0 else 0.0
-        return StepRollouts(kept, counts, wall, wall * (1 - share), wall * share)
+        return StepRollouts(kept, counts, wall, wall * (1 - share), wall * share,
+                            int(lags.max()) if len(lags) else 0)
 
     def collect(self, step: int, learner_version: int) -> StepRollouts:
-        """The groups of `step`; async mode returns the prefetched ones and starts the next."""
+        """The groups of `step`; async mode returns the prefetched ones, stream mode the first to
+        complete."""
         if self.cfg.rollout.mode == "sync":
             return self._collect(step, learner_version, learner_version)
+        if self.cfg.rollout.mode == "stream":
+            return self._take_streamed(step, learner_version)
         if self.pending is not None and self.pending[0] == step:
             result = self.pending[1].result()
         else:
@@ -173,6 +232,61 @@ class Collector:
 
     def close(self) -> None:
         self.prefetch.shutdown(wait=False, cancel_futures=True)
+        if self.stream is not None:
+            self.stream.close()
+
+
+class GroupStream:
+    """Stream mode's supply of groups: `rollout.in_flight_groups` groups under way or done and not
+    yet taken, one request each, so a group is handed over the moment its last episode ends and the
+    bridge never waits for a step to start; the bound keeps groups from piling up (and going stale)
+    while the learner trains. Groups are numbered on from the first step's (STEP-SLOT ids and tasks
+    as the other modes draw them), in the order they are requested; they complete in any order."""
+
+    def __init__(self, collector: Collector, first_step: int):
+        self.collector = collector
+        self.version = 0  # the learner's; a request may be served by weights max_staleness older
+        self._next = first_step * collector.share.count
+        self._lock = threading.Lock()
+        self._done: queue.Queue[Group | BaseException] = queue.Queue()
+        self._closed = threading.Event()
+        # This process's part of the run's groups under way (all of them with one process).
+        self._n = max(1, collector.cfg.streamed_groups * collector.share.count // collector.share.total)
+        self._room = threading.Semaphore(self._n)  # a group takes one until a step takes the group
+        self._pool = concurrent.futures.ThreadPoolExecutor(self._n, thread_name_prefix="stream")
+        for _ in range(self._n):
+            self._pool.submit(self._supply)
+
+    def _supply(self) -> None:
+        c, r = self.collector, self.collector.cfg.rollout
+        while True:
+            self._room.acquire()
+            if self._closed.is_set():
+                return
+            with self._lock:
+                step, i = divmod(self._next, c.share.count)
+                self._next += 1
+            slot = c.share.slot(i)
+            try:
+                [group] = c.client.request([c.tasks.train(step, slot)], [f"{step}-{slot}"], c.cfg.learner.group_size,
+                                           c.params, max(0, self.version - r.max_staleness))
+            except BaseException as e:  # the step that takes it raises it
+                self._done.put(e)
+                return
+            self._done.put(group)
+
+    def take(self) -> Group:
+        """The next group to complete (waits for one); raises what stopped a request."""
+        item = self._done.get()
+        if isinstance(item, BaseException):
+            raise item
+        self._room.release()
+        return item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._room.release(self._n)  # wakes every supplier waiting for room, to see it closed
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class EnvWatch:
@@ -257,6 +371,8 @@ def rollout_metrics(trajs: list[EpisodeSummary], counts: Mapping[str, float], cf
     step's `counts`, of the episodes kept for training."""
     weights = RewardWeights(cfg.rewards)
     out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in counts.items()}
+    if counts.get("trained_tokens"):
+        out["rollout/staleness_mean"] = counts["trained_token_lag_sum"] / counts["trained_tokens"]
     if not trajs:
         return out
     summed = [weights.total(t.rewards) for t in trajs]

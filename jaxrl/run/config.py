@@ -80,6 +80,9 @@ class BridgeConfig:
         "the GPUs of each started bridge, one entry per bridge (per_host of them), given to it as "
         "CUDA_VISIBLE_DEVICES, e.g. ['0,1', '2,3'] for two vLLM bridges of two GPUs each; empty: every bridge "
         "sees every device", default_factory=list)
+    cpus: list[int] = _help(
+        "the CPUs the started bridges run on (e.g. [0] beside a trainer started with `taskset -c 1`, so that "
+        "generation and learning do not take each other's cores); empty: the trainer's", default_factory=list)
     health_timeout_s: float = _help(
         "a bridge that does not answer a health check (or a ping while it streams) within this is dead: its "
         "unfinished groups are requested again from the others", default=10.0)
@@ -96,6 +99,8 @@ class BridgeConfig:
                              "give one per bridge, or none")
         if self.health_timeout_s <= 0 or self.max_restarts < 0 or self.grace_s < 0:
             raise ValueError("health_timeout_s must be > 0, max_restarts and grace_s >= 0")
+        if any(not isinstance(c, int) or c < 0 for c in self.cpus):
+            raise ValueError(f"cpus={self.cpus} must be CPU numbers (integers >= 0), e.g. [0]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +120,13 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    mode: Literal["sync", "async"] = _help(
-        "sync: generate, then learn; async: the bridge generates the next batch while the learner trains "
-        "(importance-sampling corrected, stale trajectories dropped)", default="sync")
+    mode: Literal["sync", "async", "stream"] = _help(
+        "sync: generate, then learn; async: the bridge generates the next batch while the learner trains; "
+        "stream: in_flight_groups groups always under way, a step takes the first to complete and episodes go "
+        "on across weight updates (async and stream: importance-sampling corrected, stale groups dropped)",
+        default="sync")
+    in_flight_groups: int = _help(
+        "stream: groups under way at once (each learner.group_size episodes); 0: two steps' worth", default=0)
     groups_per_step: int = _help("tasks per training step (each sampled learner.group_size times)", default=8)
     temperature: float = _help("sampling temperature (the learner takes logprobs at the same)", default=1.0)
     top_p: float = _help("nucleus sampling (vLLM refuses < 1: logprobs would not match)", default=1.0)
@@ -128,8 +137,8 @@ class RolloutConfig:
         "longest episode prompt (task prompt and the environment's first observation): the learner batch's "
         "prompt width (one shape all run), and a started jax engine holds max_prompt_tokens + max_total_tokens "
         "per sequence", default=512)
-    max_staleness: int = _help("async: drop trajectories more than this many versions older than the learner",
-                               default=1)
+    max_staleness: int = _help("async, stream: drop groups with a token more than this many versions older than "
+                               "the learner", default=1)
     dynamic_sampling: bool = _help("DAPO: drop groups whose rewards are all equal and refill", default=False)
     max_refills: int = _help("dynamic sampling: extra requests per step at most", default=4)
     drop_truncated: bool = _help("drop episodes cut by the token budget (finish_reason length)", default=False)
@@ -289,8 +298,10 @@ class TrainConfig:
                              "evaluation)")
         if not 0 < r.top_p <= 1:
             raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1] (1: no top-p)")
-        if r.mode == "async" and self.learner.loss.is_level == "none":
-            raise ValueError("rollout.mode=async trains on trajectories of older weights: set "
+        if r.in_flight_groups < 0:
+            raise ValueError(f"rollout.in_flight_groups={r.in_flight_groups} must be >= 0 (0: two steps' worth)")
+        if r.mode != "sync" and self.learner.loss.is_level == "none":
+            raise ValueError(f"rollout.mode={r.mode} trains on trajectories of older weights: set "
                              "learner.loss.is_level to token or sequence (importance-sampling correction)")
         if self.eval.pass_k > 1 and self.eval.temperature == 0:
             raise ValueError("eval.pass_k > 1 needs eval.temperature > 0 (greedy samples are all the same)")
@@ -340,6 +351,12 @@ class TrainConfig:
                                   stop_token_ids=stop_ids, seed=self.seed)
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                               stop_token_ids=stop_ids, seed=self.seed)
+
+    @property
+    def streamed_groups(self) -> int:
+        """Stream mode: the groups under way at once (0 in the other modes)."""
+        r = self.rollout
+        return (r.in_flight_groups or 2 * r.groups_per_step) if r.mode == "stream" else 0
 
     @property
     def groups_per_step_rows(self) -> int:

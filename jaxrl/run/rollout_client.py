@@ -44,7 +44,9 @@ class RolloutClient:
         self.cfg = cfg
         self.check = check
         self.bridges = Bridges(addresses, cfg.bridge, token, started)
-        self.pool = concurrent.futures.ThreadPoolExecutor(8 * len(addresses), thread_name_prefix="rollout")
+        # A thread per request under way: a step's or an evaluation's per bridge, and stream mode's groups.
+        self.pool = concurrent.futures.ThreadPoolExecutor(8 * len(addresses) + cfg.streamed_groups,
+                                                          thread_name_prefix="rollout")
         self.outstanding = [0] * len(addresses)  # by bridge: episodes requested and not received yet, its load
         self.re_requested = 0  # groups requested again after their bridge died
         self._lock = threading.Lock()  # guards the two above

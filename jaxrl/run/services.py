@@ -110,10 +110,11 @@ def bridge_token(cfg: TrainConfig) -> str:
 
 
 def bridge_limits(cfg: TrainConfig) -> dict[str, int]:
-    """The most the run asks of one bridge (`bridge.wire.Limits` fields): a step's groups, an
-    evaluation, the warm start's demonstrations, and all three under way at once."""
+    """The most the run asks of one bridge (`bridge.wire.Limits` fields): a step's groups (stream
+    mode: the groups under way), an evaluation, the warm start's demonstrations, and all three under
+    way at once."""
     r, e = cfg.rollout, cfg.eval
-    requests = [(r.groups_per_step, cfg.learner.group_size), (e.episodes, e.pass_k)]
+    requests = [(max(r.groups_per_step, cfg.streamed_groups), cfg.learner.group_size), (e.episodes, e.pass_k)]
     if cfg.sft.steps:
         requests.append((cfg.sft.demonstrations, 1))
     return {"max_group_size": max(size for _, size in requests),
@@ -195,13 +196,15 @@ def bridge_launch(cfg: TrainConfig, model_dir: Path, envs_file: Path, snapshot_r
     b = cfg.bridge
     server = ServerSpec(snapshot_roots=() if snapshot_root is None else (snapshot_root,),
                         limits=Limits(**bridge_limits(cfg)))
-    return BridgeLaunch(model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_per_step(cfg), seed=cfg.seed,
-                        engine_kwargs=engine_kwargs(cfg), envs=envs_file, server=server)
+    return BridgeLaunch(model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_at_once(cfg), seed=cfg.seed,
+                        engine_kwargs=engine_kwargs(cfg), envs=envs_file, server=server, cpus=tuple(b.cpus))
 
 
-def _episodes_per_step(cfg: TrainConfig) -> int:
-    """A step's episodes, at most 64: the most a started engine generates together by default."""
-    return min(64, bucket(cfg.rollout.groups_per_step * cfg.learner.group_size, 1))
+def _episodes_at_once(cfg: TrainConfig) -> int:
+    """A step's episodes (stream mode: those under way), at most 64: the most a started engine
+    generates together by default."""
+    groups = max(cfg.rollout.groups_per_step, cfg.streamed_groups)
+    return min(64, bucket(groups * cfg.learner.group_size, 1))
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict:

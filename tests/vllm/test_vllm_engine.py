@@ -1,6 +1,10 @@
-"""VLLMEngine on a tiny local model: logprobs against transformers, stops, batching, weight swaps."""
+"""VLLMEngine on a tiny local model: logprobs against transformers, stops, continuous batching,
+weight swaps (between snapshots and under running requests)."""
 
 import asyncio
+import contextlib
+import itertools
+import threading
 
 import jax
 import numpy as np
@@ -9,7 +13,7 @@ import torch
 import transformers
 from flax import nnx
 
-from bridge.engines.base import SamplingParams, SnapshotRefused
+from bridge.engines.base import EngineError, SamplingParams, SnapshotRefused
 from bridge.engines.vllm_engine import CPU_ENGINE_KWARGS, VLLMEngine
 from jaxrl.models import Decoder, load_pretrained, save_pretrained
 from jaxrl.snapshots import SnapshotWriter
@@ -127,26 +131,66 @@ def test_stop_strings(engine, model_dir, loop):
     assert stopped.token_ids == ids[: j + 1]
 
 
-def test_concurrent_requests_share_one_generate_call(engine, loop):
-    calls = []
-    generate = engine.llm.generate
+@contextlib.contextmanager
+def held_before_step(engine, n):
+    """Holds the engine's worker thread before its `n`-th step from now until `release` is set."""
+    reached, release, count = threading.Event(), threading.Event(), itertools.count(1)
+    step = engine.llm.llm_engine.step
 
-    def counting(prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        return generate(prompts, *args, **kwargs)
+    def counted():
+        if next(count) == n:
+            reached.set()
+            release.wait()
+        return step()
 
-    engine.llm.generate = counting
+    engine.llm.llm_engine.step = counted
     try:
-        async def together():
-            params = [SamplingParams(n=2, max_tokens=k, seed=k) for k in (3, 5, 7)]
-            return await asyncio.gather(*(engine.generate(PROMPTS[:2], p) for p in params))
-
-        results = loop.run_until_complete(together())
+        yield reached, release
     finally:
-        del engine.llm.generate
-    assert calls == [6]
-    for k, result in zip((3, 5, 7), results):
-        assert [[len(c.token_ids) for c in r] for r in result] == [[k, k], [k, k]]
+        release.set()
+        del engine.llm.llm_engine.step
+
+
+def test_a_short_request_finishes_while_a_long_one_started_with_it_runs_on(engine, loop):
+    async def together():
+        with held_before_step(engine, 1) as (_, release):
+            long = asyncio.create_task(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=64, seed=1)))
+            short = asyncio.create_task(engine.generate(PROMPTS[1:2], SamplingParams(max_tokens=2, seed=2)))
+            await asyncio.sleep(0)  # both submitted before the first step
+            release.set()
+            done, _ = await asyncio.wait([long, short], return_when=asyncio.FIRST_COMPLETED)
+            assert done == {short}
+            return await long, await short
+
+    [[long]], [[short]] = loop.run_until_complete(together())
+    assert len(long.token_ids) == 64 and len(short.token_ids) == 2
+
+
+def test_a_cancelled_request_leaves_the_engine(engine, loop):
+    async def cancelled_after_3_steps():
+        with held_before_step(engine, 3) as (reached, _):
+            request = asyncio.create_task(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=64)))
+            await asyncio.to_thread(reached.wait)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request  # the engine sees the cancellation before step 3 runs
+        return await engine.generate(PROMPTS[1:2], SamplingParams(max_tokens=2))
+
+    [[after]] = loop.run_until_complete(cancelled_after_3_steps())
+    assert len(after.token_ids) == 2
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # aborted, not run to its 64 tokens
+
+
+def test_a_failed_step_fails_the_requests_under_way_not_the_engine(engine, loop):
+    def failing():
+        del engine.llm.llm_engine.step  # once
+        raise RuntimeError("device lost")
+
+    engine.llm.llm_engine.step = failing
+    with pytest.raises(EngineError, match="vllm generate failed: RuntimeError\\('device lost'\\)"):
+        loop.run_until_complete(engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=4)))
+    [[after]] = loop.run_until_complete(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2)))
+    assert len(after.token_ids) == 2 and not engine.llm.llm_engine.has_unfinished_requests()
 
 
 def test_raw_logprobs_mode_is_refused(model_dir):
@@ -231,3 +275,33 @@ def test_damaged_snapshot_is_refused(engine, model_dir, loop, tmp_path):
 
 def test_missing_snapshot_is_refused(engine, loop, tmp_path):
     _assert_refused_and_unchanged(engine, loop, tmp_path / "nowhere", 1, "does not exist")
+
+
+def test_new_weights_reach_a_request_under_way_and_tag_its_tokens(engine, model_dir, loop):
+    old = hf_model(model_dir)
+    new = hf_model(model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    weights = {model: [(name, p.detach()) for name, p in model.named_parameters()] for model in (old, new)}
+    before, after = engine.policy_version + 1, engine.policy_version + 2
+    loop.run_until_complete(engine.swap(weights[old], before))  # earlier tests left other weights
+    prompt, params = PROMPTS[2], SamplingParams(max_tokens=24, seed=1)
+
+    async def swapped_after_9_steps():
+        with held_before_step(engine, 9) as (reached, release):
+            request = asyncio.create_task(engine.generate([prompt], params))
+            await asyncio.to_thread(reached.wait)
+            swap = asyncio.create_task(engine.swap(weights[new], after))
+            await asyncio.sleep(0)  # queued while step 9 waits: applied between steps 9 and 10
+            release.set()
+            await swap
+            return await request
+
+    [[c]] = loop.run_until_complete(swapped_after_9_steps())
+    assert c.token_versions == [before] * 9 + [after] * 15 and c.policy_version == before
+    # The running request recomputed its KV with the new weights: each token's logprob is that of
+    # the model that sampled it, given the whole sequence, with no stale KV mixed in.
+    np.testing.assert_allclose(c.logprobs[:9], reference_logprobs(old, prompt, c.token_ids, 1.0)[:9], atol=1e-4)
+    np.testing.assert_allclose(c.logprobs[9:], reference_logprobs(new, prompt, c.token_ids, 1.0)[9:], atol=1e-4)
