@@ -77,13 +77,15 @@ TRL_ENV = ["envs=[{name: target, env_class: 'tests.workers.trl_env:Target'}]"]
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.train_file={tmp}/missing.jsonl"], "task file {tmp}/missing.jsonl: No such file or directory"),
-    (["data.train_file={tmp}/prose.jsonl"], "task file {tmp}/prose.jsonl line 1: not JSON"),
-    (["data.train_file={tmp}/empty.jsonl"], "task file {tmp}/empty.jsonl has no tasks"),
+    (["data.train_file={tmp}/missing.jsonl"], "data.train_file: task file {tmp}/missing.jsonl: No such file or "
+                                              "directory"),
+    (["data.train_file={tmp}/prose.jsonl"], "data.train_file: task file {tmp}/prose.jsonl line 1: not JSON"),
+    (["data.train_file={tmp}/empty.jsonl"], "data.train_file: task file {tmp}/empty.jsonl has no tasks"),
     (["data.train_file={tmp}/chess.jsonl"], "line 1: needs \"env\" (or TRL's \"environment\") naming one of "
                                             "['echo'], got 'chess'"),
-    (["data.eval_file={tmp}/missing.jsonl"], "task file {tmp}/missing.jsonl: No such file or directory"),
-    (["data.eval_file={tmp}/prose.jsonl"], "task file {tmp}/prose.jsonl line 1: not JSON"),
+    (["data.eval_file={tmp}/missing.jsonl"], "data.eval_file: task file {tmp}/missing.jsonl: No such file or "
+                                             "directory"),
+    (["data.eval_file={tmp}/prose.jsonl"], "data.eval_file: task file {tmp}/prose.jsonl line 1: not JSON"),
     (["rewards=[{fn: 'tests.workers.rewards:__doc__'}]"], "'tests.workers.rewards:__doc__' is a str, not a function"),
     (["rollout.top_p=2"], "rollout.top_p=2.0 must be in (0, 1]"),
     (["rollout.temperature=.nan"], "rollout.temperature=nan must be a finite number > 0"),

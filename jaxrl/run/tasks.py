@@ -61,6 +61,14 @@ def read_task_file(path: str | Path, env_names: list[str]) -> list[Task]:
     return tasks
 
 
+def _rows(path: str | None, key: str, env_names: list[str]) -> list[Task] | None:
+    """The tasks of the file `key` names (None: it names none); TaskError naming `key` and the file."""
+    try:
+        return read_task_file(path, env_names) if path else None
+    except TaskError as e:
+        raise TaskError(f"{key}: {e}") from None
+
+
 class TaskSource:
     """Training tasks by (step, slot) and the fixed held-out set."""
 
@@ -68,8 +76,8 @@ class TaskSource:
         self.cfg = cfg
         self.names = [e.name for e in cfg.envs]
         self.bundled = {e.name for e in cfg.envs if e.bundled}
-        self.train_rows = read_task_file(cfg.data.train_file, self.names) if cfg.data.train_file else None
-        self.eval_rows = read_task_file(cfg.data.eval_file, self.names) if cfg.data.eval_file else None
+        self.train_rows = _rows(cfg.data.train_file, "data.train_file", self.names)
+        self.eval_rows = _rows(cfg.data.eval_file, "data.eval_file", self.names)
         weights = [cfg.data.mix.get(n, 1.0 if not cfg.data.mix else 0.0) for n in self.names]
         if sum(weights) <= 0:
             raise TaskError(f"data.mix gives every environment weight 0: {cfg.data.mix}")
@@ -132,7 +140,7 @@ def checked_tasks(cfg: TrainConfig) -> TaskSource:
     try:
         tasks = TaskSource(cfg)
     except TaskError as e:
-        raise StartupError(f"{e}; fix the file or the data.* key naming it") from None
+        raise StartupError(str(e)) from None
     for spec in cfg.envs:
         if not spec.env_class:  # bundled and served ones take seed tasks; a rollout_fn has no reset
             continue
