@@ -103,3 +103,7 @@ def test_an_env_class_is_reset_once_on_a_training_and_a_held_out_task_before_the
     assert tasks.held_out("target", 1) == [("target", {"prompt": "Say it.", "target": "hi"})]
     with pytest.raises(StartupError, match="cannot take its first training task {'seed': 0}: TypeError"):
         checked_tasks(config(**{**trl, "data": {"eval_file": str(rows)}}))  # seed-drawn training tasks
+    unset = config(envs=[{"name": "echo", "env_class": "bridge.envs.bundled.echo:EchoEnvironment"}])
+    with pytest.raises(StartupError) as e:  # the environment itself cannot start: no task is blamed
+        checked_tasks(unset)
+    assert str(e.value).endswith("annotate `def step(self, action: MyAction)` or set action_class: 'module:MyAction'")

@@ -13,6 +13,7 @@ import importlib
 import math
 import numbers
 import string
+import warnings
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
@@ -263,18 +264,25 @@ def template_fields(template: str, what: str) -> list[str]:
     return fields
 
 
+class TaskRefused(EnvConfigError):
+    """An environment that cannot start an episode on a task (its reset raised)."""
+
+
 def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
     """Starts one episode of the `env_class` environment `spec` on `task` here, as the bridge would,
-    and closes it; EnvConfigError naming `what` task when the environment cannot take it."""
+    and closes it; TaskRefused naming `what` task when the environment cannot take it,
+    EnvConfigError when it cannot start at all."""
     from bridge.envs.runtime import reset_once
 
     try:
-        asyncio.run(reset_once(spec, task))
+        with warnings.catch_warnings():  # libraries' deprecations: the bridge's log has them, the caller's stderr not
+            warnings.simplefilter("ignore")
+            asyncio.run(reset_once(spec, task))
     except EnvConfigError:
         raise
     except Exception as e:
-        raise EnvConfigError(f"environment {spec.name!r} cannot take its {what} {task!r}: "
-                             f"{type(e).__name__}: {e}") from None
+        raise TaskRefused(f"environment {spec.name!r} cannot take its {what} {task!r}: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def import_object(path: str, what: str) -> Any:

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from bridge.envs.spec import EnvConfigError, check_reset, task_prompt
+from bridge.envs.spec import EnvConfigError, TaskRefused, check_reset, task_prompt
 from jaxrl.run.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
@@ -152,6 +152,8 @@ def checked_tasks(cfg: TrainConfig) -> TaskSource:
             try:
                 if task is not None:
                     check_reset(spec, task, what)
-            except EnvConfigError as e:
+            except TaskRefused as e:
                 raise StartupError(f"{e}; {fix}") from None
+            except EnvConfigError as e:  # the environment itself, whatever the task: the message says what to set
+                raise StartupError(str(e)) from None
     return tasks
