@@ -80,6 +80,8 @@ class TrainCheckpointer:
             self.wait()  # done: returns at once, or raises its error
         if not force and step % self.every:
             return False
+        if self._saving is not None:
+            self.wait()  # Orbax's save would wait for it too, and blame its failure on this step
         try:
             saved = self.manager.save(
                 step,
