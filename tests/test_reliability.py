@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,9 +128,9 @@ def test_a_resume_before_the_first_checkpoint_logs_each_step_once(model_dir, tmp
     assert sorted({r["step"] for r in samples}) == [1, 2] and not any("killed_run" in r for r in samples)
 
 
-def _kill_env_server(proc: subprocess.Popen, then_wait_for_another: bool) -> int:
+def _kill_env_server(proc: subprocess.Popen, then_wait_for_another: bool) -> None:
     """SIGKILLs the run's (only) bundled environment server and, if asked, waits until its
-    replacement serves (on the same port); the killed one's pid."""
+    replacement serves (on the same port)."""
     def servers():
         return [c for c in _children_of(proc.pid) if b"env" in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")]
 
@@ -145,7 +146,6 @@ def _kill_env_server(proc: subprocess.Popen, then_wait_for_another: bool) -> int
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "the environment server was not restarted"
         time.sleep(0.05)
-    return server
 
 
 def _train(config: Path) -> subprocess.Popen:
@@ -182,7 +182,7 @@ def test_an_environment_server_that_keeps_dying_stops_the_run_at_once_in_one_lin
         _logged_steps(proc, run_dir, 0)
         for _ in range(3):
             _kill_env_server(proc, then_wait_for_another=True)
-        server = _kill_env_server(proc, then_wait_for_another=False)
+        _kill_env_server(proc, then_wait_for_another=False)
         killed = time.monotonic()
         out, err = proc.communicate(timeout=300)
         took = time.monotonic() - killed
@@ -191,8 +191,9 @@ def test_an_environment_server_that_keeps_dying_stops_the_run_at_once_in_one_lin
         proc.wait()
     assert proc.returncode == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"jaxrl train: error: environment server 'echo' (pid {server}) exited 4 times within "
-                           "600 s (last exit code -9); it is not restarted again: see its log"), err[-3000:]
+    # The pid named is the one the supervisor held last (a restart it had not registered yet is not it).
+    assert re.match(r"jaxrl train: error: environment server 'echo' \(pid \d+\) exited 4 times within 600 s \(last "
+                    r"exit code -9\); it is not restarted again: see its log ", last), err[-3000:]
     assert took < 30  # stopping the children included; before: 120 s and more
     last_step = read_metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / str(last_step)).is_dir()  # the steps taken are kept
