@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.spec import BUNDLED_NAMES, ENV_REWARD, EnvSpec, RewardSpec
 from bridge.wire import SamplingParams
+from jaxrl.options import option
 from jaxrl.sharding import MeshConfig
 from jaxrl.snapshot_store import check_location
 from jaxrl.train_step import LearnerConfig
@@ -27,69 +27,67 @@ from jaxrl.run.typed_config import ConfigError, apply_overrides, load
 FAMILIES = ("qwen3", "qwen2", "llama")
 
 
-def _help(text: str, **kw) -> Any:
-    return field(metadata={"help": text}, **kw)
-
-
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
-    family: Literal["qwen3", "qwen2", "llama"] = _help("architecture of the tiny model", default="qwen3")
-    hidden_size: int = _help("width", default=64)
-    intermediate_size: int = _help("MLP width", default=128)
-    num_layers: int = _help("layers", default=2)
-    seed: int = _help("initialisation seed", default=0)
+    family: Literal["qwen3", "qwen2", "llama"] = option("architecture of the tiny model", default="qwen3")
+    hidden_size: int = option("width", default=64)
+    intermediate_size: int = option("MLP width", default=128)
+    num_layers: int = option("layers", default=2)
+    seed: int = option("initialisation seed", default=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    dir: str = _help("Hugging Face model directory (config.json, safetensors, tokenizer)")
-    tiny: TinyModelConfig | None = _help(
-        "build a random tiny model with the bundled tokenizer in `dir` when it does not exist "
-        "(the CPU default; nothing is downloaded)", default=None)
-    dtype: Literal["float32", "bfloat16"] = _help("learner parameter dtype", default="float32")
+    dir: str = option("Hugging Face model directory (config.json, safetensors, tokenizer)")
+    tiny: TinyModelConfig | None = option(
+        "build a random tiny model with the bundled tokenizer in `dir` when it does not exist (the CPU default; "
+        "nothing is downloaded)", default=None)
+    dtype: Literal["float32", "bfloat16"] = option("learner parameter dtype", default="float32")
 
 
 @dataclasses.dataclass(frozen=True)
 class BridgeConfig:
-    addresses: list[str] = _help(
-        "running bridges (host:port); empty: start per_host for this run; several: groups go to the least loaded, "
-        "and a bridge that stops answering has its unfinished groups requested from the others. "
-        "Each needs its token (token_file), the run's snapshot directory under its --snapshot-root, and serves a "
-        "version no newer than the run's first (versions on a bridge only go forward: a new run, a new bridge)",
-        default_factory=list)
-    token_file: str | None = _help(
+    addresses: list[str] = option(
+        "running bridges (host:port); empty: start per_host for this run; several: groups go to the least loaded, and "
+        "a bridge that stops answering has its unfinished groups requested from the others. Each needs its token "
+        "(token_file), the run's snapshot directory under its --snapshot-root, and serves a version no newer than the "
+        "run's first (versions on a bridge only go forward: a new run, a new bridge)", default_factory=list)
+    token_file: str | None = option(
         "file holding the token of the bridges at `addresses` (their `jaxrl bridge --token-file`); null: "
         "$JAXRL_BRIDGE_TOKEN. Bridges the run starts get a fresh token of its own", default=None)
-    tls_ca: str | None = _help("PEM certificate authority to verify the bridges at `addresses` over TLS (their "
-                               "--tls-cert, or its issuer); null: plain connections", default=None)
-    engine: Literal["jax", "vllm"] = _help("generation engine of a started bridge", default="jax")
-    engine_kwargs: dict[str, Any] = _help("passed to the engine (vllm.LLM arguments for vllm)",
-                                          default_factory=dict)
-    max_batch: int | None = _help("most sequences the engine generates together", default=None)
-    start_timeout_s: float = _help("how long a started bridge may take to serve", default=300.0)
-    request_timeout_s: float | None = _help(
-        "a rollout request that takes longer is an error; null: as long as an episode may take with its "
-        "replays (twice envs[].episode_timeout_s plus retry_budget_s, the longest of them) and a minute; no "
-        "limit when an environment has no episode_timeout_s", default=None)
-    tool_parser: str = _help("tool-call format of the model family (qwen, hermes)", default="qwen")
-    chat_template_kwargs: dict[str, Any] = _help("extra chat-template arguments, e.g. enable_thinking: false",
-                                                 default_factory=dict)
-    per_host: int = _help("bridges the run starts on each host when `addresses` is empty, each its own process "
-                          "(with `devices`, its own GPUs); groups go to the least loaded", default=1)
-    devices: list[str] = _help(
+    tls_ca: str | None = option(
+        "PEM certificate authority to verify the bridges at `addresses` over TLS (their --tls-cert, or its issuer); "
+        "null: plain connections", default=None)
+    engine: Literal["jax", "vllm"] = option("generation engine of a started bridge", default="jax")
+    engine_kwargs: dict[str, Any] = option("passed to the engine (vllm.LLM arguments for vllm)", default_factory=dict)
+    max_batch: int | None = option("most sequences the engine generates together", default=None)
+    start_timeout_s: float = option("how long a started bridge may take to serve", default=300.0)
+    request_timeout_s: float | None = option(
+        "a rollout request that takes longer is an error; null: as long as an episode may take with its replays (twice "
+        "envs[].episode_timeout_s plus retry_budget_s, the longest of them) and a minute; no limit when an environment "
+        "has no episode_timeout_s", default=None)
+    tool_parser: str = option("tool-call format of the model family (qwen, hermes)", default="qwen")
+    chat_template_kwargs: dict[str, Any] = option(
+        "extra chat-template arguments, e.g. enable_thinking: false", default_factory=dict)
+    per_host: int = option(
+        "bridges the run starts on each host when `addresses` is empty, each its own process (with `devices`, its own "
+        "GPUs); groups go to the least loaded", default=1)
+    devices: list[str] = option(
         "the GPUs of each started bridge, one entry per bridge (per_host of them), given to it as "
-        "CUDA_VISIBLE_DEVICES, e.g. ['0,1', '2,3'] for two vLLM bridges of two GPUs each; empty: every bridge "
-        "sees every device", default_factory=list)
-    cpus: list[int] = _help(
+        "CUDA_VISIBLE_DEVICES, e.g. ['0,1', '2,3'] for two vLLM bridges of two GPUs each; empty: every bridge sees "
+        "every device", default_factory=list)
+    cpus: list[int] = option(
         "the CPUs the started bridges run on (e.g. [0] beside a trainer started with `taskset -c 1`, so that "
         "generation and learning do not take each other's cores); empty: the trainer's", default_factory=list)
-    health_timeout_s: float = _help(
-        "a bridge that does not answer a health check (or a ping while it streams) within this is dead: its "
-        "unfinished groups are requested again from the others", default=10.0)
-    max_restarts: int = _help("a started bridge that dies is restarted (and given the newest snapshot) at most "
-                              "this many times within 10 minutes; after that it is left down", default=3)
-    grace_s: float = _help("the run fails when no bridge has served for this long (none alive, none restarted "
-                           "meanwhile), naming the bridges that died and why", default=600.0)
+    health_timeout_s: float = option(
+        "a bridge that does not answer a health check (or a ping while it streams) within this is dead: its unfinished "
+        "groups are requested again from the others", default=10.0)
+    max_restarts: int = option(
+        "a started bridge that dies is restarted (and given the newest snapshot) at most this many times within 10 "
+        "minutes; after that it is left down", default=3)
+    grace_s: float = option(
+        "the run fails when no bridge has served for this long (none alive, none restarted meanwhile), naming the "
+        "bridges that died and why", default=600.0)
 
     def __post_init__(self):
         if self.per_host < 1:
@@ -105,77 +103,108 @@ class BridgeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    train_file: str | None = _help(
-        "JSON lines of training tasks ({\"env\": name, ...task fields}, or a TRL dataset's rows: prompt + "
-        "columns; env may be left out with one environment); default: tasks drawn by seed from each environment "
-        "(bundled ones: their train split)", default=None)
-    eval_file: str | None = _help("JSON lines of held-out tasks; default: seeds of the bundled test split, "
-                                  "or seeds past the training ones", default=None)
-    mix: dict[str, float] = _help("environment name -> share of seed-drawn training tasks (default: equal)",
-                                  default_factory=dict)
-    task_fields: dict[str, dict[str, Any]] = _help(
+    train_file: str | None = option(
+        "JSON lines of training tasks ({\"env\": name, ...task fields}, or a TRL dataset's rows: prompt + columns; env "
+        "may be left out with one environment); default: tasks drawn by seed from each environment (bundled ones: "
+        "their train split)", default=None)
+    eval_file: str | None = option(
+        "JSON lines of held-out tasks; default: seeds of the bundled test split, or seeds past the training ones",
+        default=None)
+    mix: dict[str, float] = option(
+        "environment name -> share of seed-drawn training tasks (default: equal)", default_factory=dict)
+    task_fields: dict[str, dict[str, Any]] = option(
         "environment name -> task fields added to every seed-drawn task (e.g. max_steps)", default_factory=dict)
-    seed: int = _help("order of the training tasks", default=0)
+    seed: int = option("order of the training tasks", default=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    mode: Literal["sync", "async", "stream"] = _help(
-        "sync: generate, then learn; async: the bridge generates the next batch while the learner trains; "
-        "stream: in_flight_groups groups always under way, a step takes the first to complete and episodes go "
-        "on across weight updates (async and stream: importance-sampling corrected, stale groups dropped)",
-        default="sync")
-    in_flight_groups: int = _help(
+    mode: Literal["sync", "async", "stream"] = option(
+        "sync: generate, then learn; async: the bridge generates the next batch while the learner trains; stream: "
+        "in_flight_groups groups always under way, a step takes the first to complete and episodes go on across weight "
+        "updates (async and stream: importance-sampling corrected, stale groups dropped)", default="sync")
+    in_flight_groups: int = option(
         "stream: groups under way at once (each learner.group_size episodes); 0: two steps' worth", default=0)
-    groups_per_step: int = _help("tasks per training step (each sampled learner.group_size times)", default=8)
-    temperature: float = _help("sampling temperature (the learner takes logprobs at the same)", default=1.0)
-    top_p: float = _help("nucleus sampling (vLLM refuses < 1: logprobs would not match)", default=1.0)
-    max_tokens: int = _help("tokens per model turn", default=64)
-    max_turns: int = _help("model turns per episode", default=1)
-    max_total_tokens: int = _help("all turns of an episode, environment tokens included", default=256)
-    max_prompt_tokens: int = _help(
-        "longest episode prompt (task prompt and the environment's first observation): the learner batch's "
-        "prompt width (one shape all run), and a started jax engine holds max_prompt_tokens + max_total_tokens "
-        "per sequence", default=512)
-    max_staleness: int = _help("async, stream: drop groups with a token more than this many versions older than "
-                               "the learner", default=1)
-    dynamic_sampling: bool = _help("DAPO: drop groups whose rewards are all equal and refill", default=False)
-    max_refills: int = _help("dynamic sampling: extra requests per step at most", default=4)
-    drop_truncated: bool = _help("drop episodes cut by the token budget (finish_reason length)", default=False)
-    min_success_fraction: float = _help(
+    groups_per_step: int = option("tasks per training step (each sampled learner.group_size times)", default=8)
+    temperature: float = option("sampling temperature (the learner takes logprobs at the same)", default=1.0)
+    top_p: float = option("nucleus sampling (vLLM refuses < 1: logprobs would not match)", default=1.0)
+    max_tokens: int = option("tokens per model turn", default=64)
+    max_turns: int = option("model turns per episode", default=1)
+    max_total_tokens: int = option("all turns of an episode, environment tokens included", default=256)
+    max_prompt_tokens: int = option(
+        "longest episode prompt (task prompt and the environment's first observation): the learner batch's prompt "
+        "width (one shape all run), and a started jax engine holds max_prompt_tokens + max_total_tokens per sequence",
+        default=512)
+    max_staleness: int = option(
+        "async, stream: drop groups with a token more than this many versions older than the learner", default=1)
+    dynamic_sampling: bool = option("DAPO: drop groups whose rewards are all equal and refill", default=False)
+    max_refills: int = option("dynamic sampling: extra requests per step at most", default=4)
+    drop_truncated: bool = option("drop episodes cut by the token budget (finish_reason length)", default=False)
+    min_success_fraction: float = option(
         "stop with an error when fewer episodes than this succeed in a step (environments down)", default=0.25)
-    max_unscored_steps: int = _help(
-        "stop with an error after this many steps in a row in which no reward function scored any episode "
-        "(all returned None)", default=3)
+    max_unscored_steps: int = option(
+        "stop with an error after this many steps in a row in which no reward function scored any episode (all "
+        "returned None)", default=3)
+
+    def __post_init__(self):
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"rollout.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
+        if self.groups_per_step < 1 or self.max_tokens < 1 or self.max_turns < 1:
+            raise ValueError("rollout: groups_per_step, max_tokens and max_turns must be >= 1")
+        if self.max_total_tokens < self.max_tokens:
+            raise ValueError(f"rollout: max_total_tokens >= max_tokens (got {self.max_total_tokens} < "
+                             f"{self.max_tokens})")
+        if self.max_unscored_steps < 1:
+            raise ValueError(f"rollout.max_unscored_steps={self.max_unscored_steps} must be >= 1")
+        if not 0 <= self.min_success_fraction <= 1 or self.max_staleness < 0 or self.max_refills < 0:
+            raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
+        if not 0 < self.temperature < math.inf:  # NaN included
+            raise ValueError(f"rollout.temperature={self.temperature} must be a finite number > 0 (greedy is for "
+                             "evaluation)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1] (1: no top-p)")
+        if self.in_flight_groups < 0:
+            raise ValueError(f"rollout.in_flight_groups={self.in_flight_groups} must be >= 0 (0: two steps' worth)")
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    every: int = _help("evaluate every N steps (0: only before and after training)", default=0)
-    episodes: int = _help("held-out episodes per evaluation", default=64)
-    temperature: float = _help("0: greedy", default=0.0)
-    pass_k: int = _help("samples per task; success if any succeeds (pass@k)", default=1)
-    before: bool = _help("evaluate before training (after the warm start's start point)", default=True)
-    success_threshold: float = _help("an episode succeeds when its summed reward reaches this", default=1.0)
+    every: int = option("evaluate every N steps (0: only before and after training)", default=0)
+    episodes: int = option("held-out episodes per evaluation", default=64)
+    temperature: float = option("0: greedy", default=0.0)
+    pass_k: int = option("samples per task; success if any succeeds (pass@k)", default=1)
+    before: bool = option("evaluate before training (after the warm start's start point)", default=True)
+    success_threshold: float = option("an episode succeeds when its summed reward reaches this", default=1.0)
+
+    def __post_init__(self):
+        if self.episodes < 0 or self.pass_k < 1 or not 0 <= self.temperature < math.inf or self.every < 0:
+            raise ValueError("eval: episodes and every must be >= 0, pass_k >= 1, temperature finite and >= 0")
+        if self.pass_k > 1 and self.temperature == 0:
+            raise ValueError("eval.pass_k > 1 needs eval.temperature > 0 (greedy samples are all the same)")
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = _help("supervised warm-start steps on solver demonstrations (0: none)", default=0)
-    batch_size: int = _help("demonstrations per step", default=32)
-    learning_rate: float = _help("warm-start peak learning rate (learner.optimizer's AdamW settings, warmup over "
-                                 "a tenth of the steps, then cosine decay to 10%)", default=3e-3)
-    demonstrations: int = _help("solver episodes the bridge plays (training tasks)", default=1024)
-    envs: list[str] = _help("environments to demonstrate (default: every environment of the run with a solver)",
-                            default_factory=list)
+    steps: int = option("supervised warm-start steps on solver demonstrations (0: none)", default=0)
+    batch_size: int = option("demonstrations per step", default=32)
+    learning_rate: float = option(
+        "warm-start peak learning rate (learner.optimizer's AdamW settings, warmup over a tenth of the steps, then "
+        "cosine decay to 10%)", default=3e-3)
+    demonstrations: int = option("solver episodes the bridge plays (training tasks)", default=1024)
+    envs: list[str] = option(
+        "environments to demonstrate (default: every environment of the run with a solver)", default_factory=list)
+
+    def __post_init__(self):
+        if self.steps < 0 or self.batch_size < 1 or self.demonstrations < 1:
+            raise ValueError("sft: steps must be >= 0, batch_size and demonstrations >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-    tensorboard: bool = _help("write TensorBoard event files in the run directory", default=True)
-    wandb: dict[str, Any] | None = _help("Weights & Biases `wandb.init` arguments; null: off", default=None)
-    samples_per_step: int = _help("completions written to samples.jsonl per step", default=2)
-    progress: bool = _help("show a progress bar", default=True)
+    tensorboard: bool = option("write TensorBoard event files in the run directory", default=True)
+    wandb: dict[str, Any] | None = option("Weights & Biases `wandb.init` arguments; null: off", default=None)
+    samples_per_step: int = option("completions written to samples.jsonl per step", default=2)
+    progress: bool = option("show a progress bar", default=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,18 +212,20 @@ class DistributedConfig:
     """One run over several processes (hosts): see jaxrl.run.distributed. Launch settings, not the run's:
     a run resumes on another process count, and config.yaml keeps none of them."""
 
-    coordinator: str | None = _help(
-        "host:port of process 0's jax.distributed coordinator (every process gives the same); null: the one "
-        "the cluster environment gives (SLURM, Open MPI, TPU pods), else one process", default=None)
-    num_processes: int | None = _help("processes in the run (flag --num-processes); null: from the cluster "
-                                      "environment", default=None)
-    process_id: int | None = _help("this process's index, 0 to num_processes - 1 (flag --process-id); null: "
-                                   "from the cluster environment", default=None)
-    auto: bool = _help("initialise jax.distributed when the cluster environment (SLURM, Open MPI, a TPU pod) "
-                       "says the run has more than one process; false: one process unless coordinator or "
-                       "num_processes is set", default=True)
-    timeout_s: int = _help("how long a process waits for the others: at start-up, and for their share of a "
-                           "step (process 0's evaluations included: it alone evaluates)", default=1800)
+    coordinator: str | None = option(
+        "host:port of process 0's jax.distributed coordinator (every process gives the same); null: the one the "
+        "cluster environment gives (SLURM, Open MPI, TPU pods), else one process", default=None)
+    num_processes: int | None = option(
+        "processes in the run (flag --num-processes); null: from the cluster environment", default=None)
+    process_id: int | None = option(
+        "this process's index, 0 to num_processes - 1 (flag --process-id); null: from the cluster environment",
+        default=None)
+    auto: bool = option(
+        "initialise jax.distributed when the cluster environment (SLURM, Open MPI, a TPU pod) says the run has more "
+        "than one process; false: one process unless coordinator or num_processes is set", default=True)
+    timeout_s: int = option(
+        "how long a process waits for the others: at start-up, and for their share of a step (process 0's evaluations "
+        "included: it alone evaluates)", default=1800)
 
     def __post_init__(self):
         if self.num_processes is not None and self.num_processes < 1:
@@ -211,40 +242,39 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    run_dir: str = _help("where checkpoints, snapshots, metrics and plots go")
-    model: ModelConfig = _help("the policy model")
-    envs: list[EnvSpec] = _help("environments (name + one of bundled / url / env_class); see bridge.envs.spec")
-    steps: int = _help("training steps (one batch each)", default=100)
-    seed: int = _help("the run's seed: every episode samples with seeds derived from it and the episode's step, "
-                      "group and index; it also picks demonstrations and orders the warm start (tasks: data.seed)",
-                      default=0)
-    rewards: list[RewardSpec] = _help(
-        "reward functions fn(prompts, completions, completion_ids, environments, **task_fields) -> "
-        "list[float | None] (TRL's reward functions unchanged), or 'env' (the environment's own reward: "
-        "a tool class's get_reward() or reward()), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
-    data: DataConfig = _help("tasks", default_factory=DataConfig)
-    rollout: RolloutConfig = _help("generation", default_factory=RolloutConfig)
-    learner: LearnerConfig = _help("loss, advantages, optimizer (group_size lives here)",
-                                   default_factory=LearnerConfig)
-    mesh: MeshConfig = _help("learner device mesh", default_factory=MeshConfig)
-    bridge: BridgeConfig = _help("generation", default_factory=BridgeConfig)
-    eval: EvalConfig = _help("held-out evaluation", default_factory=EvalConfig)
-    sft: SFTConfig = _help("supervised warm start before RL", default_factory=SFTConfig)
-    log: LogConfig = _help("what the run shows and writes", default_factory=LogConfig)
-    distributed: DistributedConfig = _help("several processes (hosts) in one run", default_factory=DistributedConfig)
-    sync_every: int = _help("publish weights to the bridge every N steps", default=1)
-    snapshot_dir: str | None = _help(
-        "where weight snapshots go while the run trains (every bridge must read it): a directory, or a gs:// or "
-        "s3:// URL (the bucket's credentials and endpoint come from the environment, as for Google's and AWS's "
-        "tools); null: a directory of "
-        "the run's own in /dev/shm (memory, removed at the end) when the run starts its bridges on one host and "
-        "its snapshots fit in half the memory free there, else RUN/snapshots. Outside RUN/snapshots, the last "
+    run_dir: str = option("where checkpoints, snapshots, metrics and plots go")
+    model: ModelConfig = option("the policy model")
+    envs: list[EnvSpec] = option("environments (name + one of bundled / url / env_class); see bridge.envs.spec")
+    steps: int = option("training steps (one batch each)", default=100)
+    seed: int = option(
+        "the run's seed: every episode samples with seeds derived from it and the episode's step, group and index; it "
+        "also picks demonstrations and orders the warm start (tasks: data.seed)", default=0)
+    rewards: list[RewardSpec] = option(
+        "reward functions fn(prompts, completions, completion_ids, environments, **task_fields) -> list[float | None] "
+        "(TRL's reward functions unchanged), or 'env' (the environment's own reward: a tool class's get_reward() or "
+        "reward()), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
+    data: DataConfig = option("tasks", default_factory=DataConfig)
+    rollout: RolloutConfig = option("generation", default_factory=RolloutConfig)
+    learner: LearnerConfig = option(
+        "loss, advantages, optimizer (group_size lives here)", default_factory=LearnerConfig)
+    mesh: MeshConfig = option("learner device mesh", default_factory=MeshConfig)
+    bridge: BridgeConfig = option("generation", default_factory=BridgeConfig)
+    eval: EvalConfig = option("held-out evaluation", default_factory=EvalConfig)
+    sft: SFTConfig = option("supervised warm start before RL", default_factory=SFTConfig)
+    log: LogConfig = option("what the run shows and writes", default_factory=LogConfig)
+    distributed: DistributedConfig = option("several processes (hosts) in one run", default_factory=DistributedConfig)
+    sync_every: int = option("publish weights to the bridge every N steps", default=1)
+    snapshot_dir: str | None = option(
+        "where weight snapshots go while the run trains (every bridge must read it): a directory, or a gs:// or s3:// "
+        "URL (the bucket's credentials and endpoint come from the environment, as for Google's and AWS's tools); null: "
+        "a directory of the run's own in /dev/shm (memory, removed at the end) when the run starts its bridges on one "
+        "host and its snapshots fit in half the memory free there, else RUN/snapshots. Outside RUN/snapshots, the last "
         "snapshot served is copied there at the end (for `jaxrl eval`, `jaxrl export`)", default=None)
-    checkpoint_every: int = _help("train checkpoint every N steps (and at the end)", default=25)
-    keep_checkpoints: int = _help("train checkpoints kept", default=2)
-    compilation_cache: str | None = _help(
-        "JAX's persistent compilation cache for the learner and the bridges the run starts (a second run of "
-        "the same config compiles nothing); null: off", default="~/.cache/jaxrl/xla")
+    checkpoint_every: int = option("train checkpoint every N steps (and at the end)", default=25)
+    keep_checkpoints: int = option("train checkpoints kept", default=2)
+    compilation_cache: str | None = option(
+        "JAX's persistent compilation cache for the learner and the bridges the run starts (a second run of the same "
+        "config compiles nothing); null: off", default="~/.cache/jaxrl/xla")
 
     # dotted key -> what the run derives it from (see `learner_config`)
     DERIVED: ClassVar[dict[str, str]] = {
@@ -282,37 +312,12 @@ class TrainConfig:
         if not keys or len(set(keys)) != len(keys):
             raise ValueError(f"rewards: need at least one, with distinct names; got {keys}")
         r = self.rollout
-        if r.max_prompt_tokens < 1:
-            raise ValueError(f"rollout.max_prompt_tokens={r.max_prompt_tokens} must be >= 1")
-        if r.groups_per_step < 1 or r.max_tokens < 1 or r.max_turns < 1 or r.max_total_tokens < r.max_tokens:
-            raise ValueError("rollout: groups_per_step, max_tokens, max_turns must be >= 1 and "
-                             f"max_total_tokens >= max_tokens (got {r.max_total_tokens} < {r.max_tokens})"
-                             if r.max_total_tokens < r.max_tokens else
-                             "rollout: groups_per_step, max_tokens and max_turns must be >= 1")
-        if r.max_unscored_steps < 1:
-            raise ValueError(f"rollout.max_unscored_steps={r.max_unscored_steps} must be >= 1")
-        if not 0 <= r.min_success_fraction <= 1 or r.max_staleness < 0 or r.max_refills < 0:
-            raise ValueError("rollout: min_success_fraction must be in [0, 1], max_staleness and max_refills >= 0")
-        if not 0 < r.temperature < math.inf:  # NaN included
-            raise ValueError(f"rollout.temperature={r.temperature} must be a finite number > 0 (greedy is for "
-                             "evaluation)")
-        if not 0 < r.top_p <= 1:
-            raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1] (1: no top-p)")
-        if r.in_flight_groups < 0:
-            raise ValueError(f"rollout.in_flight_groups={r.in_flight_groups} must be >= 0 (0: two steps' worth)")
         if r.mode != "sync" and self.learner.loss.is_level == "none":
             raise ValueError(f"rollout.mode={r.mode} trains on trajectories of older weights: set "
                              "learner.loss.is_level to token or sequence (importance-sampling correction)")
-        if self.eval.pass_k > 1 and self.eval.temperature == 0:
-            raise ValueError("eval.pass_k > 1 needs eval.temperature > 0 (greedy samples are all the same)")
         if (self.groups_per_step_rows % self.learner.grad_accum) != 0:
             raise ValueError(f"rollout.groups_per_step x learner.group_size = {self.groups_per_step_rows} must be "
                              f"divisible by learner.grad_accum={self.learner.grad_accum}")
-        if self.eval.episodes < 0 or self.eval.pass_k < 1 or not 0 <= self.eval.temperature < math.inf \
-                or self.eval.every < 0:
-            raise ValueError("eval: episodes and every must be >= 0, pass_k >= 1, temperature finite and >= 0")
-        if self.sft.steps < 0 or self.sft.batch_size < 1 or self.sft.demonstrations < 1:
-            raise ValueError("sft: steps must be >= 0, batch_size and demonstrations >= 1")
         no_solver = [e.name for e in self.envs if e.name in self.sft.envs and e.solver is None]
         if self.sft.steps and no_solver:
             raise ValueError(f"sft.envs names environment(s) {no_solver} without a solver; set their solver: "
