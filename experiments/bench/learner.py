@@ -15,6 +15,7 @@ Figures (last line, JSON):
                        (batch checks, transfers, finite check)
   jax_page_faults_per_step  minor page faults of the process during one `Learner.update`
                        (memory the step touches for the first time since the last)
+  cpu                  the CPU's model name (/proc/cpuinfo): the ratio differs between CPUs of one machine kind
   peak_mem_mb          XLA's compiled memory analysis of the train step (see `compiled_peak_mb`)
   logp_peak_mem_*_mb   XLA temp memory of the gradient of summed completion logprobs at a
                        >= 100k vocabulary, chunked over the sequence vs all positions at once
@@ -179,6 +180,15 @@ def logp_grad_peak_mb(cfg, batch: dict[str, np.ndarray], chunk: int) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / MB
 
 
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (machines of one kind differ: the ratio to PyTorch with them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -239,6 +249,7 @@ def main(argv=None) -> dict:
         "grad_norm_rel_diff": abs(jax_norm - torch_norm) / torch_norm,
         "tokens_per_step": tokens,
         "threads": threads,
+        "cpu": cpu_model(),
     }
     mc = model_config(args, args.vocab)
     print(f"learner benchmark: {args.family}, hidden {args.hidden}, {args.layers} layers, "
@@ -249,7 +260,7 @@ def main(argv=None) -> dict:
     print(f"logprob memory: vocab {args.logp_vocab}, chunk {args.logp_chunk} vs "
           f"{args.completion_len}")
     for key, value in figures.items():
-        print(f"  {key:<38} {value:>14.4g}")
+        print(f"  {key:<38} {value:>14.4g}" if isinstance(value, (int, float)) else f"  {key:<38} {value:>14}")
     print(json.dumps(figures), flush=True)
     return figures
 
