@@ -152,6 +152,23 @@ def test_stream_takes_groups_as_they_complete_and_never_trains_a_stale_token(bri
     assert len(set(ids)) == 4  # each group requested once, numbered on from step 0's
 
 
+def test_stream_with_dynamic_sampling_over_two_bridges_looks_at_as_many_groups_as_the_refills_allow(bridges):
+    # Every Coin group has zero variance: a step looks at (max_refills + 1) x its groups, then pads.
+    cfg = config(rollout={"mode": "stream", "dynamic_sampling": True, "max_refills": 2},
+                 learner={"loss": {"is_level": "token"}})
+    client = RolloutClient([b for b, _ in bridges], cfg, TOKEN)
+    collector = Collector(cfg, client, TaskSource(cfg), (0,))
+    calls = [engine.calls for _, engine in bridges]
+    try:
+        result = collector.collect(0, 0)
+    finally:
+        collector.close()
+        client.close()
+    assert result.groups == [] and result.counts["groups_zero_variance"] == 6
+    assert result.counts["groups_looked_at"] == 6 and result.counts["groups_padded"] == 2
+    assert all(engine.calls > before for (_, engine), before in zip(bridges, calls))  # both bridges served
+
+
 def test_failed_and_stale_groups_are_dropped():
     cfg = config(rollout={"mode": "async", "max_staleness": 1}, learner={"loss": {"is_level": "token"}})
     collector = Collector(cfg, client=None, tasks=None, stop_ids=(0,))
