@@ -119,7 +119,7 @@ def bridge_limits(cfg: TrainConfig) -> dict[str, int]:
         requests.append((cfg.sft.demonstrations, 1))
     return {"max_group_size": max(size for _, size in requests),
             "max_groups": max(groups for groups, _ in requests),
-            "max_episode_tokens": max(r.max_tokens, r.max_total_tokens),
+            "max_episode_tokens": r.max_total_tokens,  # at least max_tokens (RolloutConfig checks it)
             "max_episodes_in_flight": sum(groups * size for groups, size in requests)}
 
 
