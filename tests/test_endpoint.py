@@ -92,6 +92,34 @@ def test_capacity_wait_gives_up_after_capacity_wait_s(guess):
     asyncio.run(run())
 
 
+
+def test_a_session_released_while_others_connect_serves_them_at_capacity(guess):
+    """The server's last slot is held by a session that goes back to the pool while two more
+    episodes are still connecting: they find it there instead of asking the full server until
+    capacity_wait_s (the 600 s stall of a capacity-1 server)."""
+    async def run():
+        other_client = Endpoint(guess.url, SessionConfig(max_sessions=1))
+        await other_client.open()  # the server has one slot left
+        endpoint = Endpoint(guess.url, SessionConfig(max_sessions=8, capacity_wait_s=5, capacity_backoff_s=0.05,
+                                                     capacity_backoff_max_s=0.1))
+        try:
+            first = await endpoint.open()
+            await first.reset(seed=0)
+            connecting = [asyncio.create_task(solve_episode(endpoint, seed)) for seed in (1, 2)]
+            await asyncio.sleep(0)  # both now wait on their WebSocket handshakes, not on the pool
+            await first.release()
+            start = time.monotonic()
+            results = await asyncio.gather(*connecting)
+            return results, time.monotonic() - start, dict(endpoint.metrics)
+        finally:
+            await endpoint.aclose()
+            await other_client.aclose()
+
+    results, wall_s, m = asyncio.run(run())
+    assert [reward for _, reward in results] == [1.0, 1.0]
+    # One took the released session; the other the server slot its close freed.
+    assert wall_s < 3.0 and m["sessions_reused"] == 1 and m["sessions_opened"] == 2 and m["sessions_active"] == 0
+
 # -- a killed server ---------------------------------------------------------------------------
 
 
@@ -112,6 +140,8 @@ def test_a_killed_server_loses_its_sessions_and_no_other(echo):
                 assert all(isinstance(e, SessionLost) for e in lost), lost
                 assert "restart it from reset()" in str(lost[0])
                 assert (await survivor.step({"message": "x"}))["done"] is True
+            # Its sessions can drop before its listening socket closes: connect once it has exited.
+            await asyncio.to_thread(doomed.wait, 10.0)
             with pytest.raises(EndpointUnavailable, match="cannot connect .*ConnectionRefused"):
                 await victim.open()
             assert all(s.closed for s in sessions) and idle(victim)

@@ -104,24 +104,22 @@ class Endpoint:
         if self._closed:
             raise EndpointUnavailable(f"{self} is closed (Endpoint.aclose was called)")
         start = time.monotonic()
-        pool_waited = False
-        while True:
-            pool_waited |= not self._idle and not self._free_slots
-            reused = await self._acquire()
-            if reused is None or reused.connected:
-                break
-            reused.drop()  # released, then closed by the server or a missed ping: its slot goes on
+        pool_waited = not self._idle and not self._free_slots
+        reused = await self._acquire()
         if reused is None:
             try:
                 ws, refusals = await self._connect_accepted()
             except BaseException:
                 self._hand_over(None)
                 raise
-            session = Session(self, ws, pool_waited, time.monotonic() - start, refusals)
-            self._sessions.add(session)
-            self.metrics["sessions_opened"] += 1
-            self.metrics["sessions_active"] += 1
-        else:
+            if isinstance(ws, Session):
+                reused = ws
+            else:
+                session = Session(self, ws, pool_waited, time.monotonic() - start, refusals)
+                self._sessions.add(session)
+                self.metrics["sessions_opened"] += 1
+                self.metrics["sessions_active"] += 1
+        if reused is not None:
             session = reused
             session.pool_waited, session.wait_s, session.capacity_refusals = pool_waited, time.monotonic() - start, 0
             self.metrics["sessions_reused"] += 1
@@ -131,10 +129,8 @@ class Endpoint:
 
     async def _acquire(self) -> Session | None:
         """A released session (to reuse), or None: a pool slot of our own. Waits when neither is free."""
-        if self._idle:
-            session = self._idle.popleft()
-            session.idle = False
-            self.metrics["sessions_active"] += 1
+        session = self._take_idle()
+        if session is not None:
             return session
         if self._free_slots:
             self._free_slots -= 1
@@ -149,6 +145,17 @@ class Endpoint:
             else:
                 self._pool_waiters.remove(handed)
             raise
+
+    def _take_idle(self) -> Session | None:
+        """A released session still connected, if the pool holds one (dead ones give their slot back)."""
+        while self._idle:
+            session = self._idle.popleft()
+            session.idle = False
+            self.metrics["sessions_active"] += 1
+            if session.connected:
+                return session
+            session.drop()  # released, then closed by the server or a missed ping
+        return None
 
     def _hand_over(self, session: Session | None) -> None:
         """A released session, or a freed slot (None), to the first open() waiting, else to the pool."""
@@ -165,12 +172,14 @@ class Endpoint:
             self.metrics["sessions_active"] -= 1
 
     def keep(self, session: Session) -> bool:
-        """Takes a released, still connected session back for another episode's reset; False (the
-        caller closes it) when sessions are not reused, the endpoint is closing, or other episodes
-        wait for the server's capacity: they need a server slot freed, not kept."""
-        if not self.config.reuse or self._closed or self._capacity_waiters:
+        """Takes a released, still connected session back for another episode's reset (first to an
+        open() waiting for the pool, else to one waiting for the server's capacity); False (the caller
+        closes it) when sessions are not reused or the endpoint is closing."""
+        if not self.config.reuse or self._closed:
             return False
         self._hand_over(session)
+        if self._idle and self._capacity_waiters:
+            self._capacity_waiters.popleft().set_result(None)
         return True
 
     @contextlib.asynccontextmanager
@@ -182,8 +191,9 @@ class Endpoint:
         finally:
             await s.close()
 
-    async def _connect_accepted(self) -> tuple[ClientConnection, int]:
-        """A connection the server accepted, and how many times it refused first (at capacity)."""
+    async def _connect_accepted(self) -> tuple[ClientConnection | Session, int]:
+        """A connection the server accepted, or a session released meanwhile into the pool while the
+        server was at capacity; and how many times the server refused first."""
         cfg = self.config
         deadline = time.monotonic() + cfg.capacity_wait_s
         trial = await self._enter_breaker()
@@ -204,14 +214,21 @@ class Endpoint:
                 await ws.close()  # the server closes a refused socket itself
                 self.metrics["capacity_waits"] += 1
                 self._note_capacity(reply["data"].get("max_sessions"))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EndpointUnavailable(
-                        f"{self} stayed at capacity ({reply['data'].get('max_sessions', '?')} "
-                        f"sessions) for {cfg.capacity_wait_s:g} s; other clients hold its slots: "
-                        "raise the server's max_concurrent_envs or lower SessionConfig.max_sessions")
-                await self._wait_for_free_slot(
-                    min(backoff_s(waits, cfg.capacity_backoff_s, cfg.capacity_backoff_max_s), left))
+                if not self._idle:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise EndpointUnavailable(
+                            f"{self} stayed at capacity ({reply['data'].get('max_sessions', '?')} "
+                            f"sessions) for {cfg.capacity_wait_s:g} s; other clients hold its slots: "
+                            "raise the server's max_concurrent_envs or lower SessionConfig.max_sessions")
+                    await self._wait_for_free_slot(
+                        min(backoff_s(waits, cfg.capacity_backoff_s, cfg.capacity_backoff_max_s), left))
+                # A session released into the pool (also while we connected) holds a slot the server
+                # refuses us: take it rather than ask the full server again.
+                idle = self._take_idle()
+                if idle is not None:
+                    self._hand_over(None)  # our pool slot; the idle session brings its own
+                    return idle, waits + 1
         finally:
             if trial:
                 self._trial = False
