@@ -9,6 +9,7 @@ from jaxrl.run.config import TrainConfig
 from jaxrl.run.services import (StartupError, bridge_launch, bridge_limits, bridge_token, check_services,
                                 engine_kwargs)
 from jaxrl.run.typed_config import from_dict
+from env_servers import echo  # noqa: F401 (fixture)
 
 BASE = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
 
@@ -76,3 +77,9 @@ def test_an_environment_that_cannot_start_is_named_once():
     cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "echo_env", "url": "http://127.0.0.1:9"}]})
     with pytest.raises(StartupError, match=r"^environment 'echo_env': GET http://127.0.0.1:9/health failed"):
         check_services(cfg)
+
+
+def test_a_server_url_with_a_trailing_slash_is_the_same_server(echo):
+    cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "echo", "url": echo.url + "/"}]})
+    assert cfg.envs[0].url == echo.url
+    check_services(cfg)  # GET {url}/health, not {url}//health

@@ -101,6 +101,8 @@ class EnvSpec:
                                  f"{', '.join(ACTION_MODES)}")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise EnvConfigError(f"environment {self.name!r}: url {self.url!r} must start with http:// or https://")
+        if self.url:  # `http://host:port/` names the same server; its routes are url + "/health", ...
+            object.__setattr__(self, "url", self.url.rstrip("/"))
         if self.env_class and ":" not in self.env_class:
             raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
         if self.rollout_fn and ":" not in self.rollout_fn:
