@@ -22,6 +22,7 @@ import concurrent.futures
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -41,6 +42,10 @@ from bridge.wire import BRIDGE_LISTENING, ENV_LISTENING, TOKEN_ENV, BridgeLaunch
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local servers
 log = logging.getLogger(__name__)
+
+
+# `jaxrl bridge: error: ...`, `serve: error: ...` (argparse): not a log line that quotes one.
+_CLI_ERROR = re.compile(r"^(?:jaxrl )?[\w.-]+: error: (.+)$")
 
 
 class ChildStartError(RuntimeError):
@@ -108,7 +113,20 @@ class ChildServer:
     def start_error(self, what: str) -> ChildStartError:
         for t in self._threads:
             t.join(timeout=2.0)  # the rest of its stderr
+        refusal = self._refusal()
+        if refusal:  # its own one-line error is the first line the console shows, not a log tail
+            return self.error_cls(f"{self.label} (pid {self.pid}) refused its configuration: {refusal}")
         return self.error_cls(f"{self.label} (pid {self.pid}) {what}; its stderr ends with:\n{self.stderr_tail()}")
+
+    def _refusal(self) -> str | None:
+        """The error of a child that exited with code 2 (a usage or configuration error) after
+        printing `PROG: error: WHAT`, as our CLIs and argparse do: WHAT."""
+        if self.proc.poll() != 2:
+            return None
+        for line in reversed(self._stderr):
+            if match := _CLI_ERROR.match(line):
+                return match.group(1)
+        return None
 
     def check_running(self, deadline: float, waiting_for: str) -> None:
         """Raises the start error if the child has exited or the deadline has passed."""
