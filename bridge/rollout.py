@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Protocol
 
-from bridge.engines.base import Engine, SamplingParams, derive_seed
+from bridge.engines.base import Engine, PromptTooLong, SamplingParams, derive_seed
 
 ENV_VERSION = -1  # token_versions entry of tokens the environment wrote
 
@@ -133,6 +133,8 @@ async def run_episode(
             traj.env_s += time.perf_counter() - t0
     except retry_on:
         raise
+    except PromptTooLong as e:
+        traj.finish_reason, traj.error = "error", _too_long(env, traj.num_turns, e)
     except Exception as e:  # a broken environment costs this episode, not the rollout
         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
     finally:
@@ -141,3 +143,12 @@ async def run_episode(
             await hook.close()
     traj.total_s = time.perf_counter() - start
     return traj
+
+
+def _too_long(env: str, turns: int, e: PromptTooLong) -> str:
+    """A prompt the engine cannot take, in the keys of a run that set its size."""
+    what = "the first prompt" if turns == 0 else f"the conversation after turn {turns}"
+    where = f" of environment {env!r}" if env else ""
+    return (f"{what}{where} has {e.tokens} tokens, but the bridge holds {e.limit} tokens per sequence "
+            "(rollout.max_prompt_tokens + rollout.max_total_tokens): raise rollout.max_prompt_tokens, or show the "
+            "model less of each observation (the environment's observation_field or observation_template)")

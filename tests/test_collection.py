@@ -11,7 +11,7 @@ import pytest
 
 from bridge.envs.spec import EnvSpec, RewardError
 from bridge.wire import TrajectoryData
-from jaxrl.run.collection import Collector, EnvironmentsDown, EnvWatch, StepRollouts, rollout_metrics
+from jaxrl.run.collection import Collector, EnvironmentsDown, EnvWatch, StepRollouts, most_common_error, rollout_metrics
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.tasks import TaskSource
@@ -251,3 +251,11 @@ def test_episodes_scored_and_unscored_are_counted():
     cfg = config()
     result = Collector(cfg, Client(), TaskSource(cfg), (0,)).collect(0, 0)
     assert (result.counts["episodes_scored"], result.counts["episodes_unscored"]) == (2, 2)
+
+
+def test_the_most_common_error_is_shown_whole():
+    long = "the first prompt of environment 'snake' has 15062 tokens, " + "x" * 300 + " observation_field"
+    failed = [traj("g", i, [1], [2], [1], {}, finish="error") for i in range(3)]
+    for t, error in zip(failed, (long, "RuntimeError: other", long)):
+        t.error = error
+    assert most_common_error(failed) == f"(2x): {long}"

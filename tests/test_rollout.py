@@ -117,3 +117,18 @@ def test_each_token_keeps_the_version_that_sampled_it():
                                    ToolHook(done_after=2), max_turns=2, max_total_tokens=32))
     assert traj.token_versions == [4, 4, 5] + [ENV_VERSION] * len(TOOL_RESULT) + [4, 4, 5]
     assert traj.loss_mask == [1, 1, 1] + [0] * len(TOOL_RESULT) + [1, 1, 1]
+
+
+def test_a_first_prompt_the_engine_cannot_hold_names_the_keys_that_size_it(engine):
+    class LongObservation(ToolHook):
+        async def start(self):
+            return [3] * engine.shapes.max_seq_len
+
+    hook = LongObservation()
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, hook, env="snake", max_turns=5, max_total_tokens=100))
+    assert traj.finish_reason == "error" and hook.closed
+    assert traj.error == (
+        f"the first prompt of environment 'snake' has {engine.shapes.max_seq_len + 1} tokens, but the bridge holds "
+        f"{engine.shapes.max_seq_len} tokens per sequence (rollout.max_prompt_tokens + rollout.max_total_tokens): "
+        "raise rollout.max_prompt_tokens, or show the model less of each observation (the environment's "
+        "observation_field or observation_template)")

@@ -26,6 +26,16 @@ class EngineError(RuntimeError):
     """Generation or weight loading failed inside an engine."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves the engine no room to generate: `tokens` of at most `limit` - 1."""
+
+    def __init__(self, index: int, tokens: int, limit: int):
+        self.tokens, self.limit = tokens, limit
+        super().__init__(f"prompt {index} has {tokens} tokens, but the engine holds {limit} tokens per sequence "
+                         "(prompt and completion), which leaves no room to generate; shorten the prompt or raise "
+                         "the engine's max_seq_len")
+
+
 class SnapshotRefused(EngineError):
     """A snapshot that cannot be served (wrong shape, damaged); the old weights keep serving."""
 

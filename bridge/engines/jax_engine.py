@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bridge.engines.base import (Completion, EngineError, SamplingParams, SnapshotRefused, derive_seed,
-                                 read_off_loop)
+from bridge.engines.base import (Completion, EngineError, PromptTooLong, SamplingParams, SnapshotRefused,
+                                 derive_seed, read_off_loop)
 from bridge.engines.sampler import PrefixCache, Row, Shapes, Slots
 from jaxrl.compilation import compiles
 from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
@@ -104,10 +104,7 @@ class JaxEngine:
         longest = self.shapes.max_seq_len
         for i, p in enumerate(prompts):
             if len(p) >= longest:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens, but the engine holds {longest} tokens per sequence "
-                    f"(max_seq_len, at most the model's max_position_embeddings), which leaves no room to "
-                    f"generate; shorten the prompt or raise max_seq_len")
+                raise PromptTooLong(i, len(p), longest)  # max_seq_len, at most max_position_embeddings
         if self._worker is None or self._worker.get_loop() is not asyncio.get_running_loop():
             # The batching task lives in the caller's event loop (one per asyncio.run).
             # Requests of an earlier loop are gone with it.

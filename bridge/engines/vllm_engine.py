@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.engines.base import Completion, EngineError, SamplingParams, SnapshotRefused, read_off_loop
+from bridge.engines.base import (Completion, EngineError, PromptTooLong, SamplingParams, SnapshotRefused,
+                                 read_off_loop)
 
 # For CPU (tests, laptops); also set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the engine.
 # Without kv_cache_memory_bytes vLLM reserves ~12 GiB of KV cache; dtype "auto" is bf16 on CPU.
@@ -175,10 +176,10 @@ class VLLMEngine:
             )
         vocab, max_len = self._served_config["vocab_size"], self._max_model_len
         for i, prompt in enumerate(prompts):
-            if not 0 < len(prompt) < max_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; the engine takes 1 to {max_len - 1}"
-                )
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(prompt) >= max_len:
+                raise PromptTooLong(i, len(prompt), max_len)  # vLLM's max_model_len
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
 

@@ -135,10 +135,9 @@ class Collector:
         failed = [t for t in episodes if t.finish_reason == "error"]
         fraction = self.cfg.rollout.min_success_fraction
         if len(episodes) - len(failed) < fraction * len(episodes):
-            worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
             raise EnvironmentsDown(
                 f"step {step}: only {len(episodes) - len(failed)} of {len(episodes)} episodes succeeded "
-                f"(rollout.min_success_fraction={fraction}); most common error ({n}x): {worst}")
+                f"(rollout.min_success_fraction={fraction}); most common error {most_common_error(failed)}")
 
     def _collect(self, step: int, min_version: int, learner_version_at_use: int) -> StepRollouts:
         r = self.cfg.rollout
@@ -331,6 +330,16 @@ class EnvWatch:
         if (env, kind) not in self.warned:
             self.warned.add((env, kind))
             log.warning("environment %r: %s", env, message)
+
+
+def most_common_error(failed: list[TrajectoryData]) -> str:
+    """`(Nx): ERROR`: the error most of `failed` ended with, whole (those alike in their first 200
+    characters count as one)."""
+    first: dict[str, str] = {}
+    for t in failed:
+        first.setdefault(t.error[:200], t.error)
+    kind, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
+    return f"({n}x): {first[kind]}"
 
 
 def check_rewards(episodes: list[TrajectoryData]) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrl.compilation import use_persistent_cache
 from jaxrl.models import load_tokenizer
-from jaxrl.run.collection import check_rewards
+from jaxrl.run.collection import check_rewards, most_common_error
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
 from jaxrl.run.rollout_client import RolloutClient
@@ -72,8 +72,8 @@ def evaluate(client: RolloutClient, tasks: list[Task], cfg: TrainConfig, version
         successes.append(float(max(scored) >= e.success_threshold))
         rewards += scored
     if episodes and not successes:
-        worst, n = collections.Counter(t.error[:200] for t in failed).most_common(1)[0]
-        raise EvaluationFailed(f"evaluation: all {len(episodes)} episodes errored; most common error ({n}x): {worst}")
+        raise EvaluationFailed(f"evaluation: all {len(episodes)} episodes errored; most common error "
+                               f"{most_common_error(failed)}")
     n = len(successes)
     p = float(np.mean(successes)) if n else math.nan
     return EvalResult(
