@@ -105,7 +105,7 @@ class Endpoint:
             raise EndpointUnavailable(f"{self} is closed (Endpoint.aclose was called)")
         start = time.monotonic()
         pool_waited = not self._idle and not self._free_slots
-        reused = await self._acquire()
+        reused, refusals = await self._acquire(), 0
         if reused is None:
             try:
                 ws, refusals = await self._connect_accepted()
@@ -121,7 +121,8 @@ class Endpoint:
                 self.metrics["sessions_active"] += 1
         if reused is not None:
             session = reused
-            session.pool_waited, session.wait_s, session.capacity_refusals = pool_waited, time.monotonic() - start, 0
+            session.pool_waited, session.wait_s = pool_waited, time.monotonic() - start
+            session.capacity_refusals = refusals
             self.metrics["sessions_reused"] += 1
         self.metrics["pool_waits"] += pool_waited
         self.metrics["pool_wait_s"] += session.wait_s
