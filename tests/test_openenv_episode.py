@@ -123,6 +123,6 @@ def test_an_observation_template_is_checked_at_start_and_renders_the_fields(tok,
     assert "Q: Compute 5 * 6 + 5 with the tools.<|im_end|>" in tok.decode(traj.prompt_ids)
     runtime = EnvRuntime([catalogue_spec(catalogue, "grid", where, observation_template="At {x},{z}")], tok,
                          get_parser())
-    with pytest.raises(EnvConfigError, match="'grid': observation_template names field 'z', which its observations "
-                                             "do not have; they have: x, y, message$"):
+    with pytest.raises(EnvConfigError, match="'grid': observation_template names field 'z', which its step "
+                                             "observations do not have; they have: x, y, message$"):
         asyncio.run(runtime.start())
