@@ -54,6 +54,16 @@ def check_templates(spec: EnvSpec, mcp: bool, step_schema: dict[str, Any], reset
     step template against the step observation schema (not in MCP mode: steps answer with tool results),
     reset's against the reset observation schema (None: the server states none, as openenv-core before
     0.10; then the step schema checks the template both use). `metadata` only where it is sent."""
+    if not sends_metadata:
+        for key in ("observation_template", "reset_template"):
+            template = getattr(spec, key)
+            if template is not None and "metadata" in template_fields(template, key):
+                raise EnvConfigError(f"environment {spec.name!r}: {key} uses metadata, which this server does not "
+                                     "send (openenv-core before 0.10 leaves it out of observations): serve it with "
+                                     "openenv >= 0.10, or use other fields")
+        if spec.observation_field == "metadata":
+            raise EnvConfigError(f"environment {spec.name!r}: observation_field metadata: this server does not send "
+                                 "it (openenv-core before 0.10): serve it with openenv >= 0.10")
     reset_key = "reset_template" if spec.reset_template is not None else "observation_template"
     checks = []
     if not mcp:
@@ -67,10 +77,6 @@ def check_templates(spec: EnvSpec, mcp: bool, step_schema: dict[str, Any], reset
             continue
         what = f"environment {spec.name!r}: {key}"
         fields = template_fields(template, what)
-        if "metadata" in fields and not sends_metadata:
-            raise EnvConfigError(f"{what} uses metadata, which this server does not send (openenv-core before "
-                                 "0.10 leaves it out of observations): serve it with openenv >= 0.10, or use "
-                                 "other fields")
         props = inline_refs(schema).get("properties") or {}
         if not set(props) - _NOT_SHOWN:  # e.g. an MCP server's base Observation: nothing to check against
             continue
@@ -82,9 +88,6 @@ def check_templates(spec: EnvSpec, mcp: bool, step_schema: dict[str, Any], reset
                     kind == "step" and name in reset_props) else ""
                 raise EnvConfigError(f"{what} names field {name!r}, which its {kind} observations do not have; "
                                      f"they have: {known}{fix}")
-    if spec.observation_field == "metadata" and not sends_metadata:
-        raise EnvConfigError(f"environment {spec.name!r}: observation_field metadata: this server does not send "
-                             "it (openenv-core before 0.10): serve it with openenv >= 0.10")
 
 
 def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:

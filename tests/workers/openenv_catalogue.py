@@ -184,6 +184,7 @@ class NimEnvironment(Environment):
 
 class QuizAction(Action):
     answer: str = Field(description="the answer, a whole number")
+    show_work: bool = Field(default=False, description="whether to explain the verdict")
 
 
 class QuizResetObservation(Observation):
