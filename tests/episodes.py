@@ -83,27 +83,37 @@ class Counter:
 
 
 @contextlib.contextmanager
-def serve_catalogue(names, old_openenv=False, production=False):
+def serve_catalogue(names, old_names=()):
     """One process serving each named catalogue environment on its own port, as OpenEnv ships it:
-    name -> url. `old_openenv`: served by openenv-core 0.3.0; `production`: OPENENV_MODE=production."""
+    name -> url. With `old_names`, a second process (started alongside) serves those with openenv-core
+    0.3.0, and (urls, old urls) are yielded."""
+    procs = [_start_catalogue(names)] + ([_start_catalogue(old_names, old_openenv=True)] if old_names else [])
+    try:
+        found = [_catalogue_urls(proc, n) for proc, n in zip(procs, (names, old_names))]
+        yield found[0] if not old_names else tuple(found)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+def _start_catalogue(names, old_openenv=False):
     env = dict(os.environ)
     if old_openenv:
         assert (OPENENV_CORE_0_3 / "openenv").is_dir(), f"{OPENENV_CORE_0_3} is missing: run scripts/setup.sh test"
         env["PYTHONPATH"] = os.pathsep.join([str(OPENENV_CORE_0_3), env.get("PYTHONPATH", "")])
-    if production:
-        env["OPENENV_MODE"] = "production"
-    proc = subprocess.Popen([sys.executable, str(CATALOGUE), *names], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        urls = {}
-        for _ in names:
-            line = proc.stdout.readline()
-            assert line.startswith("ENV_LISTENING "), line
-            _, name, url = line.split()
-            urls[name] = url
-        yield urls
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return subprocess.Popen([sys.executable, str(CATALOGUE), *names], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _catalogue_urls(proc, names):
+    urls = {}
+    for _ in names:
+        line = proc.stdout.readline()
+        assert line.startswith("ENV_LISTENING "), line
+        _, name, url = line.split()
+        urls[name] = url
+    return urls
 
 
 def catalogue_spec(urls, name, where, **keys):

@@ -64,9 +64,8 @@ def test_invalid_action_is_told_to_the_model(tok):
 def catalogue():
     """where -> name -> url: served by the installed openenv, and by openenv-core 0.3.0 (what the catalogue's
     servers pin), which states no reset schema, sends no metadata and has no task routes."""
-    with serve_catalogue([*CLASSES]) as urls, serve_catalogue(["grid", "arithmetic", "nim", "echo_mcp"],
-                                                              old_openenv=True) as old_urls:
-        yield {"served": urls, "served_0.3": old_urls, "in_process": {}}
+    with serve_catalogue([*CLASSES, "quiz_production"], ["grid", "arithmetic", "nim", "echo_mcp"]) as (urls, old):
+        yield {"served": urls, "served_0.3": old, "in_process": {}}
 
 
 def spec(catalogue, name, where, **keys):
@@ -215,10 +214,10 @@ def test_text_mode_tells_the_model_what_its_reply_is_and_warns_of_the_fields_it_
     assert "<|im_start|>system\nBe brief.<|im_end|>" in tok.decode(traj.prompt_ids)
 
 
-def test_a_production_mode_server_serves_episodes_and_its_task_splits(tok):
-    with serve_catalogue(["quiz"], production=True) as urls:
-        assert httpx.post(urls["quiz"] + "/reset", json={}).status_code in (404, 405)  # production: no HTTP control
-        quiz = catalogue_spec(urls, "quiz", "served")
-        assert task_splits(quiz) == {"train": 3, "test": 2}
-        traj = run(scripted(tok, ["12"]), EnvRuntime([quiz], tok, get_parser()), "quiz", {"split": "test", "index": 0})
+def test_a_production_mode_server_serves_episodes_and_its_task_splits(tok, catalogue):
+    url = catalogue["served"]["quiz_production"]
+    assert httpx.post(url + "/reset", json={}).status_code in (404, 405)  # production: no HTTP control routes
+    quiz = EnvSpec("quiz", url=url)
+    assert task_splits(quiz) == {"train": 3, "test": 2}
+    traj = run(scripted(tok, ["12"]), EnvRuntime([quiz], tok, get_parser()), "quiz", {"split": "test", "index": 0})
     assert traj.finish_reason == "env_done" and traj.rewards == {"env": 1.0}

@@ -17,8 +17,8 @@ without a seed. The tests run each both served over `/ws` and in-process (`env_c
 - `echo_mcp`: `EchoMCPEnvironment`, echo_env's way: an MCP tool, a reset that says all in metadata.
 
 Served by the installed openenv, or by openenv-core 0.3.0 with PYTHONPATH naming its code
-(`scripts/setup.sh test` puts it in .venv/openenv-core-0.3.0); `OPENENV_MODE=production` serves
-only /health, /schema, /metadata, /ws, /mcp and the task routes.
+(`scripts/setup.sh test` puts it in .venv/openenv-core-0.3.0). `quiz_production` is `quiz` in
+openenv's production mode: only /health, /schema, /metadata, /ws, /mcp and the task routes.
 
 `python openenv_catalogue.py grid arithmetic nim` serves each on its own 127.0.0.1 port in one
 process and prints `ENV_LISTENING NAME URL` per environment once all of them serve.
@@ -241,6 +241,8 @@ class QuizEnvironment(Environment):
 class EchoMCPEnvironment(MCPEnvironment):
     """As OpenEnv's echo_env: one tool, and a reset that says everything in metadata."""
 
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
     def __init__(self):
         mcp = FastMCP("echo_env")
 
@@ -272,12 +274,14 @@ def build_app(name: str):
                           max_concurrent_envs=8)
     if name == "nim":
         return create_app(NimEnvironment, NimAction, NimObservation, env_name="nim")
-    if name == "quiz":  # openenv >= 0.10 only
+    if name in ("quiz", "quiz_production"):  # openenv >= 0.10 only
         return create_app(QuizEnvironment, QuizAction, QuizObservation, env_name="quiz", max_concurrent_envs=8,
-                          reset_observation_cls=QuizResetObservation)
+                          reset_observation_cls=QuizResetObservation,
+                          mode="production" if name == "quiz_production" else "simulation")
     if name == "echo_mcp":
-        return create_app(EchoMCPEnvironment, CallToolAction, CallToolObservation, env_name="echo_env")
-    raise SystemExit(f"unknown environment {name!r}; known: grid, arithmetic, nim, quiz, echo_mcp")
+        return create_app(EchoMCPEnvironment, CallToolAction, CallToolObservation, env_name="echo_env",
+                          max_concurrent_envs=8)
+    raise SystemExit(f"unknown environment {name!r}; known: grid, arithmetic, nim, quiz, quiz_production, echo_mcp")
 
 
 async def serve(names: list[str]) -> None:
