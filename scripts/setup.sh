@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 extras="${1:-}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=(.venv/bin/pip --disable-pip-version-check)
-# openenv-core (openenv's name until 0.3) installs the same `openenv/` directory as openenv: an
+# openenv-core (0.2 / 0.3, the package's earlier name) installs the same `openenv/` directory as openenv: an
 # environment that had it loses both, so that the install below writes `openenv/` alone.
 if "${pip[@]}" show -q openenv-core 2>/dev/null; then
   "${pip[@]}" uninstall -q -y openenv-core openenv

@@ -59,8 +59,10 @@ def test_a_server_that_ignores_the_seed_mixes_a_group_and_is_counted_and_warned_
 @pytest.mark.parametrize("where", ["served", "in_process"])
 def test_a_group_of_one_task_passes_quietly(tok, quiz, where, caplog):
     with caplog.at_level(logging.WARNING, logger="bridge.envs.group_check"):
-        trajs = play_groups(tok, catalogue_spec(quiz, "quiz", where, mixed_groups="error"), {"split": "test", "index": 1})
-    assert all(t.finish_reason == "env_done" and "groups_mixed" not in t.metrics for t in trajs), [t.error for t in trajs]
+        trajs = play_groups(tok, catalogue_spec(quiz, "quiz", where, mixed_groups="error"),
+                            {"split": "test", "index": 1})
+    assert all(t.finish_reason == "env_done" and "groups_mixed" not in t.metrics for t in trajs), \
+        [t.error for t in trajs]
     assert not [r for r in caplog.records if r.name == "bridge.envs.group_check"]
 
 

@@ -178,7 +178,7 @@ def test_metadata_renders_where_the_server_sends_it_and_is_refused_at_start_wher
     runtime = EnvRuntime([spec(catalogue, "echo_mcp", where, observation_template="{metadata[message]}")], tok,
                          get_parser())
     if where == "served_0.3":
-        with pytest.raises(EnvConfigError, match="observation_template uses metadata, which this server does not send"):
+        with pytest.raises(EnvConfigError, match="observation_template uses metadata, which this server does not"):
             asyncio.run(runtime.start())
         return
     traj = run(scripted(tok, ["Nothing to say."]), runtime, "echo_mcp", {})

@@ -52,18 +52,18 @@ def check_templates(spec: EnvSpec, mcp: bool, step_schema: dict[str, Any], reset
                     sends_metadata: bool) -> None:
     """EnvConfigError naming the first field a template of `spec` uses that its observations lack: the
     step template against the step observation schema (not in MCP mode: steps answer with tool results),
-    reset's against the reset observation schema (None: the server states none, as openenv-core before
+    reset's against the reset observation schema (None: the server states none, as openenv-core 0.2 / 0.3
     0.10; then the step schema checks the template both use). `metadata` only where it is sent."""
     if not sends_metadata:
         for key in ("observation_template", "reset_template"):
             template = getattr(spec, key)
             if template is not None and "metadata" in template_fields(template, key):
                 raise EnvConfigError(f"environment {spec.name!r}: {key} uses metadata, which this server does not "
-                                     "send (openenv-core before 0.10 leaves it out of observations): serve it with "
-                                     "openenv >= 0.10, or use other fields")
+                                     "send (openenv-core 0.2 / 0.3 servers leave it out of observations): serve it "
+                                     "with openenv >= 0.10, or use other fields")
         if spec.observation_field == "metadata":
             raise EnvConfigError(f"environment {spec.name!r}: observation_field metadata: this server does not send "
-                                 "it (openenv-core before 0.10): serve it with openenv >= 0.10")
+                                 "it (openenv-core 0.2 / 0.3): serve it with openenv >= 0.10")
     reset_key = "reset_template" if spec.reset_template is not None else "observation_template"
     checks = []
     if not mcp:

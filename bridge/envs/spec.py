@@ -345,7 +345,7 @@ def _served_splits(url: str, what: str) -> dict[str, int]:
         with httpx.Client(trust_env=not direct, timeout=30.0) as client:
             listed = client.get(f"{url}/list_environments")
             if listed.status_code == 404:
-                raise EnvConfigError(f"{what}: the server at {url} has no task routes (openenv-core before 0.10); "
+                raise EnvConfigError(f"{what}: the server at {url} has no task routes (openenv-core 0.2 / 0.3); "
                                      "draw its tasks by seed or from data.train_file instead of data.splits")
             listed.raise_for_status()
             name = listed.json()[0]

@@ -312,7 +312,8 @@ class TrainConfig:
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
-        for key, where in (("mix", self.data.mix), ("task_fields", self.data.task_fields), ("splits", self.data.splits)):
+        data = self.data
+        for key, where in (("mix", data.mix), ("task_fields", data.task_fields), ("splits", data.splits)):
             unknown = sorted(set(where) - set(names))
             if unknown:
                 raise ValueError(f"data.{key} names unknown environment(s) {unknown}; envs: {names}")

@@ -29,7 +29,7 @@ from jaxrl.run.config import TrainConfig
 from jaxrl.run.run_dir import RunDir
 
 # What a run's numbers depend on (distributions), and the modules whose distribution is recorded by what
-# is imported: `openenv` is installed by `openenv` and, until 0.3, by `openenv-core`.
+# is imported: `openenv` is installed by `openenv` and by its predecessor `openenv-core`.
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "grpcio", "protobuf")
 MODULES = ("openenv",)

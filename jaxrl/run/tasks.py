@@ -4,8 +4,8 @@ draws exactly the tasks the interrupted one would have.
 A task is `(env name, task fields)`; the fields go to the environment's `reset(**fields)` and
 to the reward functions. Seed-drawn tasks are `{"seed": k}` (bundled environments also get
 `"split"`); an environment of `data.splits` gets `{"split", "index"}` tasks of its own task
-routes (each a task of its server's list, whatever seeds it ignores); a JSON-lines file gives explicit rows `{"env": name, ...fields}`, or rows of a TRL
-dataset as they are: `prompt` (a string or chat messages, to which the bridge appends reset's
+routes (each a task of its server's list, whatever seeds it ignores); a JSON-lines file gives
+explicit rows `{"env": name, ...fields}`, or rows of a TRL dataset as they are: `prompt` (a string or chat messages, to which the bridge appends reset's
 text) and any other columns, the environment named by `env`, by TRL's `environment` column, or
 being the run's only one.
 """
