@@ -135,6 +135,21 @@ def _env_list(args) -> int:
     return 0
 
 
+def _env_tasks(args) -> int:
+    """Prints the task splits of the OpenEnv server at args.url, one per line: name and number of tasks
+    (what `data.splits` names)."""
+    from bridge.envs.spec import EnvConfigError, EnvSpec, task_splits
+
+    try:
+        splits = task_splits(EnvSpec("server", url=args.url))
+    except EnvConfigError as e:
+        print(f"jaxrl env tasks: {e}", file=sys.stderr)
+        return 2
+    for name, count in splits.items():
+        print(f"{name}\t{count}")
+    return 0
+
+
 def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     given = {"default": argparse.SUPPRESS}  # see _ENGINE_FLAGS
     source = br.add_mutually_exclusive_group(required=True)
@@ -195,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     es.set_defaults(func=_env_serve)
     el = env_sub.add_parser("list", help="list the bundled environments")
     el.set_defaults(func=_env_list)
+    et = env_sub.add_parser("tasks", help="list an OpenEnv server's task splits and their sizes (for data.splits)")
+    et.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    et.set_defaults(func=_env_tasks)
 
     args = parser.parse_args(argv)
     return args.func(args)

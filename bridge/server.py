@@ -121,7 +121,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self._admitted = 0  # episodes of the requests under way (their limit: limits.max_episodes_in_flight)
         self.envs = envs
         if envs is not None and episode_hook_factory is None:
-            episode_hook_factory = lambda g: envs.hook(g.env, g.task or {}) if g.env else None  # noqa: E731
+            def episode_hook_factory(g):
+                return envs.hook(g.env, g.task or {}, g.group_id) if g.env else None
         self.episode_hook_factory = episode_hook_factory
         self.on_shutdown = on_shutdown
         self.started = time.monotonic()

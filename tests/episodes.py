@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,12 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=64, seed=0)
 CATALOGUE = Path(__file__).parent / "workers" / "openenv_catalogue.py"
 CLASSES = {"grid": "tests.workers.openenv_catalogue:GridWorldEnvironment",
            "arithmetic": "tests.workers.openenv_catalogue:ArithmeticEnvironment",
-           "nim": "tests.workers.openenv_catalogue:NimEnvironment"}
+           "nim": "tests.workers.openenv_catalogue:NimEnvironment",
+           "quiz": "tests.workers.openenv_catalogue:QuizEnvironment",
+           "echo_mcp": "tests.workers.openenv_catalogue:EchoMCPEnvironment"}
 WHERE = ("served", "in_process")
+# openenv-core 0.3.0's code (the catalogue's servers pin 0.2.3 / 0.3.0), beside the environment's packages.
+OPENENV_CORE_0_3 = Path(sys.prefix) / "openenv-core-0.3.0"
 
 
 def run(engine, runtime, env, task, max_turns=8, budget=2048):
@@ -78,21 +83,37 @@ class Counter:
 
 
 @contextlib.contextmanager
-def serve_catalogue(names):
+def serve_catalogue(names, old_names=()):
     """One process serving each named catalogue environment on its own port, as OpenEnv ships it:
-    name -> url."""
-    proc = subprocess.Popen([sys.executable, str(CATALOGUE), *names], stdout=subprocess.PIPE, text=True)
+    name -> url. With `old_names`, a second process (started alongside) serves those with openenv-core
+    0.3.0, and (urls, old urls) are yielded."""
+    procs = [_start_catalogue(names)] + ([_start_catalogue(old_names, old_openenv=True)] if old_names else [])
     try:
-        urls = {}
-        for _ in names:
-            line = proc.stdout.readline()
-            assert line.startswith("ENV_LISTENING "), line
-            _, name, url = line.split()
-            urls[name] = url
-        yield urls
+        found = [_catalogue_urls(proc, n) for proc, n in zip(procs, (names, old_names))]
+        yield found[0] if not old_names else tuple(found)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+def _start_catalogue(names, old_openenv=False):
+    env = dict(os.environ)
+    if old_openenv:
+        assert (OPENENV_CORE_0_3 / "openenv").is_dir(), f"{OPENENV_CORE_0_3} is missing: run scripts/setup.sh test"
+        env["PYTHONPATH"] = os.pathsep.join([str(OPENENV_CORE_0_3), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(CATALOGUE), *names], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _catalogue_urls(proc, names):
+    urls = {}
+    for _ in names:
+        line = proc.stdout.readline()
+        assert line.startswith("ENV_LISTENING "), line
+        _, name, url = line.split()
+        urls[name] = url
+    return urls
 
 
 def catalogue_spec(urls, name, where, **keys):

@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 from openenv.core.env_server import Action, Environment, Observation
 from openenv.core.generic_client import GenericEnvClient
+from openenv.core.env_server.serialization import serialize_observation
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -249,8 +250,7 @@ def server(request):
 def _expected(name, seed, split="train"):
     """The in-process solver episode: (observation dicts, rewards, dones) per step."""
     episode = BUNDLED[name].demonstration(seed=seed, split=split)
-    obs = [{k: v for k, v in o.model_dump().items() if k not in ("reward", "done", "metadata")}
-           for o in episode.observations]
+    obs = [serialize_observation(o)["observation"] for o in episode.observations]  # as the server sends them
     rewards = [None] + [o.reward for _, o in episode.steps]
     return episode, obs, rewards, [False] + [o.done for _, o in episode.steps]
 

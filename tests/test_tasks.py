@@ -107,3 +107,20 @@ def test_an_env_class_is_reset_once_on_a_training_and_a_held_out_task_before_the
     with pytest.raises(StartupError) as e:  # the environment itself cannot start: no task is blamed
         checked_tasks(unset)
     assert str(e.value).endswith("annotate `def step(self, action: MyAction)` or set action_class: 'module:MyAction'")
+
+
+def test_an_environment_with_task_splits_trains_on_one_by_index_and_evaluates_on_the_other():
+    quiz = {"name": "quiz", "env_class": "tests.workers.openenv_catalogue:QuizEnvironment"}
+    cfg = config(envs=[quiz], data={"splits": {"quiz": {"train": "train", "eval": "test"}}}, eval={"episodes": 3})
+    source = TaskSource(cfg)
+    drawn = [source.train(s, 0) for s in range(40)]
+    assert {env for env, _ in drawn} == {"quiz"} and all(set(f) == {"split", "index"} for _, f in drawn)
+    assert {f["index"] for _, f in drawn} == {0, 1, 2} and {f["split"] for _, f in drawn} == {"train"}
+    assert source.held_out() == [("quiz", {"split": "test", "index": i}) for i in (0, 1, 0)]
+    with pytest.raises(TaskError, match=r"data.splits.quiz.eval: 'dev' is not a split of tasks of environment 'quiz'; "
+                                        r"its splits: train \(3 tasks\), test \(2 tasks\)"):
+        TaskSource(config(envs=[quiz], data={"splits": {"quiz": {"train": "train", "eval": "dev"}}}))
+    with pytest.raises(ValueError, match=r"data.splits.quiz must be \{train: SPLIT, eval: SPLIT\}"):
+        config(envs=[quiz], data={"splits": {"quiz": {"train": "train"}}})
+    with pytest.raises(TaskError, match="data.splits.echo: environment 'echo': only url and env_class"):
+        TaskSource(config(data={"splits": {"echo": {"train": "train", "eval": "test"}}}))

@@ -63,11 +63,13 @@ class Step:
     error: bool = False
 
 
-def first_prompt(prompt: Any, observation: str, system_prompt: str = "") -> list[dict[str, Any]]:
+def first_prompt(prompt: Any, observation: str, system_prompt: str = "", action_hint: str | None = None
+                 ) -> list[dict[str, Any]]:
     """An episode's first prompt as chat messages. A task with a `prompt` (TRL's dataset format: a
     string or chat messages) gets reset's text appended to its last message, with no separator,
     as TRL's GRPOTrainer does; a task without one has reset's text as its user message. The
-    spec's system prompt goes first unless the prompt has its own."""
+    spec's system prompt goes first unless the prompt has its own; `action_hint` (what a text-mode
+    reply is) ends the system message, whichever it is."""
     if prompt is None:
         messages = [{"role": "user", "content": observation}]
     else:
@@ -82,17 +84,34 @@ def first_prompt(prompt: Any, observation: str, system_prompt: str = "") -> list
             messages[-1] = {**last, "content": content}
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
+    if action_hint:
+        if messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": action_hint})
+        elif isinstance(messages[0].get("content"), str):
+            messages[0] = {**messages[0], "content": "\n\n".join(filter(None, [messages[0]["content"], action_hint]))}
     return messages
+
+
+def empty_prompt_warning(episode: Any) -> str:
+    """What to say of an episode whose first user turn came out empty, naming what reset did send."""
+    observation = episode.record.observations[0] if getattr(episode, "record", None) else {}
+    sent = ", ".join(f"{k}[{', '.join(map(repr, v))}]" if k == "metadata" and isinstance(v, dict) else k
+                     for k, v in observation.items() if v not in (None, "", [], {})) or "nothing"
+    return (f"reset's observation shows the model nothing (it sent: {sent}), and the task has no prompt: the first "
+            "user turn is empty. Set observation_template (e.g. '{metadata[...]}' for what the server puts in "
+            "metadata) or observation_field, or give the tasks a prompt (data.train_file)")
 
 
 class EnvEpisodeHook:
     """Drives one episode: reset -> prompt, model turns -> actions, observations -> tokens."""
 
-    def __init__(self, runtime: EnvRuntime, connector: SessionConnector | ToolClassConnector, task: dict[str, Any]):
+    def __init__(self, runtime: EnvRuntime, connector: SessionConnector | ToolClassConnector, task: dict[str, Any],
+                 group_id: str | None = None):
         self.runtime = runtime
         self.connector = connector
         self.spec = connector.spec
         self.task = task
+        self.group_id = group_id
         self.episode: SessionEpisode | ToolClassEpisode | None = None
         self.closed = False
         self.metrics = {"tool_calls": 0.0, "tool_errors": 0.0, "env_steps": 0.0}
@@ -102,7 +121,12 @@ class EnvEpisodeHook:
     async def start(self) -> list[int]:
         self.episode = await self.connector.open(self.task)
         self.metrics.update(self.episode.metrics)
-        self.prompt = first_prompt(self.task.get("prompt"), self.episode.first_text, self.spec.system_prompt)
+        self.prompt = first_prompt(self.task.get("prompt"), self.episode.first_text, self.spec.system_prompt,
+                                   getattr(self.connector, "action_hint", None))
+        if not str(self.prompt[-1].get("content") or "").strip():
+            self.runtime.warn_once(self.spec.name, "empty_prompt", empty_prompt_warning(self.episode))
+        if self.runtime.groups.mixed(self.spec, self.group_id, self.prompt):
+            self.metrics["groups_mixed"] = 1.0
         return prompt_ids(self.runtime.tokenizer, self.prompt, self.episode.tools, self.runtime.template_kwargs)
 
     async def turn(self, completion_ids: list[int]) -> TurnResult:

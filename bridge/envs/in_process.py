@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any
 
-from bridge.envs.openenv_episode import SessionConnector
+from bridge.envs.openenv_episode import Schemas, SessionConnector
 from bridge.envs.session import EnvServerError
 from bridge.envs.spec import EnvConfigError, EnvSpec, import_object
 
@@ -120,18 +120,17 @@ def _action_class(spec: EnvSpec, env_cls: type) -> type:
     return action_cls
 
 
-def _observation_schema(env_cls: type) -> dict[str, Any]:
-    """The JSON schema of what an in-process Environment's reset (else step) says it returns."""
+def _returned_schema(method: Any) -> dict[str, Any] | None:
+    """The JSON schema of the Observation class `method` is annotated to return (None: not annotated)."""
     from openenv.core.env_server import Observation
 
-    for method in (env_cls.reset, env_cls.step):
-        try:
-            returned = inspect.get_annotations(method, eval_str=True).get("return")
-        except NameError:  # an annotation only a type checker resolves
-            continue
-        if inspect.isclass(returned) and issubclass(returned, Observation):
-            return returned.model_json_schema()
-    return {}
+    try:
+        returned = inspect.get_annotations(method, eval_str=True).get("return")
+    except NameError:  # an annotation only a type checker resolves
+        return None
+    if inspect.isclass(returned) and issubclass(returned, Observation):
+        return returned.model_json_schema()
+    return None
 
 
 class InProcessConnector(SessionConnector):
@@ -142,8 +141,11 @@ class InProcessConnector(SessionConnector):
         self.env_cls = env_cls
         self.action_cls = _action_class(spec, env_cls)
 
-    async def schemas(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.action_cls.model_json_schema(), _observation_schema(self.env_cls)
+    async def schemas(self) -> Schemas:
+        """As the class annotates them; this process's openenv sends metadata (`_LocalSession._answer`)."""
+        reset = _returned_schema(self.env_cls.reset)
+        step = _returned_schema(self.env_cls.step)
+        return Schemas(self.action_cls.model_json_schema(), step or reset or {}, reset, True)
 
     async def new_session(self) -> _LocalSession:
         session = _LocalSession(self.spec.name, self.env_cls, self.action_cls)

@@ -19,13 +19,17 @@ or what the environment's `observation_field` / `observation_template` says (`re
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
+import logging
 from typing import Any
 
 from bridge.envs.episode import EpisodeRecord, Step
-from bridge.envs.render import as_function_tool, check_template, inline_refs, observation_text
+from bridge.envs.render import as_function_tool, check_templates, inline_refs, observation_text
 from bridge.envs.session import EnvServerError
 from bridge.envs.spec import EnvConfigError, EnvSpec, reward_value
+
+log = logging.getLogger(__name__)
 
 
 def resolve_action_mode(spec: EnvSpec, action_schema: dict[str, Any]) -> tuple[str, str | None]:
@@ -110,7 +114,8 @@ class SessionEpisode:
 
     async def start(self) -> None:
         obs = self._observe(await self.session.reset(**self.record.task))
-        self.first_text = self.render(obs)
+        self.first_text = observation_text(obs, self.spec.observation_field,
+                                           self.spec.reset_template or self.spec.observation_template)
         mode = self.connector.mode
         if mode == "tool":
             self.tools = [self.connector.action_tool]
@@ -185,6 +190,16 @@ def _mcp_step(obs: dict[str, Any], done: bool) -> Step:
     return Step(result if isinstance(result, str) else json.dumps(result, default=str), done)
 
 
+@dataclasses.dataclass(frozen=True)
+class Schemas:
+    """What an environment states of itself: JSON schemas of its action and observations."""
+
+    action: dict[str, Any]
+    step: dict[str, Any]  # step observations
+    reset: dict[str, Any] | None  # reset's; None: not stated (openenv-core before 0.10 states one for both)
+    sends_metadata: bool  # observations carry `metadata` (openenv >= 0.10 and in-process)
+
+
 class SessionConnector(abc.ABC):
     """Opens episodes over OpenEnv sessions; subclasses say where the sessions and schemas come from."""
 
@@ -193,9 +208,10 @@ class SessionConnector(abc.ABC):
         self.mode = spec.action
         self.text_field: str | None = None
         self.action_tool: dict[str, Any] | None = None
+        self.action_hint: str | None = None  # text mode: what a reply is, for the system prompt
 
     @abc.abstractmethod
-    async def schemas(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def schemas(self) -> Schemas:
         """The action and observation JSON schemas (checking the environment answers)."""
 
     @abc.abstractmethod
@@ -212,12 +228,29 @@ class SessionConnector(abc.ABC):
         pass
 
     async def start(self) -> None:
-        """Reads the action schema (checking the environment answers) and resolves the action mode."""
-        schema, observation = await self.schemas()
-        self.mode, self.text_field = resolve_action_mode(self.spec, schema)
-        if self.mode != "mcp":  # an MCP server's observation schema is its tool results', not reset's
-            check_template(self.spec, observation)
-        self.action_tool = _action_tool(self.spec.tool_name or self.spec.name, schema)
+        """Reads the schemas (checking the environment answers), resolves the action mode and checks
+        the observation templates."""
+        schemas = await self.schemas()
+        self.mode, self.text_field = resolve_action_mode(self.spec, schemas.action)
+        check_templates(self.spec, self.mode == "mcp", schemas.step, schemas.reset, schemas.sends_metadata)
+        self.action_tool = _action_tool(self.spec.tool_name or self.spec.name, schemas.action)
+        if self.mode == "text":
+            self.action_hint = self._text_mode_hint(schemas.action)
+
+    def _text_mode_hint(self, action_schema: dict[str, Any]) -> str | None:
+        """What a text-mode reply is, from the text field's description (as tool mode's schema tells it),
+        when describe_action; warns once of the descriptions of the fields text mode leaves at their defaults."""
+        props = self.action_tool["function"]["parameters"]["properties"]
+        others = [f"{k} ({v['description']})" for k, v in props.items()
+                  if k != self.text_field and v.get("description")]
+        if others:
+            log.warning("environment %r: text mode fills only the action's %r; the model is not told of its other "
+                        "field(s) %s, which keep their defaults: set action: tool for a model to fill them",
+                        self.spec.name, self.text_field, "; ".join(others))
+        description = (props.get(self.text_field) or {}).get("description")
+        if not description or not self.spec.describe_action:
+            return None
+        return f"Your reply is sent to the environment as its action's {self.text_field!r}: {description}"
 
     async def open(self, task: dict[str, Any]) -> SessionEpisode:
         session = await self.new_session()

@@ -30,8 +30,8 @@ def observation_text(observation: dict[str, Any], field: str | None = None, temp
         try:
             return template.format_map(observation)
         except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
-            raise RenderError(f"observation_template {template!r} cannot render {sorted(observation)} "
-                              f"({type(e).__name__}: {e})") from None
+            raise RenderError(f"template {template!r} cannot render an observation of fields "
+                              f"{sorted(observation)} ({type(e).__name__}: {e})") from None
     if field is not None:
         value = observation.get(field, "")
         return value if isinstance(value, str) else json.dumps(value, default=str)
@@ -45,21 +45,49 @@ def observation_text(observation: dict[str, Any], field: str | None = None, temp
 
 
 class RenderError(ValueError):
-    """An observation the environment's observation_template cannot render (a field it lacks)."""
+    """An observation the environment's observation_template / reset_template cannot render (a field it lacks)."""
 
 
-def check_template(spec: EnvSpec, observation_schema: dict[str, Any]) -> None:
-    """EnvConfigError naming the first field `spec.observation_template` uses that the observation
-    schema lacks; no check when the schema lists no fields (e.g. an MCP server's base Observation)."""
-    props = (inline_refs(observation_schema).get("properties") or {})
-    if spec.observation_template is None or not set(props) - _NOT_SHOWN:
-        return
-    what = f"environment {spec.name!r}: observation_template"
-    for name in template_fields(spec.observation_template, what):
-        if name not in props:
-            known = ", ".join(k for k in props if k not in _NOT_SHOWN)
-            raise EnvConfigError(f"{what} names field {name!r}, which its observations do not have; they have: "
-                                 f"{known}")
+def check_templates(spec: EnvSpec, mcp: bool, step_schema: dict[str, Any], reset_schema: dict[str, Any] | None,
+                    sends_metadata: bool) -> None:
+    """EnvConfigError naming the first field a template of `spec` uses that its observations lack: the
+    step template against the step observation schema (not in MCP mode: steps answer with tool results),
+    reset's against the reset observation schema (None: the server states none, as openenv-core 0.2 / 0.3
+    0.10; then the step schema checks the template both use). `metadata` only where it is sent."""
+    if not sends_metadata:
+        for key in ("observation_template", "reset_template"):
+            template = getattr(spec, key)
+            if template is not None and "metadata" in template_fields(template, key):
+                raise EnvConfigError(f"environment {spec.name!r}: {key} uses metadata, which this server does not "
+                                     "send (openenv-core 0.2 / 0.3 servers leave it out of observations): serve it "
+                                     "with openenv >= 0.10, or use other fields")
+        if spec.observation_field == "metadata":
+            raise EnvConfigError(f"environment {spec.name!r}: observation_field metadata: this server does not send "
+                                 "it (openenv-core 0.2 / 0.3): serve it with openenv >= 0.10")
+    reset_key = "reset_template" if spec.reset_template is not None else "observation_template"
+    checks = []
+    if not mcp:
+        checks.append(("observation_template", step_schema, "step"))
+    # An MCP server states its reset schema only where it differs from its tool results'.
+    if reset_schema is not None and not (mcp and reset_schema == step_schema):
+        checks.append((reset_key, reset_schema, "reset"))
+    for key, schema, kind in checks:
+        template = getattr(spec, key)
+        if template is None:
+            continue
+        what = f"environment {spec.name!r}: {key}"
+        fields = template_fields(template, what)
+        props = inline_refs(schema).get("properties") or {}
+        if not set(props) - _NOT_SHOWN:  # e.g. an MCP server's base Observation: nothing to check against
+            continue
+        for name in fields:
+            if name not in props:
+                known = ", ".join(k for k in props if k not in _NOT_SHOWN)
+                reset_props = (inline_refs(reset_schema or {}).get("properties") or {})
+                fix = "; a template of reset's fields goes in reset_template" if (
+                    kind == "step" and name in reset_props) else ""
+                raise EnvConfigError(f"{what} names field {name!r}, which its {kind} observations do not have; "
+                                     f"they have: {known}{fix}")
 
 
 def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 from typing import Any
 
 from bridge.envs.endpoint import Endpoint
 from bridge.envs.episode import EnvEpisodeHook
+from bridge.envs.group_check import GroupCheck
 from bridge.envs.in_process import InProcessConnector
 from bridge.envs.rollout_fn import RolloutFnConnector
 from bridge.envs.scoring import RewardFunctions
@@ -19,6 +21,8 @@ from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, import_object
 from bridge.envs.tool_class import ToolClassConnector
 from bridge.envs.tools import ToolEnvironment
 from bridge.tool_calls import ToolCallParser, hidden_special_ids
+
+log = logging.getLogger(__name__)
 
 Connector = ServedConnector | InProcessConnector | ToolClassConnector | RolloutFnConnector
 
@@ -78,6 +82,8 @@ class EnvRuntime:
         self.rewards = RewardFunctions(rewards, tokenizer)
         self.connectors = {s.name: build_connector(s) for s in specs}
         self.started = False
+        self.groups = GroupCheck()
+        self._warned: set[tuple[str, str]] = set()
 
     async def start(self) -> None:
         """Checks every environment answers (or can be built) before any episode runs; once."""
@@ -92,13 +98,20 @@ class EnvRuntime:
             except Exception as e:
                 raise EnvConfigError(f"environment {name!r}: {type(e).__name__}: {e}") from e
 
-    def hook(self, env: str, task: dict[str, Any]) -> EnvEpisodeHook | None:
-        """The episode hook of `env`; None for a rollout function's (it runs its own loop: `rollout_fn`)."""
+    def warn_once(self, env: str, kind: str, message: str) -> None:
+        """Logs `message` about environment `env` the first time a warning of this `kind` comes."""
+        if (env, kind) not in self._warned:
+            self._warned.add((env, kind))
+            log.warning("environment %r: %s", env, message)
+
+    def hook(self, env: str, task: dict[str, Any], group_id: str | None = None) -> EnvEpisodeHook | None:
+        """The episode hook of `env` for an episode of group `group_id` (its first prompt is checked against
+        the group's: `group_check`); None for a rollout function's (it runs its own loop: `rollout_fn`)."""
         if env not in self.connectors:
             raise ValueError(f"unknown environment {env!r}; this bridge serves: {', '.join(self.connectors)}")
         if isinstance(self.connectors[env], RolloutFnConnector):
             return None
-        return EnvEpisodeHook(self, self.connectors[env], task)
+        return EnvEpisodeHook(self, self.connectors[env], task, group_id)
 
     def rollout_fn(self, env: str) -> RolloutFnConnector | None:
         """`env`'s rollout function, if it has one."""

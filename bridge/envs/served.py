@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.envs.endpoint import Endpoint
-from bridge.envs.openenv_episode import SessionConnector
+from bridge.envs.openenv_episode import Schemas, SessionConnector
 from bridge.envs.session import Session
 from bridge.envs.spec import EnvSpec
 
@@ -19,10 +19,13 @@ class ServedConnector(SessionConnector):
         super().__init__(spec)
         self.endpoint = endpoint
 
-    async def schemas(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def schemas(self) -> Schemas:
         await self.endpoint.check()
         schemas = await self.endpoint.schema()
-        return schemas.get("action") or {}, schemas.get("observation") or {}
+        # openenv >= 0.10 states reset's schema apart, and sends metadata; openenv-core 0.2 / 0.3 do neither.
+        new = "reset_observation" in schemas
+        return Schemas(schemas.get("action") or {}, schemas.get("observation") or {},
+                       (schemas["reset_observation"] or {}) if new else None, new)
 
     async def new_session(self) -> Session:
         return await self.endpoint.open()

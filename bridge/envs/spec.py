@@ -13,6 +13,7 @@ import importlib
 import math
 import numbers
 import string
+import urllib.parse
 import warnings
 from typing import Any, ClassVar, Literal
 
@@ -64,8 +65,16 @@ class EnvSpec:
                                         "'name: value' lines; bundled environments: text)"})
     observation_template: str | None = dataclasses.field(
         default=None, metadata={"help": "how observations are shown, as a Python format string over their fields, "
-                                        "e.g. 'You are at ({x}, {y}). {message}' (checked against the "
-                                        "observation schema at start)"})
+                                        "e.g. 'You are at ({x}, {y}). {message}', '{metadata[question]}' (checked "
+                                        "at start against the step and the reset observation schemas)"})
+    reset_template: str | None = dataclasses.field(
+        default=None, metadata={"help": "how reset's observation (the first user turn) is shown, where its fields "
+                                        "differ from the steps' (default: observation_template; checked at start "
+                                        "against the reset observation schema where the server states one)"})
+    describe_action: bool | None = dataclasses.field(
+        default=None, metadata={"help": "text mode: tell the model in the system prompt what its reply is (the "
+                                        "action field's description, as tool mode's schema does); default: true, "
+                                        "false for bundled environments (their text says it)"})
     system_prompt: str = dataclasses.field(default="", metadata={"help": "system message of every episode"})
     max_concurrent_envs: int = dataclasses.field(
         default=64, metadata={"help": "sessions at once: the bridge's session pool for this environment (also "
@@ -84,6 +93,10 @@ class EnvSpec:
                                          "ends as an error; null: no limit"})
     session: SessionConfig = dataclasses.field(
         default_factory=SessionConfig, metadata={"help": "timeouts, pings, capacity backoff and circuit breaker"})
+    mixed_groups: Literal["warn", "error"] = dataclasses.field(
+        default="warn", metadata={"help": "when the episodes of one group start from different first prompts (the "
+                                          "environment ignores the task's seed, or its reset is random): warn once "
+                                          "and count env/NAME/groups_mixed, or stop the run with an error"})
     solver: str | None = dataclasses.field(
         default=None, metadata={"help": "the bundled environment whose solver plays warm-start demonstrations "
                                         "(default: a bundled environment's own)"})
@@ -99,6 +112,8 @@ class EnvSpec:
         if self.action not in ACTION_MODES:
             raise EnvConfigError(f"environment {self.name!r}: action {self.action!r} is not one of "
                                  f"{', '.join(ACTION_MODES)}")
+        if self.mixed_groups not in ("warn", "error"):
+            raise EnvConfigError(f"environment {self.name!r}: mixed_groups {self.mixed_groups!r} is not warn or error")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise EnvConfigError(f"environment {self.name!r}: url {self.url!r} must start with http:// or https://")
         if self.url:  # `http://host:port/` names the same server; its routes are url + "/health", ...
@@ -116,8 +131,11 @@ class EnvSpec:
         if self.observation_field and self.observation_template:
             raise EnvConfigError(f"environment {self.name!r}: set observation_field or observation_template, "
                                  "not both")
-        if self.observation_template is not None:
-            template_fields(self.observation_template, f"environment {self.name!r}: observation_template")
+        for key in ("observation_template", "reset_template"):
+            if getattr(self, key) is not None:
+                template_fields(getattr(self, key), f"environment {self.name!r}: {key}")
+        if self.describe_action is None:
+            object.__setattr__(self, "describe_action", not self.bundled)
         if self.bundled and self.observation_field is None and self.observation_template is None:
             # Bundled environments render their whole state into `text` themselves.
             object.__setattr__(self, "observation_field", "text")
@@ -214,6 +232,12 @@ class RolloutFnError(ValueError):
     episode it ends has finish_reason "error" and an error starting with "RolloutFnError: "."""
 
 
+class MixedGroupError(ValueError):
+    """The episodes of one group started from different prompts (`mixed_groups: error`): their rewards
+    compare answers to different tasks, so the run stops. An episode it ends has finish_reason "error"
+    and an error starting with "MixedGroupError: "."""
+
+
 MAX_ABS_REWARD = 1e9  # the learner's float32 arithmetic (weights, sums, squares for the std) stays finite
 
 
@@ -285,6 +309,61 @@ def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
     except Exception as e:
         raise TaskRefused(f"environment {spec.name!r} cannot take its {what} {task!r}: "
                           f"{type(e).__name__}: {e}") from None
+
+
+def task_splits(spec: EnvSpec) -> dict[str, int]:
+    """The task splits `spec`'s environment serves and how many tasks each holds: a server's task routes
+    (openenv >= 0.10: `/{env}/splits`, `/{env}/num_tasks`), an env_class's list_splits / num_tasks;
+    EnvConfigError naming the environment where it has none. A task is then {split, index}, which
+    reset(split=, index=) plays."""
+    what = f"environment {spec.name!r}"
+    if spec.env_class:
+        env = import_object(spec.env_class, f"{what}: env_class")()
+        try:
+            if not callable(getattr(env, "list_splits", None)) or not callable(getattr(env, "num_tasks", None)):
+                raise EnvConfigError(f"{what}: {spec.env_class} has no task splits (list_splits, num_tasks); draw "
+                                     "its tasks by seed or from data.train_file instead of data.splits")
+            names = [_split_name(split) for split in env.list_splits()]
+            return {name: int(env.num_tasks(name)) for name in names}
+        finally:
+            env.close()
+    if not spec.url:
+        raise EnvConfigError(f"{what}: only url and env_class environments have task splits (data.splits)")
+    return _served_splits(spec.url.rstrip("/"), what)
+
+
+def _split_name(split: Any) -> str:
+    """A split descriptor's name: a string, or {"name": ...} as the task routes write them."""
+    return split if isinstance(split, str) else str(split["name"] if isinstance(split, dict) else split.name)
+
+
+def _served_splits(url: str, what: str) -> dict[str, int]:
+    import httpx
+
+    from bridge.envs.serve import is_loopback
+
+    direct = is_loopback(urllib.parse.urlsplit(url).hostname or "")
+    try:
+        with httpx.Client(trust_env=not direct, timeout=30.0) as client:
+            listed = client.get(f"{url}/list_environments")
+            if listed.status_code == 404:
+                raise EnvConfigError(f"{what}: the server at {url} has no task routes (openenv-core 0.2 / 0.3); "
+                                     "draw its tasks by seed or from data.train_file instead of data.splits")
+            listed.raise_for_status()
+            name = listed.json()[0]
+            splits = client.get(f"{url}/{name}/splits")
+            if splits.status_code == 501:
+                raise EnvConfigError(f"{what}: the server at {url} serves no task splits (its environment has no "
+                                     "list_splits / num_tasks); draw its tasks by seed or from data.train_file")
+            splits.raise_for_status()
+            counts = {}
+            for split in splits.json():
+                reply = client.post(f"{url}/{name}/num_tasks", json={"split": _split_name(split)})
+                reply.raise_for_status()
+                counts[_split_name(split)] = int(reply.json()["num_tasks"])
+            return counts
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise EnvConfigError(f"{what}: reading the task splits of {url} failed: {type(e).__name__}: {e}") from None
 
 
 def import_object(path: str, what: str) -> Any:

@@ -94,7 +94,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     """What went wrong, in one line: a full disk by name, the run layer's own errors as they are
     worded, anything else with its type."""
     from bridge.client import BridgeError
-    from bridge.envs.spec import RewardError, RolloutFnError
+    from bridge.envs.spec import MixedGroupError, RewardError, RolloutFnError
     from jaxrl.checkpoints import CheckpointFailed
     from jaxrl.run.collection import EnvironmentsDown
     from jaxrl.run.evaluation import EvaluationFailed
@@ -113,7 +113,7 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
     if isinstance(e, SnapshotError):
         return f"snapshot {e}; once the snapshot store answers, --resume from the last checkpoint"
     ours = (BridgeError, BridgesDown, CheckpointFailed, ChildStartError, EnvServerDown, EnvironmentsDown,
-            EvaluationFailed, NothingScored, RewardError, RolloutFnError, TaskError, WarmStartError)
+            EvaluationFailed, MixedGroupError, NothingScored, RewardError, RolloutFnError, TaskError, WarmStartError)
     text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
     if isinstance(e, CheckpointFailed) and e.__cause__ is not None:
         text += f": {type(e.__cause__).__name__}: {e.__cause__}"

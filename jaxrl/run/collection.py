@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from bridge.envs.spec import EnvSpec, RewardError, RolloutFnError
+from bridge.envs.spec import EnvSpec, MixedGroupError, RewardError, RolloutFnError
 from bridge.wire import TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -343,13 +343,14 @@ def most_common_error(failed: list[TrajectoryData]) -> str:
 
 
 def check_rewards(episodes: list[TrajectoryData]) -> None:
-    """Raises the first RewardError or RolloutFnError the bridge reported: a reward function (or an
-    environment's reward) that returned something other than a finite number or None, or a rollout
-    function that returned an episode that cannot be trained on, stops the run."""
+    """Raises the first RewardError, RolloutFnError or MixedGroupError the bridge reported: a reward
+    function (or an environment's reward) that returned something other than a finite number or None,
+    a rollout function that returned an episode that cannot be trained on, or a group of episodes that
+    started from different prompts (mixed_groups: error), stops the run."""
     for t in episodes:
         if t.finish_reason != "error":
             continue
-        for error in (RewardError, RolloutFnError):
+        for error in (RewardError, RolloutFnError, MixedGroupError):
             prefix = f"{error.__name__}: "
             if t.error.startswith(prefix):
                 raise error(t.error[len(prefix):])
@@ -407,7 +408,8 @@ def rollout_metrics(trajs: list[EpisodeSummary], counts: Mapping[str, float], cf
             vals = [t.metrics.get(m, 0.0) for t in ts]
             if any(vals):
                 out[f"env/{env}/{m}"] = float(np.mean(vals))
-        for m in SESSION_WAITS:  # the step's totals: how much its episodes queued for sessions
+        # The step's totals: how much its episodes queued for sessions, and its groups that were not one task.
+        for m in (*SESSION_WAITS, "groups_mixed"):
             total = sum(t.metrics.get(m, 0.0) for t in ts)
             if total:
                 out[f"env/{env}/{m}"] = float(total)

@@ -114,7 +114,18 @@ class DataConfig:
         "environment name -> share of seed-drawn training tasks (default: equal)", default_factory=dict)
     task_fields: dict[str, dict[str, Any]] = option(
         "environment name -> task fields added to every seed-drawn task (e.g. max_steps)", default_factory=dict)
+    splits: dict[str, dict[str, str]] = option(
+        "environment name -> {train: SPLIT, eval: SPLIT}: its tasks come from its own task routes (openenv >= 0.10 "
+        "servers or env_class environments with list_splits / num_tasks): task {split, index}, training indices drawn "
+        "by seed, evaluation on the eval split's first eval.episodes", default_factory=dict)
     seed: int = option("order of the training tasks", default=0)
+
+    def __post_init__(self):
+        for env, splits in self.splits.items():
+            if not isinstance(splits, dict) or set(splits) != {"train", "eval"} or not all(
+                    isinstance(v, str) and v for v in splits.values()):
+                raise ValueError(f"data.splits.{env} must be {{train: SPLIT, eval: SPLIT}} (the server's split "
+                                 f"names; `jaxrl env tasks URL` lists them), got {splits!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +312,8 @@ class TrainConfig:
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"envs: names must be unique, got {names}")
-        for key, where in (("mix", self.data.mix), ("task_fields", self.data.task_fields)):
+        data = self.data
+        for key, where in (("mix", data.mix), ("task_fields", data.task_fields), ("splits", data.splits)):
             unknown = sorted(set(where) - set(names))
             if unknown:
                 raise ValueError(f"data.{key} names unknown environment(s) {unknown}; envs: {names}")

@@ -11,12 +11,16 @@ on: other versions may compile other kernels and round differently (see `jaxrl t
 
 from __future__ import annotations
 
+import base64
 import collections
 import datetime
+import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,9 +28,11 @@ import jax
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.run_dir import RunDir
 
-# What a run's numbers depend on; `openenv-core` serves the environments.
+# What a run's numbers depend on (distributions), and the modules whose distribution is recorded by what
+# is imported: `openenv` is installed by `openenv` and by its predecessor `openenv-core`.
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
-            "grpcio", "protobuf", "openenv-core")
+            "grpcio", "protobuf")
+MODULES = ("openenv",)
 # How a run's sampling seeds derive from its seed (bridge.wire, bridge.rollout).
 SAMPLING = ("group: derive_seed(seed, group id), group ids STEP-SLOT (training) and eval-VERSION-I; "
             "episode j: derive_seed(group seed, j); turn k: derive_seed(episode seed, k)")
@@ -41,8 +47,30 @@ def environment() -> dict[str, Any]:
             packages[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             packages[name] = None
+    for module in MODULES:
+        dist = imported_distribution(module)
+        packages[dist.metadata["Name"] if dist else module] = dist.version if dist else None
     return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
             "devices": ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items())), "packages": packages}
+
+
+def imported_distribution(module: str) -> importlib.metadata.Distribution | None:
+    """The installed distribution whose files are the ones `import module` loads (None: not importable): of
+    several that install the same directory, the one whose recorded hash matches the file on disk."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    origin = Path(spec.origin).resolve()
+    owners = [importlib.metadata.distribution(n) for n in importlib.metadata.packages_distributions().get(module, [])]
+    if len(owners) == 1:
+        return owners[0]
+    for dist in owners:
+        for file in dist.files or []:
+            if file.hash is not None and Path(dist.locate_file(file)).resolve() == origin:
+                digest = base64.urlsafe_b64encode(hashlib.new(file.hash.mode, origin.read_bytes()).digest())
+                if digest.rstrip(b"=").decode() == file.hash.value:
+                    return dist
+    return None
 
 
 def seeds(cfg: TrainConfig) -> dict[str, Any]:

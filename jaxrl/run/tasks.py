@@ -3,8 +3,9 @@ draws exactly the tasks the interrupted one would have.
 
 A task is `(env name, task fields)`; the fields go to the environment's `reset(**fields)` and
 to the reward functions. Seed-drawn tasks are `{"seed": k}` (bundled environments also get
-`"split"`); a JSON-lines file gives explicit rows `{"env": name, ...fields}`, or rows of a TRL
-dataset as they are: `prompt` (a string or chat messages, to which the bridge appends reset's
+`"split"`); an environment of `data.splits` gets `{"split", "index"}` tasks of its own task
+routes (each a task of its server's list, whatever seeds it ignores); a JSON-lines file gives
+explicit rows `{"env": name, ...fields}`, or rows of a TRL dataset as they are: `prompt` (a string or chat messages, to which the bridge appends reset's
 text) and any other columns, the environment named by `env`, by TRL's `environment` column, or
 being the run's only one.
 """
@@ -16,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from bridge.envs.spec import EnvConfigError, TaskRefused, check_reset, task_prompt
+from bridge.envs.spec import EnvConfigError, TaskRefused, check_reset, task_prompt, task_splits
 from jaxrl.run.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
@@ -82,10 +83,14 @@ class TaskSource:
         if sum(weights) <= 0:
             raise TaskError(f"data.mix gives every environment weight 0: {cfg.data.mix}")
         self.weights = weights
+        self.split_sizes = {env: _split_sizes(cfg, env) for env in cfg.data.splits}
 
     def _fields(self, env: str, seed: int, split: str) -> dict[str, Any]:
         fields: dict[str, Any] = {"seed": seed}
-        if env in self.bundled:
+        if env in self.split_sizes:
+            name = self.cfg.data.splits[env]["train" if split == "train" else "eval"]
+            fields = {"split": name, "index": seed % self.split_sizes[env][name]}
+        elif env in self.bundled:
             fields["split"] = split
         elif split == "test":
             fields["seed"] = EVAL_SEED_OFFSET + seed
@@ -128,6 +133,22 @@ class TaskSource:
         for k, env in enumerate(envs):
             tasks += [(env, self._fields(env, self.cfg.seed + i, "train")) for i in range(len(range(k, n, len(envs))))]
         return tasks
+
+
+def _split_sizes(cfg: TrainConfig, env: str) -> dict[str, int]:
+    """How many tasks `env`'s train and eval splits (data.splits) hold on its server; TaskError if either is
+    not one of its splits or is empty."""
+    spec = next(e for e in cfg.envs if e.name == env)
+    try:
+        sizes = task_splits(spec)
+    except EnvConfigError as e:
+        raise TaskError(f"data.splits.{env}: {e}") from None
+    for key, name in cfg.data.splits[env].items():
+        if not sizes.get(name):
+            listed = ", ".join(f"{k} ({n} tasks)" for k, n in sizes.items()) or "none"
+            raise TaskError(f"data.splits.{env}.{key}: {name!r} is not a split of tasks of environment {env!r}; "
+                            f"its splits: {listed}")
+    return {name: sizes[name] for name in cfg.data.splits[env].values()}
 
 
 def checked_tasks(cfg: TrainConfig) -> TaskSource:

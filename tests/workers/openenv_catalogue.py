@@ -11,6 +11,14 @@ without a seed. The tests run each both served over `/ws` and in-process (`env_c
   an enum `op`, and `answer(value)`); done once answered, 1.0 when right.
 - `nim`: `NimEnvironment`, a one-session game: 7 stones, take 1-3, the opponent takes 1; taking
   the last stone wins (1.0), leaving it to the opponent loses (-1.0).
+- `quiz` (openenv >= 0.10 only): `QuizEnvironment`, reasoning_gym's way: task splits (train, test),
+  `reset(split=, index=)`, a reset that ignores the seed and hands out the next question otherwise,
+  reset's own observation class, metadata.
+- `echo_mcp`: `EchoMCPEnvironment`, echo_env's way: an MCP tool, a reset that says all in metadata.
+
+Served by the installed openenv, or by openenv-core 0.3.0 with PYTHONPATH naming its code
+(`scripts/setup.sh test` puts it in .venv/openenv-core-0.3.0). `quiz_production` is `quiz` in
+openenv's production mode: only /health, /schema, /metadata, /ws, /mcp and the task routes.
 
 `python openenv_catalogue.py grid arithmetic nim` serves each on its own 127.0.0.1 port in one
 process and prints `ENV_LISTENING NAME URL` per environment once all of them serve.
@@ -174,6 +182,89 @@ class NimEnvironment(Environment):
         return self._state
 
 
+class QuizAction(Action):
+    answer: str = Field(description="the answer, a whole number")
+    show_work: bool = Field(default=False, description="whether to explain the verdict")
+
+
+class QuizResetObservation(Observation):
+    question: str = ""
+
+
+class QuizObservation(Observation):
+    verdict: str = ""
+
+
+QUIZ = {"train": [("2 + 3", 5), ("4 * 4", 16), ("9 - 7", 2)], "test": [("6 + 6", 12), ("3 * 5", 15)]}
+
+
+class QuizEnvironment(Environment):
+    """Like reasoning_gym's server: task splits, and a reset that ignores the seed and hands out the next
+    training question unless split and index name one; the question in reset's own observation class
+    (openenv >= 0.10: reset_observation_cls), where it came from in metadata."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    handed_out = 0  # over all sessions: the server's dataset iterator
+
+    def __init__(self):
+        super().__init__()
+        self.answer = 0
+        self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, split: str | None = None,
+              index: int | None = None) -> QuizResetObservation:
+        if split is None:
+            split, index = "train", QuizEnvironment.handed_out % len(QUIZ["train"])
+            QuizEnvironment.handed_out += 1
+        question, self.answer = QUIZ[split][index]
+        return QuizResetObservation(question=f"What is {question}?", metadata={"split": split, "index": index})
+
+    def step(self, action: QuizAction) -> QuizObservation:
+        right = action.answer.strip() == str(self.answer)
+        return QuizObservation(verdict="right" if right else "wrong", reward=float(right), done=True,
+                               metadata={"answer": self.answer})
+
+    def list_splits(self) -> list[str]:
+        return list(QUIZ)
+
+    def num_tasks(self, split: str) -> int:
+        return len(QUIZ[split])
+
+    def get_task(self, split: str, index: int) -> dict[str, Any]:
+        return {"question": QUIZ[split][index][0]}
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+class EchoMCPEnvironment(MCPEnvironment):
+    """As OpenEnv's echo_env: one tool, and a reset that says everything in metadata."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        mcp = FastMCP("echo_env")
+
+        @mcp.tool
+        def echo_message(message: str) -> str:
+            """Echoes the message back."""
+            return message
+
+        super().__init__(mcp)
+        self._state = State(episode_id="", step_count=0)
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Observation:
+        return Observation(done=False, reward=0.0, metadata={"status": "ready", "message": "Echo environment ready!"})
+
+    def _step_impl(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Observation:
+        return Observation(done=False, reward=0.0, metadata={"error": "use the MCP tools"})
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
 def build_app(name: str):
     """The app OpenEnv's catalogue would ship for `name` (its defaults: one session unless said)."""
     if name == "grid":
@@ -183,7 +274,14 @@ def build_app(name: str):
                           max_concurrent_envs=8)
     if name == "nim":
         return create_app(NimEnvironment, NimAction, NimObservation, env_name="nim")
-    raise SystemExit(f"unknown environment {name!r}; known: grid, arithmetic, nim")
+    if name in ("quiz", "quiz_production"):  # openenv >= 0.10 only
+        return create_app(QuizEnvironment, QuizAction, QuizObservation, env_name="quiz", max_concurrent_envs=8,
+                          reset_observation_cls=QuizResetObservation,
+                          mode="production" if name == "quiz_production" else "simulation")
+    if name == "echo_mcp":
+        return create_app(EchoMCPEnvironment, CallToolAction, CallToolObservation, env_name="echo_env",
+                          max_concurrent_envs=8)
+    raise SystemExit(f"unknown environment {name!r}; known: grid, arithmetic, nim, quiz, quiz_production, echo_mcp")
 
 
 async def serve(names: list[str]) -> None:
