@@ -25,7 +25,7 @@ from jaxrl.options import option
 from jaxrl.sharding import BATCH_AXES
 
 # Batch arrays: prompts left-padded, completions right-padded; rewards NaN where a reward
-# function does not apply; sampler_logp only with importance-sampling correction.
+# function does not apply; sampler_logp only for the sampler corrections (LossConfig.needs_sampler_logp).
 BATCH_KEYS = {
     "prompt_BxP": np.integer,
     "prompt_mask_BxP": None,
@@ -73,8 +73,8 @@ class TrainState(NamedTuple):
 def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int = 1) -> None:
     """Shape and dtype checks with messages, before anything is compiled."""
     missing = [k for k in BATCH_KEYS if k not in batch]
-    if cfg.loss.is_level != "none" and "sampler_logp_BxC" not in batch:
-        missing.append("sampler_logp_BxC (needed by loss.is_level)")
+    if cfg.loss.needs_sampler_logp and "sampler_logp_BxC" not in batch:
+        missing.append("sampler_logp_BxC (needed by loss.is_level, loss.token_mask or loss.opsm_threshold)")
     if missing:
         raise ValueError(f"train batch is missing {missing}")
     unknown = sorted(set(batch) - set(BATCH_KEYS) - set(OPTIONAL_BATCH_KEYS))
@@ -176,10 +176,9 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     def frozen_logprobs(params):
         return jax.lax.map(lambda mb: jax.lax.stop_gradient(logprobs(params, mb)[0]), micro)
 
-    # logp_old is fixed before the first update; with a single on-policy pass the loss uses
+    # logp_old is fixed before the first update; with a single pass the loss uses
     # stop_gradient(logp) instead, which is the same number without a forward pass.
-    needs_old = cfg.num_iterations > 1 or cfg.loss.is_level != "none"
-    micro["logp_old"] = frozen_logprobs(state.params) if needs_old else None
+    micro["logp_old"] = frozen_logprobs(state.params) if cfg.num_iterations > 1 else None
     micro["ref_logp"] = frozen_logprobs(state.ref_params) if cfg.loss.beta > 0 else None
 
     def micro_loss(params, mb):

@@ -16,7 +16,7 @@ ECHO = {"name": "echo", "env_class": "bridge.envs.bundled.echo:EchoEnvironment",
 
 def base(tmp_path, model_dir=None) -> dict:
     return {"run_dir": str(tmp_path / "run"), "model": {"dir": str(model_dir or tmp_path / "m")}, "envs": [ECHO],
-            "rollout": {"groups_per_step": 4, "max_tokens": 8, "max_total_tokens": 8, "max_prompt_tokens": 64},
+            "rollout": {"groups_per_step": 4, "max_tokens": 8, "max_total_tokens": 8, "max_prompt_tokens": 128},
             "learner": {"group_size": 2, "loss": {"is_level": "sequence"}}, "eval": {"episodes": 4},
             "log": {"progress": False}}
 

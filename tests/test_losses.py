@@ -236,7 +236,8 @@ def test_beta_zero_needs_no_reference_and_all_masked_batch_is_finite():
     [
         (
             {"loss_type": "ppo"},
-            r"LossConfig.loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'sft'\)",
+            r"LossConfig.loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo', 'gspo_token', "
+            r"'cispo', 'sapo', 'sft'\)",
         ),
         ({"is_level": "seq"}, r"LossConfig.is_level='seq' is not one of \('none', 'token', 'sequence'\)"),
         ({"is_mode": "clip"}, r"LossConfig.is_mode='clip' is not one of \('truncate', 'mask'\)"),
@@ -321,3 +322,250 @@ def test_sft_with_beta_adds_the_k3_penalty():
 def test_sft_refuses_importance_sampling():
     with pytest.raises(ValueError, match=r"is_level='token' does not apply to loss_type='sft'"):
         LossConfig(loss_type="sft", is_level="token")
+
+
+# GSPO, CISPO, SAPO and the sampler masks against their formulas in float64: values, metrics, and
+# gradients by central finite differences of the same formulas.
+NEW_TYPES = ["gspo", "gspo_token", "cispo", "sapo"]
+CORRECTIONS = {
+    "none": {},
+    "token_mask": {"token_mask": (0.7, 1.4)},
+    "opsm": {"opsm_threshold": 0.05},
+    "all": {"token_mask": (0.7, 1.4), "opsm_threshold": 0.05, "is_level": "token", "is_max": 1.25},
+}
+
+
+def make_off_policy_batch(seed=0, B=8, T=10):
+    """make_batch's masks, with rows drifting from logp_old by very different amounts: GSPO's
+    narrow band (3e-4) holds some sequences and not others, and some ratios pass CISPO's bound."""
+    a = make_batch(seed, B, T)
+    rng = np.random.default_rng(seed + 100)
+    drift_B = np.array([1e-5, 1e-4, 2e-4, 0.05, 0.3, 1e-5, 2.5, 0.5])[:B]
+    a["logp_old"] = (a["logp"] + rng.normal(size=(B, T)) * drift_B[:, None]).astype(np.float32)
+    a["adv"] = np.array([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 1.0, -2.0], np.float32)[:B]
+    return a
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def ref_loss(a, logp, logp_sg, **kw):
+    """The loss `kw` (LossConfig fields) configures, from the formulas in float64. `logp_sg` stands
+    wherever a formula stops the gradient, so differences in `logp` alone give the gradient."""
+    cfg = LossConfig(**kw)  # for its defaults and aggregate_as only
+    a = {k: v.astype(np.float64) for k, v in a.items()}
+    mask, old, sampler = a["mask"], a["logp_old"], a["sampler"]
+    active = mask > 0
+    n_B = mask.sum(1)
+    A = a["adv"][:, None] * np.ones_like(logp)
+
+    def seq_mean(x):
+        return ((x * mask).sum(1) / np.maximum(n_B, 1))[:, None] * np.ones_like(logp)
+
+    def frac(x):
+        return np.sum(active & x) / active.sum()
+
+    m = {}
+    kind = cfg.loss_type
+    if kind in ("gspo", "gspo_token", "grpo", "dapo", "bnpo", "dr_grpo"):
+        if kind == "gspo":
+            r, lo, hi = np.exp(seq_mean(logp - old)), 1 - cfg.seq_eps_low, 1 + cfg.seq_eps_high
+        elif kind == "gspo_token":
+            r = np.exp(seq_mean(logp_sg - old)) * np.exp(logp - logp_sg)
+            lo, hi = 1 - cfg.seq_eps_low, 1 + cfg.seq_eps_high
+        else:
+            r, lo, hi = np.exp(logp - old), 1 - cfg.eps_low, 1 + cfg.eps_high
+        L = -np.minimum(r * A, np.clip(r, lo, hi) * A)
+        m["clip_frac_low"], m["clip_frac_high"] = frac((r < lo) & (A < 0)), frac((r > hi) & (A > 0))
+    elif kind == "cispo":
+        r = np.exp(logp_sg - old)
+        L = -np.minimum(r, cfg.cispo_max) * A * logp
+        m["clip_frac_high"] = frac(r > cfg.cispo_max)
+    else:  # sapo
+        tau = np.where(A > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        L = -sigmoid(tau * (np.exp(logp - old) - 1)) * 4 / tau * A
+        r_sg = np.exp(logp_sg - old)
+        s = sigmoid(tau * (r_sg - 1))
+        m["sapo_weight_mean"] = (4 * s * (1 - s) * r_sg)[active].mean()
+
+    keep = np.ones_like(logp)
+    if cfg.is_level == "token":
+        keep = np.minimum(np.exp(old - sampler), cfg.is_max)
+    if cfg.token_mask is not None:
+        k = np.exp(old - sampler)
+        outside = (k < cfg.token_mask[0]) | (k > cfg.token_mask[1])
+        keep = np.where(outside, 0.0, keep)
+        m["token_mask_frac"] = frac(outside)
+    if cfg.opsm_threshold is not None:
+        dropped = (A < 0) & (seq_mean(sampler - logp_sg) > cfg.opsm_threshold)
+        keep = np.where(dropped, 0.0, keep)
+        m["opsm_frac"] = frac(dropped)
+    L = keep * L
+    d = a["ref"] - logp
+    k3 = np.exp(d) - d - 1
+    m["kl"] = k3[active].mean()
+    live = n_B > 0
+
+    def aggregate(x):
+        if cfg.aggregate_as == "grpo":
+            return ((x * mask).sum(1)[live] / n_B[live]).mean()
+        total = (x * mask).sum()
+        return total / (live.sum() * MAX_LEN) if cfg.aggregate_as == "dr_grpo" else total / active.sum()
+
+    m["policy_loss"] = aggregate(L)
+    m["loss"] = aggregate(L + cfg.beta * k3)
+    return m
+
+
+def ref_gradient(a, **kw):
+    logp0 = a["logp"].astype(np.float64)
+    grad, h = np.zeros_like(logp0), 1e-6
+    for i in np.ndindex(logp0.shape):
+        step = np.zeros_like(logp0)
+        step[i] = h
+        up, down = (ref_loss(a, logp0 + s, logp0, **kw)["loss"] for s in (step, -step))
+        grad[i] = (up - down) / (2 * h)
+    return grad
+
+
+def check_against_reference(a, **kw):
+    cfg = LossConfig(**kw, max_completion_length=MAX_LEN)
+    logp, batch = to_jax(a)
+    (loss, metrics), grad = jax.value_and_grad(policy_loss, has_aux=True)(
+        logp, batch, cfg, loss_normalizer(cfg, batch.mask_BxT))
+    logp0 = a["logp"].astype(np.float64)
+    want = ref_loss(a, logp0, logp0, **kw)
+    for key, value in want.items():
+        np.testing.assert_allclose(float(metrics[key]), value, atol=2e-5, rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(np.asarray(grad), ref_gradient(a, **kw), atol=2e-6, rtol=1e-4)
+    return want
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS)
+@pytest.mark.parametrize("loss_type", NEW_TYPES + ["grpo", "dapo"])
+def test_objectives_and_sampler_masks_match_their_formulas(loss_type, correction):
+    a = make_off_policy_batch(seed=5)
+    check_against_reference(a, loss_type=loss_type, beta=0.05, **CORRECTIONS[correction])
+
+
+@pytest.mark.parametrize("aggregation", [None, "grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", NEW_TYPES)
+def test_every_aggregation_composes_with_the_new_objectives(loss_type, aggregation):
+    a = make_off_policy_batch(seed=9)
+    check_against_reference(a, loss_type=loss_type, aggregation=aggregation)
+
+
+def test_the_reference_cases_reach_every_branch():
+    """Without this the comparisons above could pass on batches where nothing clips or masks."""
+    for seed in (5, 9):
+        check_branches(make_off_policy_batch(seed=seed))
+
+
+def check_branches(a):
+    logp0 = a["logp"].astype(np.float64)
+    gspo = ref_loss(a, logp0, logp0, loss_type="gspo")
+    assert 0 < gspo["clip_frac_low"] and 0 < gspo["clip_frac_high"]
+    assert gspo["clip_frac_low"] + gspo["clip_frac_high"] < 0.8  # some sequences inside the band
+    assert 0 < ref_loss(a, logp0, logp0, loss_type="cispo")["clip_frac_high"] < 0.5
+    masks = ref_loss(a, logp0, logp0, loss_type="dapo", **CORRECTIONS["all"])
+    assert 0 < masks["token_mask_frac"] < 1 and 0 < masks["opsm_frac"] < 1
+    sapo = ref_loss(a, logp0, logp0, loss_type="sapo")
+    assert 0.2 < sapo["sapo_weight_mean"] < 1  # the gate decays off-policy
+
+
+@pytest.mark.parametrize("loss_type", NEW_TYPES)
+def test_all_equal_rewards_give_no_policy_gradient(loss_type):
+    a = make_off_policy_batch(seed=3)
+    a["adv"] = np.zeros_like(a["adv"])  # what every advantage estimator gives a group of equal rewards
+    cfg = LossConfig(loss_type=loss_type, token_mask=(0.7, 1.4), opsm_threshold=0.05)
+    logp, batch = to_jax(a)
+    grad = jax.grad(lambda lp: policy_loss(lp, batch, cfg, loss_normalizer(cfg, batch.mask_BxT))[0])(logp)
+    assert not np.any(np.asarray(grad))
+
+
+def test_one_token_completions_make_gspo_the_token_clip():
+    """With one token a sequence's ratio is the token's: gspo and gspo_token are grpo's clip with
+    GSPO's band."""
+    a = make_off_policy_batch(seed=4)
+    a["mask"] = np.zeros_like(a["mask"])
+    a["mask"][:, 0] = 1
+    logp, batch = to_jax(a)
+    eps = {"eps_low": 0.01, "eps_high": 0.02}
+    results = []
+    for cfg in (LossConfig(loss_type="grpo", **eps), LossConfig(loss_type="gspo", seq_eps_low=0.01, seq_eps_high=0.02),
+                LossConfig(loss_type="gspo_token", seq_eps_low=0.01, seq_eps_high=0.02)):
+        norm = loss_normalizer(cfg, batch.mask_BxT)
+        results.append(jax.value_and_grad(lambda lp, cfg=cfg, norm=norm: policy_loss(lp, batch, cfg, norm)[0])(logp))
+    for loss, grad in results[1:]:
+        np.testing.assert_allclose(float(loss), float(results[0][0]), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(results[0][1]), atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", NEW_TYPES)
+def test_masked_tokens_neither_count_nor_get_a_gradient(loss_type):
+    a = make_off_policy_batch(seed=5)
+    cfg = LossConfig(loss_type=loss_type, beta=0.05, token_mask=(0.7, 1.4), opsm_threshold=0.05)
+    logp, batch = to_jax(a)
+    norm = loss_normalizer(cfg, batch.mask_BxT)
+    loss, grad = jax.value_and_grad(lambda lp: policy_loss(lp, batch, cfg, norm)[0])(logp)
+    holes = a["mask"] == 0
+    assert not np.any(np.asarray(grad)[holes])
+    moved = policy_loss(jnp.where(holes, logp - 3.0, logp), batch, cfg, norm)[0]
+    assert float(moved) == float(loss)
+
+
+@pytest.mark.parametrize("loss_type", NEW_TYPES)
+def test_new_objectives_accumulate_exactly(loss_type):
+    cfg = LossConfig(loss_type=loss_type, beta=0.05, is_level="sequence", token_mask=(0.7, 1.4), opsm_threshold=0.05)
+    a = make_off_policy_batch(seed=3, B=8)
+    logp, batch = to_jax(a)
+    normalizer = loss_normalizer(cfg, batch.mask_BxT)
+    grad_fn = jax.value_and_grad(lambda lp, b: policy_loss(lp, b, cfg, normalizer)[0])
+    full_loss, full_grad = grad_fn(logp, batch)
+    micro = [grad_fn(logp[i : i + 2], jax.tree.map(lambda x: x[i : i + 2], batch)) for i in range(0, 8, 2)]
+    np.testing.assert_allclose(sum(float(l) for l, _ in micro), float(full_loss), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.concatenate([g for _, g in micro]), np.asarray(full_grad), atol=1e-7, rtol=0)
+
+
+def test_sampler_masks_carry_no_gradient_to_the_sampler():
+    a = make_off_policy_batch()
+    logp, batch = to_jax(a)
+    cfg = LossConfig(loss_type="cispo", token_mask=(0.7, 1.4), opsm_threshold=0.05)
+
+    def loss_of_sampler(sampler_BxT):
+        return policy_loss(logp, batch._replace(sampler_logp_BxT=sampler_BxT), cfg, 7.0)[0]
+
+    assert not np.any(np.asarray(jax.grad(loss_of_sampler)(batch.sampler_logp_BxT)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"aggregation": "mean"}, r"LossConfig.aggregation='mean' is not one of"),
+        ({"loss_type": "grpo", "aggregation": "dapo"},
+         r"aggregation='dapo' contradicts loss_type='grpo'.*set loss_type='dapo'"),
+        ({"loss_type": "cispo", "dual_clip": 3.0}, r"dual_clip does not apply to loss_type='cispo'"),
+        ({"loss_type": "sapo", "dual_clip": 3.0}, r"dual_clip does not apply to loss_type='sapo'"),
+        ({"loss_type": "sft", "token_mask": (0.5, 5.0)}, r"token_mask=\(0.5, 5.0\) does not apply to loss_type='sft'"),
+        ({"loss_type": "sft", "opsm_threshold": 0.1}, r"opsm_threshold=0.1 does not apply to loss_type='sft'"),
+        ({"loss_type": "sft", "aggregation": "grpo"}, r"aggregation='grpo' does not apply to loss_type='sft'"),
+        ({"token_mask": (1.2, 5.0)}, r"token_mask=\(1.2, 5.0\) must be None or \[low, high\] with 0 <= low < 1 < high"),
+        ({"token_mask": (0.5,)}, r"token_mask=\(0.5,\) must be"),
+        ({"opsm_threshold": -0.1}, r"opsm_threshold=-0.1 must be None or a finite number >= 0"),
+        ({"cispo_max": 0.0}, r"cispo_max=0.0 must be a finite number > 0"),
+        ({"sapo_tau_neg": -1.0}, r"sapo_tau_neg=-1.0 must be a finite number > 0"),
+        ({"seq_eps_low": 1.0}, r"seq_eps_low=1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_new_settings_are_one_line_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match) as e:
+        LossConfig(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setting", [{"token_mask": (0.5, 5.0)}, {"opsm_threshold": 0.1}])
+def test_sampler_masks_need_the_sampler_logprobs(setting):
+    batch = LossBatch(mask_BxT=np.ones((4, 5)), adv_B=np.ones(4))
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}=.* needs batch.sampler_logp_BxT"):
+        policy_loss(np.zeros((4, 5), np.float32), batch, LossConfig(**setting), 1.0)

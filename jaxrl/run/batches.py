@@ -70,7 +70,7 @@ def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, row
     prompt_len = prompt_width(trajs, cfg) if prompt_len is None else prompt_len
     return learner_batch(trajs, cfg.groups_per_step_rows if rows is None else rows, prompt_len,
                          cfg.rollout.max_total_tokens, pad_id, RewardWeights(cfg.rewards),
-                         sampler_logp=cfg.learner.loss.is_level != "none", mask_truncated=cfg.rollout.drop_truncated)
+                         sampler_logp=cfg.learner.loss.needs_sampler_logp, mask_truncated=cfg.rollout.drop_truncated)
 
 
 def prompt_width(trajs: Sequence[TrajectoryData], cfg: TrainConfig) -> int:
