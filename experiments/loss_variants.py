@@ -1,51 +1,62 @@
-"""Loss variants compared: grpo, dapo and dr_grpo aggregation, each with and without sequence-level
-importance correction, over 3 seeds on the bundled echo environment; a plot and a table.
+"""Policy objectives compared on the default task: grpo, dapo, dr_grpo, gspo, cispo and sapo, 3 seeds
+each, from one shared warm-started model; held-out success with its standard error, a table and a plot.
 
-    python -m experiments.loss_variants [--toy] [--out runs/experiments/loss_variants]
+    python -m experiments.loss_variants [--toy] [--steps N] [--out runs/experiments/loss_variants]
 
-Every variant starts from the same model: the tiny CPU default's, warm-started once on the echo
-solver's demonstrations and exported (RL on the random model would have no reward to compare).
-Each (variant, seed) is a `jaxrl train` run of its own under OUT/runs/; OUT/summary.md holds the
-per-run table and the reward curves (compare_reward.png), OUT/variants.md the mean +- sd over seeds.
+Every variant starts from the same model: the CPU default's (`configs/tiny_cpu.yaml`) warm start,
+run once and exported, then trains the default's RL phase (`--steps`, default the config's) under
+its own `learner.loss.loss_type`, everything else the default's. Each (variant, seed) is a `jaxrl
+train` run of its own under OUT/runs/; OUT/summary.md holds the per-run table and the curves
+(compare_reward.png), OUT/variants.md held-out success per variant: the mean over seeds +- its
+standard error (sd / sqrt(seeds)), and the same for the reward of the last 10 steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
 from jaxrl.run import api
 
-VARIANTS = {f"{loss}{'+seq_is' if corrected else ''}": {"learner.loss.loss_type": loss,
-                                                        "learner.loss.is_level": "sequence" if corrected else "none"}
-            for loss in ("grpo", "dapo", "dr_grpo") for corrected in (False, True)}
+VARIANTS = {name: {"learner.loss.loss_type": name} for name in ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo")}
 SEEDS = (0, 1, 2)
 
 
-def warm_model(base: api.TrainConfig, out: Path) -> Path:
-    """The shared start: one run of the default's warm start (and a single RL step), exported."""
-    model = out / "warm-model"
-    if (model / "config.json").is_file():
-        return model
-    run = api.config(base, {"run_dir": str(out / "warm"), "steps": 1, "eval.episodes": 0})
-    api.train(run)
-    return api.export(run.run_dir, model)
+def warm_model(base: api.TrainConfig, out: Path) -> tuple[Path, float]:
+    """The shared start: one run of the default's warm start (and a single RL step), exported; with
+    its held-out success after the warm start."""
+    model, run = out / "warm-model", api.config(base, {"run_dir": str(out / "warm"), "steps": 1})
+    if not (model / "config.json").is_file():
+        summary = api.train(run)
+        api.export(run.run_dir, model)
+        (out / "warm.json").write_text(json.dumps(summary))
+    return model, json.loads((out / "warm.json").read_text()).get("eval_after_warm_start", float("nan"))
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/experiments/loss_variants")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
     parser.add_argument("--toy", action="store_true", help="two variants, one seed, two steps, no warm start (CI)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     size = ({"rollout.groups_per_step": 2, "learner.group_size": 4, "eval.episodes": 4,
-             "model.dir": str(out / "tiny-model")} if args.toy else {"eval.episodes": 64})
-    base = api.config("configs/tiny_cpu.yaml", {"log.progress": False, "checkpoint_every": 100, **size})
-    model = base.model.dir if args.toy else warm_model(base, out)  # toy: the random model, built by the first run
-    variants = dict(list(VARIANTS.items())[::5]) if args.toy else VARIANTS  # toy: grpo and dr_grpo+seq_is
+             "model.dir": str(out / "tiny-model")} if args.toy else {})
+    base = api.config("configs/tiny_cpu.yaml", {"log.progress": False, "checkpoint_every": 1000, **size})
+    if args.toy:  # the random model, built by the first run
+        model, warm = base.model.dir, float("nan")
+    else:
+        model, warm = warm_model(base, out)
+    variants = {k: VARIANTS[k] for k in ("grpo", "cispo")} if args.toy else VARIANTS
     seeds = SEEDS[:1] if args.toy else SEEDS
+    steps = 2 if args.toy else (args.steps or base.steps)
     runs, finals = {}, {}
     for name, overrides in variants.items():
         for seed in seeds:
@@ -53,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = api.config(base, {**overrides, "model.dir": str(model), "sft.steps": 0,
                                     **({} if args.toy else {"model.tiny": None}),
                                     "seed": seed, "data.seed": seed, "run_dir": str(run_dir),
-                                    "steps": 2 if args.toy else 30, "eval.before": False})
+                                    "steps": steps, "eval.before": False})
             summary = api.train(cfg)
             runs[f"{name}_seed{seed}"] = run_dir
             rows = api.read_metrics(run_dir)
@@ -61,17 +72,20 @@ def main(argv: list[str] | None = None) -> dict:
             finals.setdefault(name, []).append((summary.get("eval_after", float("nan")), statistics.mean(tail)))
     table, plot = api.compare_runs(runs, out, keys=["eval/success", "kl", "entropy", "grad_norm"])
     print(table)
-    lines = ["| variant | held-out success (mean +- sd) | reward, last 10 steps (mean +- sd) |", "| --- | --- | --- |"]
+    lines = [f"Warm start (shared): held-out success {warm:.3f}; {steps} RL steps per run, seeds {list(seeds)}.", "",
+             "| variant | held-out success (mean +- s.e.) | reward, last 10 steps (mean +- s.e.) |",
+             "| --- | --- | --- |"]
+    result = {}
     for name, values in finals.items():
-        cols = [[v[i] for v in values] for i in (0, 1)]
-        lines.append(f"| {name} | " + " | ".join(
-            f"{statistics.mean(c):.3f} +- {statistics.stdev(c) if len(c) > 1 else 0.0:.3f}" for c in cols) + " |")
+        cols = [mean_and_stderr([v[i] for v in values]) for i in (0, 1)]
+        lines.append(f"| {name} | " + " | ".join(f"{m:.3f} +- {se:.3f}" for m, se in cols) + " |")
+        result[name] = [round(x, 4) for col in cols for x in col]
     (out / "variants.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    result = {"out": str(out), "plot": str(plot), "runs": len(runs),
-              "variants": {n: [round(statistics.mean(v[i] for v in vs), 4) for i in (0, 1)] for n, vs in finals.items()}}
-    print(json.dumps(result))
-    return result
+    summary = {"out": str(out), "plot": str(plot), "runs": len(runs), "warm_start": warm, "steps": steps,
+               "variants": result}  # name: [success, its s.e., reward, its s.e.]
+    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":
