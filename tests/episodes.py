@@ -22,6 +22,7 @@ CATALOGUE = Path(__file__).parent / "workers" / "openenv_catalogue.py"
 CLASSES = {"grid": "tests.workers.openenv_catalogue:GridWorldEnvironment",
            "arithmetic": "tests.workers.openenv_catalogue:ArithmeticEnvironment",
            "nim": "tests.workers.openenv_catalogue:NimEnvironment",
+           "board": "tests.workers.openenv_catalogue:BoardEnvironment",
            "quiz": "tests.workers.openenv_catalogue:QuizEnvironment",
            "echo_mcp": "tests.workers.openenv_catalogue:EchoMCPEnvironment"}
 WHERE = ("served", "in_process")

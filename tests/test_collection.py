@@ -87,6 +87,18 @@ def test_env_watch_warns_once_of_a_pool_far_above_the_servers_capacity(caplog):
         "with more sessions"]
 
 
+def test_env_watch_warns_once_of_groups_that_are_not_one_task(caplog):
+    """The bridge's group check counts a mixed group in its episodes' metrics; the trainer's console says so once."""
+    watch = EnvWatch(max_turns=2, specs={})
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        watch.observe([traj("a", i, [1], [2], [1], {"env": 1.0}, env="gym", groups_mixed=float(i == 1))
+                       for i in range(2)] * 2)
+        watch.observe([traj("b", i, [1], [2], [1], {"env": 1.0}) for i in range(2)])  # one task: nothing to say
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("environment 'gym': the episodes of a group started from different first prompts")
+    assert "data.task_fields" in warning and "env/gym/groups_mixed" in warning and "mixed_groups: error" in warning
+
+
 class Coin:
     """A tool environment whose reward is fixed by the task: heads (seed even) pays 1."""
 

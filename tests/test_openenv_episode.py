@@ -72,6 +72,33 @@ def spec(catalogue, name, where, **keys):
     return catalogue_spec(catalogue[where], name, "in_process" if where == "in_process" else "served", **keys)
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_text_mode_says_what_a_reply_is_from_the_action_s_docstring_and_names_the_fields_it_leaves(
+        tok, catalogue, where, caplog):
+    """The catalogue's chess: `move: str` without a description, its meaning in the action class's docstring
+    (tool mode's tool description); text mode's system line says it, and warns of `promotion`, which it cannot
+    fill, described or not (the catalogue's wildfire: `x`, `y`)."""
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.openenv_episode"):
+        runtime = EnvRuntime([spec(catalogue, "board", where)], tok, get_parser())
+        traj = run(scripted(tok, ["e2e4"]), runtime, "board", {})
+    assert traj.finish_reason == "env_done" and traj.rewards == {"env": 1.0}, traj.error
+    assert ("<|im_start|>system\nYour reply is sent to the environment as its action's 'move'. The action: A move "
+            "in UCI notation: the square a piece leaves, then the square it lands on (e2e4).<|im_end|>"
+            in tok.decode(traj.prompt_ids))
+    [warning] = [r.getMessage() for r in caplog.records if "text mode fills only" in r.getMessage()]
+    assert "'board'" in warning and "field(s) promotion," in warning and "action: tool" in warning
+
+
+def test_text_mode_with_nothing_to_say_of_a_reply_says_so(tok, caplog):
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.openenv_episode"):
+        runtime = EnvRuntime([EnvSpec("bare", env_class="tests.workers.openenv_catalogue:BareBoardEnvironment")],
+                             tok, get_parser())
+        traj = run(scripted(tok, ["e2e4"]), runtime, "bare", {})
+    assert traj.rewards == {"env": 1.0} and "<|im_start|>system" not in tok.decode(traj.prompt_ids)
+    [warning] = [r.getMessage() for r in caplog.records if "not told what its reply is" in r.getMessage()]
+    assert "'bare'" in warning and "'move'" in warning and "system_prompt" in warning
+
+
 ALL = ("served", "served_0.3", "in_process")
 
 
@@ -137,6 +164,17 @@ def test_an_observation_template_is_checked_at_start_and_renders_the_fields(tok,
     with pytest.raises(EnvConfigError, match="'grid': observation_template names field 'z', which its step "
                                              "observations do not have; they have: x, y, message$"):
         asyncio.run(runtime.start())
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_an_empty_reset_template_leaves_the_task_prompt_alone(tok, catalogue, where):
+    """reset_template: '' shows nothing of reset's observation (coding_env's is only "exit_code: 0"), the steps
+    are shown as observation_template (or by default) says."""
+    runtime = EnvRuntime([spec(catalogue, "grid", where, reset_template="")], tok, get_parser())
+    traj = run(scripted(tok, [tool_call("grid", {"action": "DOWN"}), "done"]), runtime, "grid",
+               {"prompt": "Reach the goal."})
+    assert "<|im_start|>user\nReach the goal.<|im_end|>" in tok.decode(traj.prompt_ids)
+    assert "Keep going...\nx: 1\ny: 0" in env_turns(traj, tok)[0]
 
 
 # -- what openenv >= 0.10 adds: reset's own schema, metadata, task routes, production mode -----------------

@@ -114,8 +114,10 @@ class SessionEpisode:
 
     async def start(self) -> None:
         obs = self._observe(await self.session.reset(**self.record.task))
-        self.first_text = observation_text(obs, self.spec.observation_field,
-                                           self.spec.reset_template or self.spec.observation_template)
+        # An empty reset_template ('') shows nothing of reset: a task's prompt alone (coding_env's reset says only
+        # "exit_code: 0"); only None falls back to observation_template, as check_templates reads it.
+        template = self.spec.reset_template if self.spec.reset_template is not None else self.spec.observation_template
+        self.first_text = observation_text(obs, self.spec.observation_field, template)
         mode = self.connector.mode
         if mode == "tool":
             self.tools = [self.connector.action_tool]
@@ -241,16 +243,28 @@ class SessionConnector(abc.ABC):
         """What a text-mode reply is, from the text field's description (as tool mode's schema tells it),
         when describe_action; warns once of the descriptions of the fields text mode leaves at their defaults."""
         props = self.action_tool["function"]["parameters"]["properties"]
-        others = [f"{k} ({v['description']})" for k, v in props.items()
-                  if k != self.text_field and v.get("description")]
+        # Every other field, described or not (the catalogue's wildfire: `x`, `y` without descriptions, which its
+        # "water" and "break" actions need): text mode leaves them all at their defaults.
+        others = [f"{k} ({v['description']})" if v.get("description") else k for k, v in props.items()
+                  if k != self.text_field]
         if others:
             log.warning("environment %r: text mode fills only the action's %r; the model is not told of its other "
                         "field(s) %s, which keep their defaults: set action: tool for a model to fill them",
                         self.spec.name, self.text_field, "; ".join(others))
-        description = (props.get(self.text_field) or {}).get("description")
-        if not description or not self.spec.describe_action:
+        if not self.spec.describe_action:
             return None
-        return f"Your reply is sent to the environment as its action's {self.text_field!r}: {description}"
+        description = (props.get(self.text_field) or {}).get("description")
+        if description:
+            return f"Your reply is sent to the environment as its action's {self.text_field!r}: {description}"
+        # A field without a description of its own (the catalogue's chess: `move: str`, its meaning in the
+        # action class's docstring): the action's description, which tool mode shows as the tool's.
+        action_doc = (inline_refs(action_schema).get("description") or "").strip()
+        if action_doc:
+            return f"Your reply is sent to the environment as its action's {self.text_field!r}. The action: {action_doc}"
+        log.warning("environment %r: text mode: neither the action's %r field nor the action itself has a "
+                    "description, so the model is not told what its reply is: say it in system_prompt",
+                    self.spec.name, self.text_field)
+        return None
 
     async def open(self, task: dict[str, Any]) -> SessionEpisode:
         session = await self.new_session()

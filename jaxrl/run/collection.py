@@ -292,7 +292,8 @@ class EnvWatch:
     """Warnings, once per environment, about what its episodes show of it and the config:
     episodes cut by `rollout.max_turns: 1` that the environment had not ended (a multi-turn
     environment played for one turn); a session pool far above the capacity the server stated
-    when it refused sessions (the episodes queue); and an environment none of whose rewards so
+    when it refused sessions (the episodes queue); a group whose episodes started from different
+    first prompts (the bridge's group check: not one task); and an environment none of whose rewards so
     far, over at least `zero_after` episodes, was anything but 0 (nothing to learn from it)."""
 
     def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 512):
@@ -317,6 +318,12 @@ class EnvWatch:
                            f"to {spec.pool_size} for it: episodes queue for its slots (env/{t.env}/pool_wait_s, "
                            f"capacity_refusals); set max_concurrent_envs: {capacity} for it, or serve it with more "
                            "sessions")
+            if t.metrics.get("groups_mixed"):
+                self._warn(t.env, "groups_mixed", "the episodes of a group started from different first prompts, so "
+                           "the group is not one task (its reset ignores the task's seed, or is random): pin the task "
+                           "with fields its reset reads (data.task_fields, data.train_file rows, or data.splits on a "
+                           f"server with task routes); env/{t.env}/groups_mixed counts such groups, and the "
+                           "environment's mixed_groups: error stops the run on them")
             if t.rewards:
                 self.scored[t.env] += 1
                 if any(v != 0 for v in t.rewards.values()):

@@ -11,6 +11,9 @@ without a seed. The tests run each both served over `/ws` and in-process (`env_c
   an enum `op`, and `answer(value)`); done once answered, 1.0 when right.
 - `nim`: `NimEnvironment`, a one-session game: 7 stones, take 1-3, the opponent takes 1; taking
   the last stone wins (1.0), leaving it to the opponent loses (-1.0).
+- `board`: `BoardEnvironment`, chess's way: the move's meaning only in the action class's docstring
+  (`move: str` has no description), a `promotion` field text mode leaves at its default; one move, a
+  legal one wins. `BareBoardEnvironment` (in-process only): the same without the docstring.
 - `quiz` (openenv >= 0.10 only): `QuizEnvironment`, reasoning_gym's way: task splits (train, test),
   `reset(split=, index=)`, a reset that ignores the seed and hands out the next question otherwise,
   reset's own observation class, metadata.
@@ -182,6 +185,53 @@ class NimEnvironment(Environment):
         return self._state
 
 
+class BoardAction(Action):
+    """A move in UCI notation: the square a piece leaves, then the square it lands on (e2e4)."""
+
+    move: str
+    promotion: str | None = None
+
+
+class BareBoardAction(BoardAction):  # no docstring: nothing says what a move is
+    pass
+
+
+class BoardObservation(Observation):
+    fen: str = ""
+    legal_moves: list[str] = Field(default_factory=list)
+
+
+class BoardEnvironment(Environment):
+    """chess's way: what a move is, only the action class's docstring says (its field has no description), and
+    a field (`promotion`) that text mode cannot fill. One move: a legal one wins."""
+
+    START = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"
+    LEGAL = ["e2e4", "d2d4", "g1f3"]
+
+    def __init__(self):
+        super().__init__()
+        self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
+
+    def reset(self) -> BoardObservation:
+        self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
+        return BoardObservation(fen=self.START, legal_moves=self.LEGAL, reward=0.0)
+
+    def step(self, action: BoardAction) -> BoardObservation:
+        self._state.step_count += 1
+        if action.move not in self.LEGAL:
+            raise ValueError(f"illegal move {action.move!r}")
+        return BoardObservation(fen=self.START, legal_moves=[], reward=1.0, done=True)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+class BareBoardEnvironment(BoardEnvironment):
+    def step(self, action: BareBoardAction) -> BoardObservation:
+        return super().step(action)
+
+
 class QuizAction(Action):
     answer: str = Field(description="the answer, a whole number")
     show_work: bool = Field(default=False, description="whether to explain the verdict")
@@ -274,6 +324,8 @@ def build_app(name: str):
                           max_concurrent_envs=8)
     if name == "nim":
         return create_app(NimEnvironment, NimAction, NimObservation, env_name="nim")
+    if name == "board":
+        return create_app(BoardEnvironment, BoardAction, BoardObservation, env_name="chess")
     if name in ("quiz", "quiz_production"):  # openenv >= 0.10 only
         return create_app(QuizEnvironment, QuizAction, QuizObservation, env_name="quiz", max_concurrent_envs=8,
                           reset_observation_cls=QuizResetObservation,
@@ -281,7 +333,8 @@ def build_app(name: str):
     if name == "echo_mcp":
         return create_app(EchoMCPEnvironment, CallToolAction, CallToolObservation, env_name="echo_env",
                           max_concurrent_envs=8)
-    raise SystemExit(f"unknown environment {name!r}; known: grid, arithmetic, nim, quiz, quiz_production, echo_mcp")
+    raise SystemExit(f"unknown environment {name!r}; known: grid, arithmetic, nim, board, quiz, quiz_production, "
+                     "echo_mcp")
 
 
 async def serve(names: list[str]) -> None:
