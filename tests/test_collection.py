@@ -99,6 +99,21 @@ def test_env_watch_warns_once_of_groups_that_are_not_one_task(caplog):
     assert "data.task_fields" in warning and "env/gym/groups_mixed" in warning and "mixed_groups: error" in warning
 
 
+def test_env_watch_warns_once_of_an_environment_that_plays_one_task_for_every_group(caplog):
+    """In-process reasoning_gym: every episode of every step gets the same question, whatever the seed; a
+    group check cannot see it (each group is one task), the first prompts of many groups can."""
+    watch = EnvWatch(max_turns=2, specs={}, same_after=4)
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        for step in range(6):
+            watch.observe([traj(f"{step}-0", i, [5, 6], [2], [1], {"env": 1.0}, env="gym") for i in range(2)])
+            watch.observe([traj(f"{step}-0", i, [5, step], [2], [1], {"env": 1.0}, env="varied") for i in range(2)])
+        late = EnvWatch(max_turns=2, specs={}, same_after=4)  # one task at first, others later: only the first 4 count
+        late.observe([traj(f"{g}-0", 0, [5, 6 if g < 3 else g], [2], [1], {"env": 1.0}) for g in range(8)])
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("environment 'gym': its first 4 groups all started from the same first prompt")
+    assert "data.task_fields" in warning and "data.splits" in warning
+
+
 class Coin:
     """A tool environment whose reward is fixed by the task: heads (seed even) pays 1."""
 

@@ -293,13 +293,18 @@ class EnvWatch:
     episodes cut by `rollout.max_turns: 1` that the environment had not ended (a multi-turn
     environment played for one turn); a session pool far above the capacity the server stated
     when it refused sessions (the episodes queue); a group whose episodes started from different
-    first prompts (the bridge's group check: not one task); and an environment none of whose rewards so
-    far, over at least `zero_after` episodes, was anything but 0 (nothing to learn from it)."""
+    first prompts (the bridge's group check: not one task); its first `same_after` groups all started
+    from one first prompt (one task for the whole run: a reset that ignores the seed); and an environment
+    none of whose rewards so far, over at least `zero_after` episodes, was anything but 0 (nothing to
+    learn from it)."""
 
-    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 512):
+    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 512, same_after: int = 16):
         self.max_turns = max_turns
         self.specs = specs
         self.zero_after = zero_after
+        self.same_after = same_after
+        self.groups: dict[str, set[str]] = collections.defaultdict(set)
+        self.first_prompts: dict[str, set[bytes]] = collections.defaultdict(set)
         self.scored: collections.Counter[str] = collections.Counter()
         self.nonzero: set[str] = set()
         self.warned: set[tuple[str, str]] = set()
@@ -324,6 +329,7 @@ class EnvWatch:
                            "with fields its reset reads (data.task_fields, data.train_file rows, or data.splits on a "
                            f"server with task routes); env/{t.env}/groups_mixed counts such groups, and the "
                            "environment's mixed_groups: error stops the run on them")
+            self._watch_tasks(t)
             if t.rewards:
                 self.scored[t.env] += 1
                 if any(v != 0 for v in t.rewards.values()):
@@ -332,6 +338,18 @@ class EnvWatch:
                 self._warn(t.env, "zero", f"every reward of its {self.scored[t.env]} episodes so far is 0 "
                            f"({', '.join(sorted(t.rewards))}): nothing to learn from yet; check that the environment "
                            "gives rewards (an OpenEnv observation's reward) and that rewards[] scores it")
+
+    def _watch_tasks(self, t: TrajectoryData) -> None:
+        groups = self.groups[t.env]
+        if len(groups) >= self.same_after or t.group_id in groups:
+            return
+        groups.add(t.group_id)
+        self.first_prompts[t.env].add(t.prompt_ids.tobytes())
+        if len(groups) == self.same_after and len(self.first_prompts[t.env]) == 1:
+            self._warn(t.env, "one_task", f"its first {self.same_after} groups all started from the same first "
+                       "prompt: every episode plays one task (a reset that ignores the task's seed: in-process "
+                       "reasoning_gym does); pin tasks with fields its reset reads (data.task_fields, "
+                       "data.train_file rows) or data.splits, unless the run means to train on one task")
 
     def _warn(self, env: str, kind: str, message: str) -> None:
         if (env, kind) not in self.warned:
