@@ -209,3 +209,18 @@ def merged_tensors(model_cfg: ModelConfig, cfg: LoraConfig, base: Mapping[str, n
             w = base[f"{module}.weight"]
             out[f"{module}.weight"] = (np.asarray(w, np.float32) + np.float32(cfg.scale) * (b @ a)).astype(w.dtype)
     return out
+
+
+def with_adapters(model_cfg: ModelConfig, cfg: LoraConfig, tensors: Mapping[str, np.ndarray], like: nnx.State,
+                  source: str) -> nnx.State:
+    """New model state holding `like`'s base arrays (shared, not copied) and the adapters `tensors`
+    (PEFT-named), each placed and typed like the adapter it replaces; `like` is left untouched (it
+    may be in use). LoraError when they are not this model's adapters."""
+    check_adapter_tensors(model_cfg, cfg, tensors, source)
+    state = jax.tree.map(lambda x: x, like)  # new Variables over the same arrays
+    factors = [(functools.reduce(operator.getitem, path, state), name) for name, path in peft_names(model_cfg, cfg)]
+    host = [np.asarray(tensors[name], var[...].dtype).T for var, name in factors]
+    placed = jax.device_put(host, [var[...].sharding for var, _ in factors])
+    for (var, _), value in zip(factors, placed):
+        var.set_value(value)
+    return state
