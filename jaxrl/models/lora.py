@@ -174,12 +174,18 @@ def config_from_peft(config: Mapping, source: str) -> LoraConfig:
         raise LoraError(f"{source}: not an adapter config jaxrl can serve ({e})") from None
 
 
-def check_adapter_tensors(model_cfg: ModelConfig, cfg: LoraConfig, tensors: Mapping, source: str) -> None:
-    """LoraError unless `tensors` are exactly the adapters of `cfg` on this model, shaped as PEFT's."""
-    want = {}
+def adapter_shapes(model_cfg: ModelConfig, cfg: LoraConfig) -> dict[str, tuple[int, int]]:
+    """{PEFT name: shape} of every adapter factor of `cfg` on this model."""
+    shapes = {}
     for name, path in peft_names(model_cfg, cfg):
         d_in, d_out = _projection_shape(model_cfg, path[3])
-        want[name] = (cfg.rank, d_in) if path[-1] == "a" else (d_out, cfg.rank)
+        shapes[name] = (cfg.rank, d_in) if path[-1] == "a" else (d_out, cfg.rank)
+    return shapes
+
+
+def check_adapter_tensors(model_cfg: ModelConfig, cfg: LoraConfig, tensors: Mapping, source: str) -> None:
+    """LoraError unless `tensors` are exactly the adapters of `cfg` on this model, shaped as PEFT's."""
+    want = adapter_shapes(model_cfg, cfg)
     missing, unexpected = sorted(want.keys() - tensors.keys()), sorted(tensors.keys() - want.keys())
     if missing or unexpected:
         raise LoraError(f"{source}: adapter tensors differ from rank-{cfg.rank} adapters on {list(cfg.targets)} of "
