@@ -31,7 +31,7 @@ from jaxrl.models.decoder import Decoder, Linear, matmul_2d
 from jaxrl.options import option
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 PEFT_PREFIX = "base_model.model."  # PEFT's wrapper around the transformers model
 ADAPTER_CONFIG = "adapter_config.json"
@@ -94,7 +94,7 @@ class LoRA(nnx.Module):
 
 
 def _projection(model: Decoder, layer: int, target: str) -> Linear:
-    return getattr(getattr(model.layers[layer], _BLOCKS[target]), target)
+    return getattr(getattr(model.layers[layer], BLOCKS[target]), target)
 
 
 def add_lora(model: Decoder, cfg: LoraConfig, seed: int = 0) -> Decoder:
@@ -127,8 +127,8 @@ def peft_names(model_cfg: ModelConfig, cfg: LoraConfig) -> Iterator[tuple[str, t
     """(PEFT tensor name, the factor's path in the adapters' state) of every adapter factor."""
     for i in range(model_cfg.num_layers):
         for target in cfg.targets:
-            module = f"{PEFT_PREFIX}model.layers.{i}.{_BLOCKS[target]}.{target}"
-            path = ("layers", i, _BLOCKS[target], target, "lora")
+            module = f"{PEFT_PREFIX}model.layers.{i}.{BLOCKS[target]}.{target}"
+            path = ("layers", i, BLOCKS[target], target, "lora")
             yield f"{module}.lora_A.weight", (*path, "a")
             yield f"{module}.lora_B.weight", (*path, "b")
 
@@ -209,7 +209,7 @@ def merged_tensors(model_cfg: ModelConfig, cfg: LoraConfig, base: Mapping[str, n
     out = dict(base)
     for i in range(model_cfg.num_layers):
         for target in cfg.targets:
-            module = f"model.layers.{i}.{_BLOCKS[target]}.{target}"
+            module = f"model.layers.{i}.{BLOCKS[target]}.{target}"
             a = np.asarray(adapters[f"{PEFT_PREFIX}{module}.lora_A.weight"], np.float32)
             b = np.asarray(adapters[f"{PEFT_PREFIX}{module}.lora_B.weight"], np.float32)
             w = base[f"{module}.weight"]

@@ -324,7 +324,7 @@ def test_lora_adapters_are_served_as_a_lora_request_per_version(loop, tmp_path):
 
         model = add_lora(load_pretrained(model_dir), lora)
         rng = np.random.default_rng(0)
-        adapters = jax.tree.map(lambda x: 0.2 * rng.standard_normal(x.shape).astype(np.float32),
+        adapters = jax.tree.map(lambda x: jax.numpy.asarray(0.2 * rng.standard_normal(x.shape), np.float32),
                                 nnx.state(model, nnx.LoRAParam))
         for version in (1, 2):
             adapters = jax.tree.map(lambda x: x * 1.5, adapters)
