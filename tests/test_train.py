@@ -105,7 +105,8 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     assert (run_dir / "checkpoints" / "5").is_dir()
 
 
-def test_a_lora_run_warm_starts_streams_publishes_adapters_resumes_evaluates_and_exports(model_dir, tmp_path):
+@pytest.mark.timeout(900)  # two runs, an evaluation and an export: ~3 minutes on a quiet machine
+def test_a_lora_run_warm_starts_publishes_adapters_evaluates_resumes_streaming_and_exports(model_dir, tmp_path):
     import peft  # noqa: F401  (the export's reader; the test extra has it)
 
     from jaxrl.snapshots import SnapshotReader
@@ -113,8 +114,6 @@ def test_a_lora_run_warm_starts_streams_publishes_adapters_resumes_evaluates_and
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=3, eval={"episodes": 8},
                           sft={"steps": 2, "batch_size": 8, "demonstrations": 8},
-                          rollout={"mode": "stream", "groups_per_step": 2, "max_tokens": 12, "max_total_tokens": 24,
-                                   "max_prompt_tokens": 64},
                           learner={"group_size": 4, "optimizer": {"learning_rate": 1e-3},
                                    "loss": {"is_level": "token"}, "lora": {"rank": 4, "alpha": 8}})
     summary = summary_of(jaxrl("train", config))
@@ -128,9 +127,11 @@ def test_a_lora_run_warm_starts_streams_publishes_adapters_resumes_evaluates_and
     evaluated = summary_of(jaxrl("eval", run_dir))
     assert evaluated["weights"] == "snapshot 4" and evaluated["success"] == summary["eval_after"]
 
-    summary = summary_of(jaxrl("train", config, "--set", "steps=4", "--resume"))
-    assert summary["steps"] == 4
-    assert [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r] == [1, 2, 3, 4]
+    # Resumed in stream mode: episodes under way take each new adapter version.
+    summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--set", "rollout.mode=stream", "--resume"))
+    assert summary["steps"] == 5
+    assert [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert "version 6" in (run_dir / "logs" / "bridge.log").read_text()
     out = jaxrl("export", run_dir, "--out", tmp_path / "adapters")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
