@@ -16,11 +16,12 @@ With `lora` (PEFT's adapter_config of the run's adapters) the engine serves the 
 adapters applied unmerged, `x W + s (x A) B`, the learner's own computation: they start at zero
 (the base model) and a snapshot replaces only them, so the base is loaded once and never copied.
 Merging instead (W + s B A into a kept copy of the base, then the plain programs) was measured by
-experiments/bench/lora.py: decoding unmerged costs 1.45x at the tiny CPU default's width (128, where
-rank 16 is a quarter of a projection's work) and is within noise at Qwen3-0.6B's, while a merge
-rewrites every targeted weight per version (~1 s at Qwen3-0.6B on 2 CPU cores, against 0.1 s to
-place the adapters), needs a second copy of those weights, and in bfloat16 rounds away updates
-smaller than the weights' last bit, which the learner's unmerged model keeps.
+experiments/bench/lora.py at Qwen3-0.6B's shape on 2 CPU cores: a merge rewrites every targeted
+weight, 4.4 s per version against 0.84 s to read, verify and place the adapters, and needs a second
+copy of those weights, while decoding unmerged took 0.95x the plain model's time (noise: rank 16 is
+2% of a projection's work there). At the tiny CPU default's width (128, where rank 16 is a quarter
+of a projection's work) unmerged decoding costs 1.26-1.45x. In bfloat16 a merge also rounds away
+updates smaller than the weights' last bit, which the learner's unmerged model keeps.
 """
 
 from __future__ import annotations
