@@ -97,10 +97,11 @@ def _projection(model: Decoder, layer: int, target: str) -> Linear:
     return getattr(getattr(model.layers[layer], BLOCKS[target]), target)
 
 
-def add_lora(model: Decoder, cfg: LoraConfig, seed: int = 0) -> Decoder:
-    """`model` with adapters on `cfg.targets` (in place; returned). Projections that have adapters
-    already (a warm start's) keep them; adapters of another rank are an error."""
-    rngs = nnx.Rngs(params=seed)
+def add_lora(model: Decoder, cfg: LoraConfig) -> Decoder:
+    """`model` with adapters on `cfg.targets` (in place; returned), drawn from a fixed seed: the same
+    model gets the same adapters, in every process and run. Projections that have adapters already
+    (a warm start's) keep them; adapters of another rank are an error."""
+    rngs = nnx.Rngs(params=0)
     for layer in range(model.cfg.num_layers):
         for target in cfg.targets:
             linear = _projection(model, layer, target)
