@@ -75,7 +75,7 @@ def _serve(args) -> int:
 
 # The serve flags that make up a launch (`wire.BridgeLaunch`), by their argparse names; left out of
 # `args` when not given, so that a launch's defaults are its dataclass's.
-_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs", "cpus")
+_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs", "cpus", "lora")
 _SERVER_FLAGS = ("host", "port", "insecure", "snapshot_root")
 _LIMIT_FLAGS = tuple(f.name for f in dataclasses.fields(wire.Limits))
 
@@ -98,6 +98,11 @@ def _launch(args) -> wire.BridgeLaunch:
         engine["engine_kwargs"] = None
     if not isinstance(engine["engine_kwargs"], dict):
         raise ValueError(f"--engine-kwargs must be a JSON object, got {given['engine_kwargs']!r}")
+    if "lora" in engine:
+        try:
+            engine["lora"] = json.loads(Path(engine["lora"]).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--lora {engine['lora']}: cannot be read as an adapter_config.json ({e})") from None
     server = {k: given[k] for k in ("host", "port", "insecure") if k in given}
     server["snapshot_roots"] = given.get("snapshot_root", ())
     limits = wire.Limits(**{k: given[k] for k in _LIMIT_FLAGS if k in given})
@@ -168,6 +173,9 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
                     help="CPUs the bridge runs on, e.g. to keep it off a trainer's (default: all it may use)", **given)
     br.add_argument("--engine-kwargs", **given,
                     help='JSON object passed to the engine, e.g. \'{"gpu_memory_utilization": 0.4}\'')
+    br.add_argument("--lora", metavar="ADAPTER_CONFIG", **given,
+                    help="a PEFT adapter_config.json: serve LoRA adapters of that shape over --model (a LoRA run's "
+                         "snapshots carry adapters only)")
     br.add_argument("--envs", help="JSON file of the environments and reward functions to serve: "
                                    '{"envs": [EnvSpec...], "rewards": [RewardSpec...], "tool_parser": "qwen", '
                                    '"chat_template_kwargs": {}}', **given)

@@ -547,11 +547,12 @@ class _FastTokenizer:
 
 
 def build_engine(name: str, model_dir: str | Path, dtype: str | None = None, max_batch: int | None = None,
-                 seed: int = 0, engine_kwargs: dict | None = None) -> Engine:
+                 seed: int = 0, engine_kwargs: dict | None = None, lora: dict | None = None) -> Engine:
     """The named engine over the Hugging Face model directory `model_dir`; raises StartupError.
 
     `engine_kwargs` go to the engine as they are: `vllm.LLM` arguments for vllm (e.g.
-    gpu_memory_utilization), JaxEngine keyword arguments for jax (e.g. batch_window_s).
+    gpu_memory_utilization), JaxEngine keyword arguments for jax (e.g. batch_window_s). `lora`:
+    PEFT's adapter_config of the adapters that snapshots will carry.
     """
     model_dir = Path(model_dir)
     if name not in ENGINES:
@@ -559,20 +560,20 @@ def build_engine(name: str, model_dir: str | Path, dtype: str | None = None, max
     if not (model_dir / "config.json").is_file():
         raise StartupError(f"{model_dir}: not a model directory (no config.json)")
     try:
-        return _build_engine(name, model_dir, dtype, max_batch, seed, dict(engine_kwargs or {}))
+        return _build_engine(name, model_dir, dtype, max_batch, seed, dict(engine_kwargs or {}), lora)
     except Exception as e:
         raise StartupError(f"the {name} engine cannot load {model_dir}: {type(e).__name__}: {e}") from e
 
 
 def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int | None, seed: int,
-                  engine_kwargs: dict) -> Engine:
+                  engine_kwargs: dict, lora: dict | None) -> Engine:
     if name == "jax":
         from bridge.engines.jax_engine import JaxEngine
 
         tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
             tokenizer = _FastTokenizer(model_dir / "tokenizer.json")
-        kwargs = {"dtype": dtype, "seed": seed, "tokenizer": tokenizer, **engine_kwargs}
+        kwargs = {"dtype": dtype, "seed": seed, "tokenizer": tokenizer, "lora": lora, **engine_kwargs}
         if max_batch:
             kwargs["max_batch"] = max_batch
         return JaxEngine(model_dir, **kwargs)
@@ -582,7 +583,7 @@ def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int 
         engine_kwargs["dtype"] = dtype
     if max_batch:
         engine_kwargs["max_num_seqs"] = max_batch
-    return VLLMEngine(str(model_dir), engine_kwargs)
+    return VLLMEngine(str(model_dir), engine_kwargs, lora=lora)
 
 
 def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes] | None = None,
@@ -617,7 +618,7 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
             await envs.start()  # unreachable environments fail before the model loads
         # Built inside the loop: an engine may create loop-bound objects.
         engine = build_engine(launch.engine, launch.model, launch.dtype, launch.max_batch, launch.seed,
-                              launch.engine_kwargs)
+                              launch.engine_kwargs, launch.lora)
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
                     parent_pid=parent_pid, vocab_size=vocab_size)

@@ -124,6 +124,9 @@ class BridgeLaunch:
     envs: str | None = None
     server: ServerSpec = ServerSpec()
     cpus: tuple[int, ...] = ()  # the CPUs the bridge process runs on; empty: those it was started with
+    # PEFT's adapter_config of the LoRA adapters its snapshots carry (the engine applies them over
+    # `model`); None: snapshots carry whole weights.
+    lora: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "model", str(self.model))

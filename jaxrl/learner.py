@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.models import Decoder
+from jaxrl.models.lora import add_lora
 from jaxrl.optim import make_optimizer
 from jaxrl.sharding import BATCH_AXES, batch_sharding, param_shardings, put_batch
 from jaxrl.train_step import (
@@ -40,11 +41,21 @@ def check_finite(metrics: dict[str, float], step: int) -> None:
 
 
 class Learner:
-    """Holds the train state on a mesh; `update(batch)` takes one jitted train step."""
+    """Holds the train state on a mesh; `update(batch)` takes one jitted train step.
+
+    With `cfg.lora` the model gets adapters (`add_lora`; a warm start's are kept): the train state
+    holds them alone, and the base weights are `frozen`, placed on the mesh beside them and passed
+    to every step undonated, so they stay bitwise as loaded."""
 
     def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.graphdef, params = nnx.split(model)
+        self.frozen = self.frozen_shardings = None
+        if cfg.lora is None:
+            self.graphdef, params = nnx.split(model)
+        else:
+            self.graphdef, params, frozen = nnx.split(add_lora(model, cfg.lora), nnx.LoRAParam, ...)
+            self.frozen_shardings = param_shardings(frozen, mesh)
+            self.frozen = jax.device_put(frozen, self.frozen_shardings)
         p_shardings = param_shardings(params, mesh)
         params = jax.device_put(params, p_shardings)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -68,7 +79,7 @@ class Learner:
         return int(self.state.step)
 
     def model(self) -> Decoder:
-        return nnx.merge(self.graphdef, self.state.params)
+        return nnx.merge(self.graphdef, self.state.params, *(() if self.frozen is None else (self.frozen,)))
 
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One train step on this process's rows of the batch; returns host metrics."""
@@ -80,12 +91,12 @@ class Learner:
         if group not in self._step_fns:
             self._step_fns[group] = jit_train_step(
                 self.graphdef, self.cfg, self.tx, self.shardings,
-                {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()}, group,
+                {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()}, group, self.frozen_shardings,
             )
         step = self.step
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self._step_fns[group](self.state, arrays)
+            self.state, metrics = self._step_fns[group](self.state, arrays, self.frozen)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - start
         tokens = int(np.sum(batch["prompt_mask_BxP"]) + np.sum(batch["completion_mask_BxC"]))

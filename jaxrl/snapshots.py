@@ -1,5 +1,9 @@
 """Weight snapshots for the bridge: params only, serving dtype, keyed by Hugging Face names.
 
+A LoRA run's snapshots hold its adapters alone (float32, PEFT's names and layout), with PEFT's
+`adapter_config.json` in the manifest beside the base model's config: the bridge keeps the base it
+loaded at start and swaps the adapters.
+
 A snapshot is an Orbax checkpoint numbered by policy version with two items: `weights`, a flat
 {HF tensor name: array} that every process writes for its own shards, and `manifest` (JSON):
 the HF config and each tensor's shape, dtype, checksum and piece shape (`chunk`). Stock Orbax
@@ -53,6 +57,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl.models import ModelConfig, hf_names
 from jaxrl.models.config import DTYPES
+from jaxrl.models.lora import LoraConfig, adapter_config, adapter_tensors
 from jaxrl.snapshot_store import DirectoryStore, ObjectStore, copy_keys, open_store
 
 FORMAT = "jaxrl-weights-v2"  # v2: checksums of 2-byte dtypes sum column pairs as uint32 words
@@ -78,6 +83,7 @@ class Snapshot:
     hf_config: dict
     tensors: dict[str, np.ndarray]
     path: Path | str  # a URL on an object store
+    adapter_config: dict | None = None  # PEFT's adapter_config.json: `tensors` are LoRA adapters
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
@@ -343,12 +349,16 @@ class SnapshotWriter:
     """Publishes snapshots of a model's params under `directory`, keeping the newest `keep`.
 
     `directory` is a path, or a `gs://` or `s3://` URL (see jaxrl.snapshot_store). Every process
-    of a multi-host run calls `publish` with the same arguments.
+    of a multi-host run calls `publish` with the same arguments. With `lora`, `publish` takes the
+    adapters' state and writes them alone, float32, PEFT-named (`base_model` names the base in
+    their adapter_config).
     """
 
-    def __init__(self, directory: str | Path, model_cfg: ModelConfig, dtype: str | None = None, keep: int = 3):
+    def __init__(self, directory: str | Path, model_cfg: ModelConfig, dtype: str | None = None, keep: int = 3,
+                 lora: LoraConfig | None = None, base_model: str | None = None):
         self.store = open_store(directory)
-        self.model_cfg = model_cfg
+        self.model_cfg, self.lora = model_cfg, lora
+        self.adapter_config = None if lora is None else adapter_config(lora, base_model)
         self.dtype = dtype or model_cfg.dtype
         if self.dtype not in DTYPES:
             raise ValueError(f"snapshot dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
@@ -384,7 +394,10 @@ class SnapshotWriter:
         An existing snapshot `version` is replaced.
         """
         self.wait()
-        tensors = serving_tensors(self.model_cfg, params, DTYPES[self.dtype])
+        if self.lora is None:
+            tensors = serving_tensors(self.model_cfg, params, DTYPES[self.dtype])
+        else:
+            tensors = adapter_tensors(self.model_cfg, self.lora, params, np.float32)
         shards = _host_shards(tensors)
         checksums = _checksums(shards)
         manifest = {
@@ -397,6 +410,8 @@ class SnapshotWriter:
                 for k, v in tensors.items()
             },
         }
+        if self.adapter_config is not None:
+            manifest["adapter_config"] = self.adapter_config
         write = functools.partial(self._write, version, tensors, shards, manifest, frozenset(in_use))
         if wait:
             write()
@@ -512,7 +527,7 @@ class SnapshotReader:
         except Exception as e:  # tensorstore raises ValueError/OSError and more for damaged files
             raise SnapshotError(f"{path}: cannot be restored ({type(e).__name__}: {_one_line(e)})") from e
         _verify(path, manifest["tensors"], tensors)
-        return Snapshot(version, manifest["hf_config"], tensors, path)
+        return Snapshot(version, manifest["hf_config"], tensors, path, manifest.get("adapter_config"))
 
 
 def _one_line(e: Exception) -> str:

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxrl.advantages import AdvantageConfig, check_group_size, compute_advantages, validate_rewards
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
+from jaxrl.models.lora import LoraConfig, training_mode
 from jaxrl.optim import OptimizerConfig, learning_rate_schedule
 from jaxrl.options import option
 from jaxrl.sharding import BATCH_AXES
@@ -51,6 +52,9 @@ class LearnerConfig:
     loss: LossConfig = option("policy loss", default=LossConfig())
     advantages: AdvantageConfig = option("how rewards become advantages", default=AdvantageConfig())
     optimizer: OptimizerConfig = option("AdamW and its learning-rate schedule", default=OptimizerConfig())
+    lora: LoraConfig | None = option(
+        "train low-rank adapters only: the base stays frozen in model.dtype (no gradient, no optimiser state) and "
+        "snapshots carry the adapters alone (PEFT's layout); null: every weight trains", default=None)
 
     def __post_init__(self):
         for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk"):
@@ -148,12 +152,13 @@ def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
 
 
 def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig,
-               tx: optax.GradientTransformation, prompt_group: int = 1):
+               tx: optax.GradientTransformation, prompt_group: int = 1, frozen: nnx.State | None = None):
     """One batch: `cfg.num_iterations` optimiser updates with `tx` (`make_optimizer(cfg.optimizer)`).
     Pure; jit it with `jit_train_step`.
 
     `prompt_group`: rows come in blocks of this many sharing one prompt (`shared_prompt_rows`),
-    computed once per block."""
+    computed once per block. `frozen`: the model's state that does not train (with LoRA: the base
+    weights), merged with the params of every pass and never changed."""
     schedule = learning_rate_schedule(cfg.optimizer)
     A = cfg.grad_accum
 
@@ -166,8 +171,10 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     micro = {k: _micro_batches(v, A, prompt_group) for k, v in batch.items() if k != "rewards_BxR"}
     micro["adv_B"] = _micro_batches(adv_B, A, prompt_group)
 
-    def logprobs(params, mb, with_entropy=False):
-        model = nnx.merge(graphdef, params)
+    def logprobs(params, mb, with_entropy=False, dropout_key=None):
+        model = nnx.merge(graphdef, params, *(() if frozen is None else (frozen,)))
+        if dropout_key is not None:
+            training_mode(model, dropout_key)
         return completion_logprobs(
             model, mb["prompt_BxP"], mb["prompt_mask_BxP"], mb["completion_BxC"],
             mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy, prompt_group,
@@ -181,8 +188,8 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     micro["logp_old"] = frozen_logprobs(state.params) if cfg.num_iterations > 1 else None
     micro["ref_logp"] = frozen_logprobs(state.ref_params) if cfg.loss.beta > 0 else None
 
-    def micro_loss(params, mb):
-        logp, entropy = logprobs(params, mb, with_entropy=True)
+    def micro_loss(params, mb, dropout_key):
+        logp, entropy = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
         loss_batch = LossBatch(
             mask_BxT=mb["loss_mask_BxC"], adv_B=mb["adv_B"], logp_old_BxT=mb["logp_old"],
             sampler_logp_BxT=mb.get("sampler_logp_BxC"), ref_logp_BxT=mb["ref_logp"],
@@ -192,11 +199,14 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     def iteration(carry, _):
         params, opt_state, step = carry
 
-        def accumulate(grads, mb):
-            (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb)
+        def accumulate(grads, mb_and_key):
+            (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *mb_and_key)
             return jax.tree.map(jnp.add, grads, g), metrics
 
-        grads, metrics_A = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro)
+        # Adapter dropout draws from the update's step and micro-batch: a resumed run draws the same.
+        keys = (jax.random.split(jax.random.fold_in(jax.random.key(0), step), A)
+                if cfg.lora is not None and cfg.lora.dropout else None)
+        grads, metrics_A = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (micro, keys))
         tokens_A = micro["loss_mask_BxC"].sum(axis=(1, 2)).astype(jnp.float32)
         metrics = _combine_metrics(metrics_A, tokens_A)
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -231,14 +241,15 @@ def shared_prompt_rows(batch: dict, cfg: LearnerConfig) -> int:
 
 
 def jit_train_step(graphdef, cfg: LearnerConfig, tx: optax.GradientTransformation, shardings: TrainState,
-                   batch_shardings: dict, prompt_group: int = 1):
-    """`train_step` compiled once for these shardings; the state's buffers are donated."""
-    def step(state, batch):
-        return train_step(state, batch, graphdef, cfg, tx, prompt_group)
+                   batch_shardings: dict, prompt_group: int = 1, frozen_shardings: nnx.State | None = None):
+    """`train_step` compiled once for these shardings, called `(state, batch, frozen)`; the state's
+    buffers are donated, the frozen ones never."""
+    def step(state, batch, frozen):
+        return train_step(state, batch, graphdef, cfg, tx, prompt_group, frozen)
 
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_shardings),
+        in_shardings=(shardings, batch_shardings, frozen_shardings),
         out_shardings=(shardings, None),
         donate_argnums=0,
     )

@@ -39,6 +39,7 @@ def test_the_cli_rejects_bad_arguments_in_one_line(capsys, tmp_path, monkeypatch
         (["--token-file", str(tmp_path / "shared-token")], f"the bridge token file {tmp_path / 'shared-token'} is "
                                                            "readable by every user"),
         (["--max-group-size", "0"], "jaxrl bridge: error: --max-group-size must be at least 1, got 0"),
+        (["--lora", str(tmp_path / "no-adapter_config.json")], "jaxrl bridge: error: --lora "),
     ]:
         assert bridge_main(serve + args) == 2
         err = capsys.readouterr().err

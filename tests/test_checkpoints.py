@@ -23,10 +23,10 @@ from batches import make_batch
 WORKER = Path(__file__).parent / "workers" / "resumable_run.py"
 
 
-def _start(run_dir, total, fsdp=2, tp=1):
+def _start(run_dir, total, fsdp=2, tp=1, lora_rank=None):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.Popen(
-        [sys.executable, str(WORKER), str(run_dir), str(total), str(fsdp), str(tp)],
+        [sys.executable, str(WORKER), str(run_dir), str(total), str(fsdp), str(tp), *([str(lora_rank)] * bool(lora_rank))],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
@@ -42,11 +42,14 @@ def _final(run_dir):
         return [f[k] for k in f.files]
 
 
-def test_sigkilled_run_resumes_to_the_same_parameters_bit_exact(tmp_path):
+# With LoRA (adapter dropout on): checkpoints hold the adapters and their optimiser state, and the
+# frozen base comes back from the model, bitwise as it was.
+@pytest.mark.parametrize("lora_rank", [None, 4], ids=["full", "lora"])
+def test_sigkilled_run_resumes_to_the_same_parameters_bit_exact(tmp_path, lora_rank):
     total, kill_after = 6, 3
-    _finish(_start(tmp_path / "straight", total))
+    _finish(_start(tmp_path / "straight", total, lora_rank=lora_rank))
 
-    proc = _start(tmp_path / "killed", total)
+    proc = _start(tmp_path / "killed", total, lora_rank=lora_rank)
     for line in proc.stdout:
         if line.strip() == f"done {kill_after}":
             proc.send_signal(signal.SIGKILL)
@@ -55,7 +58,7 @@ def test_sigkilled_run_resumes_to_the_same_parameters_bit_exact(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "killed" / "final.npz").exists()
 
-    out = _finish(_start(tmp_path / "killed", total))
+    out = _finish(_start(tmp_path / "killed", total, lora_rank=lora_rank))
     resumed_from = int(out.split("resumed ")[1].split()[0])
     assert 1 <= resumed_from <= kill_after
     straight, resumed = _final(tmp_path / "straight"), _final(tmp_path / "killed")

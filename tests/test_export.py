@@ -209,3 +209,72 @@ def test_bad_sources_are_clear_errors(tmp_path):
     assert (out / "config.json").is_file() and not (out / "tokenizer.json").exists()
     with pytest.raises(ExportError, match="not empty"):
         export(run.path, out)
+
+
+def _lora_run(path):
+    """A LoRA run's directory: its base model, a checkpoint of trained adapters, and their snapshot.
+    Returns (run, base model directory, the learner's LoRA model)."""
+    from jaxrl.models import save_pretrained
+    from jaxrl.models.lora import LoraConfig, adapter_config
+    from jaxrl.optim import OptimizerConfig
+
+    from batches import make_batch
+
+    run = RunDir.create(path / "run")
+    tok = build_tokenizer(run.tokenizer)
+    cfg = tiny_config("qwen3", tied=False, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    base = path / "base"
+    save_pretrained(_model(cfg, 4), base)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"))
+    learner = Learner(_model(cfg, 4), LearnerConfig(group_size=4, lora=lora,
+                                                    optimizer=OptimizerConfig(learning_rate=0.05)), make_mesh(MeshConfig()))
+    for seed in range(3):
+        learner.update(make_batch(seed))
+    writer = SnapshotWriter(run.snapshots, cfg, lora=lora, base_model=str(base))
+    writer.publish(learner.state.params, 4)
+    writer.close()
+    ckpt = TrainCheckpointer(run.checkpoints)
+    ckpt.save(3, learner.state, {"step": 3, "model_config": cfg.to_hf(), "lora": adapter_config(lora, str(base))},
+              force=True)
+    ckpt.close()
+    return run, base, learner.model()
+
+
+def test_a_lora_run_exports_its_peft_adapters_and_the_merged_model(tmp_path):
+    import peft
+
+    run, base, model = _lora_run(tmp_path)
+    ours = _logits(model)
+    assert np.abs(ours - _logits(Decoder(model.cfg, nnx.Rngs(4)))).max() > 1e-2  # trained adapters
+    for i, kwargs in enumerate([{}, {"checkpoint_step": 3}]):
+        out = export(run.path, tmp_path / f"adapters{i}", **kwargs)
+        assert sorted(p.name for p in out.iterdir() if not p.name.startswith("tokenizer")) == [
+            "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja"]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+        with torch.no_grad():
+            theirs = peft.PeftModel.from_pretrained(hf, out).eval()(torch.tensor(IDS)).logits.numpy()
+        np.testing.assert_allclose(theirs, ours, atol=1e-4, err_msg=str(kwargs))
+
+        merged = export(run.path, tmp_path / f"merged{i}", merged=True, **kwargs)
+        theirs, _ = _hf_logits(merged)
+        np.testing.assert_allclose(theirs, ours, atol=1e-4, err_msg=str(kwargs))
+
+    with pytest.raises(ExportError, match="a different model"):
+        other = tmp_path / "other"
+        from jaxrl.models import save_pretrained
+
+        save_pretrained(_model(tiny_config("qwen3", vocab_size=100), 0), other)
+        export(run.path, tmp_path / "bad", merged=True, base=other)
+    plain, _ = _write_run(tmp_path / "plain", "qwen3", checkpoint=False)
+    with pytest.raises(ExportError, match="trained every weight"):
+        export(plain.path, tmp_path / "bad2", merged=True)
+
+
+def test_the_cli_exports_a_lora_run_merged(tmp_path):
+    run, base, model = _lora_run(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "jaxrl.run.cli", "export", str(run.path), "--out",
+                           str(tmp_path / "m"), "--merged"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    theirs, _ = _hf_logits(tmp_path / "m")
+    np.testing.assert_allclose(theirs, _logits(model), atol=1e-4)

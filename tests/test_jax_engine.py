@@ -234,3 +234,57 @@ def test_new_weights_reach_a_completion_under_way_and_tag_its_tokens(slot_engine
     np.testing.assert_allclose(swapped.logprobs[:5], old.logprobs[:5], atol=1e-5)
     assert swapped.token_ids != old.token_ids
     assert after.token_versions == [1] * 40 and after.policy_version == 1
+
+
+def test_an_adapter_snapshot_serves_the_learners_lora_model(model_dir, tmp_path):
+    from jaxrl.learner import Learner
+    from jaxrl.losses import LossConfig
+    from jaxrl.models.lora import LoraConfig, adapter_config
+    from jaxrl.optim import OptimizerConfig
+    from jaxrl.sharding import MeshConfig, make_mesh
+    from jaxrl.train_step import LearnerConfig
+
+    from batches import make_batch
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj", "down_proj"))
+    engine = JaxEngine(model_dir, lora=adapter_config(lora))
+    prompt, params = [4, 5, 6], SamplingParams(temperature=1.0, max_tokens=8, seed=2)
+    base = run(engine.generate([prompt], params))[0][0]
+    np.testing.assert_allclose(base.logprobs, learner_logprobs(load_pretrained(model_dir), prompt, base.token_ids, 1.0),
+                               atol=1e-5)  # zero adapters: the base model
+
+    cfg = LearnerConfig(group_size=4, lora=lora, loss=LossConfig(loss_type="dapo"),
+                        optimizer=OptimizerConfig(learning_rate=0.05))
+    learner = Learner(load_pretrained(model_dir), cfg, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    for seed in range(2):
+        learner.update(make_batch(seed))
+    writer = SnapshotWriter(tmp_path / "snaps", learner.model().cfg, lora=lora, base_model=str(model_dir))
+    writer.publish(learner.state.params, version=2)
+    served = engine.params
+    run(engine.load_snapshot(str(tmp_path / "snaps"), 2))
+    # The base arrays are the ones loaded at start, shared; only the adapters are new.
+    flat_old, flat_new = nnx.to_flat_state(served), nnx.to_flat_state(engine.params)
+    assert [p for p, _ in flat_old] == [p for p, _ in flat_new]
+    for (path, old), (_, new) in zip(flat_old, flat_new):
+        assert (old[...] is new[...]) == ("lora" not in path), path
+    after = run(engine.generate([prompt], params))[0][0]
+    assert after.policy_version == 2
+    np.testing.assert_allclose(after.logprobs, learner_logprobs(learner.model(), prompt, after.token_ids, 1.0),
+                               atol=1e-5)
+    assert np.abs(np.asarray(learner_logprobs(learner.model(), prompt, after.token_ids, 1.0)) -
+                  learner_logprobs(load_pretrained(model_dir), prompt, after.token_ids, 1.0)).max() > 1e-3
+
+    model = load_pretrained(model_dir)
+    SnapshotWriter(tmp_path / "whole", model.cfg).publish(nnx.state(model, nnx.Param), 3)
+    with pytest.raises(SnapshotRefused, match="holds whole weights, but this engine serves adapters"):
+        run(engine.load_snapshot(str(tmp_path / "whole"), 3))
+    other = LoraConfig(rank=8, alpha=8.0, targets=lora.targets)
+    from jaxrl.models.lora import add_lora
+
+    SnapshotWriter(tmp_path / "rank8", model.cfg, lora=other).publish(
+        nnx.state(add_lora(load_pretrained(model_dir), other), nnx.LoRAParam), 4)
+    with pytest.raises(SnapshotRefused, match="adapters of rank 8"):
+        run(engine.load_snapshot(str(tmp_path / "rank8"), 4))
+    with pytest.raises(SnapshotRefused, match="holds LoRA adapters, but this engine serves whole weights"):
+        run(JaxEngine(model_dir).load_snapshot(str(tmp_path / "snaps"), 2))
+    assert engine.policy_version == 2

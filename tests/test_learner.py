@@ -45,13 +45,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_workers(num_processes, out):
+def _run_workers(num_processes, out, *args):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            "PYTHONPATH": str(Path(__file__).parents[1])}
     address = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), address, str(num_processes), str(pid), str(out)],
+            [sys.executable, str(WORKER), address, str(num_processes), str(pid), str(out), *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for pid in range(num_processes)
@@ -67,9 +67,18 @@ def _run_workers(num_processes, out):
     return np.load(out)
 
 
-def test_two_process_distributed_run_takes_the_same_step_as_one_process(tmp_path):
-    one = _run_workers(1, tmp_path / "one.npz")
-    two = _run_workers(2, tmp_path / "two.npz")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_process_distributed_run_takes_the_same_step_as_one_process(tmp_path, lora):
+    args = ["lora"] * lora
+    one = _run_workers(1, tmp_path / "one.npz", *args)
+    two = _run_workers(2, tmp_path / "two.npz", *args)
     assert len(one.files) == len(two.files) > 10
     for name in one.files:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0)
+    if lora:  # the adapters' snapshot, written by both processes together
+        from jaxrl.snapshots import SnapshotReader
+
+        a, b = (SnapshotReader(f"{tmp_path / name}.snapshots").load(1) for name in ("one.npz", "two.npz"))
+        assert a.adapter_config == b.adapter_config and a.tensors.keys() == b.tensors.keys()
+        for name in a.tensors:
+            np.testing.assert_allclose(b.tensors[name], a.tensors[name], atol=1e-5, rtol=0)

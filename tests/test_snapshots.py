@@ -375,3 +375,32 @@ def test_two_processes_each_write_their_own_shards(tmp_path):
     cfg = tiny_config("qwen2", tied=False, vocab_size=256)
     snapshot = SnapshotReader(tmp_path).load(1)
     _assert_exact(snapshot.tensors, _expected(cfg, 3, jnp.bfloat16))
+
+
+def test_a_lora_snapshot_holds_the_adapters_alone_in_peft_layout_sharded_or_not(tmp_path):
+    from jaxrl.models.lora import LoraConfig, adapter_config, adapter_tensors, add_lora
+
+    cfg = tiny_config("qwen3", tied=False, vocab_size=256)
+    lora = LoraConfig(rank=4, alpha=8.0)
+    model = add_lora(Decoder(cfg, nnx.Rngs(0)), lora)
+    adapters = jax.tree.map(lambda x: x + 0.5, nnx.state(model, nnx.LoRAParam))
+    expected = {k: np.asarray(v) for k, v in adapter_tensors(cfg, lora, adapters).items()}
+    mesh = make_mesh(MeshConfig(fsdp=4, tp=2))
+    for version, params in ((1, adapters), (2, jax.device_put(adapters, param_shardings(adapters, mesh)))):
+        writer = SnapshotWriter(tmp_path / "lora", cfg, lora=lora, base_model="/models/base")
+        writer.publish(params, version)
+        writer.close()
+        snapshot = SnapshotReader(tmp_path / "lora").load(version)
+        assert snapshot.adapter_config == adapter_config(lora, "/models/base")
+        assert snapshot.hf_config["hidden_size"] == cfg.hidden_size  # the base's shape, for the bridge's checks
+        _assert_exact(snapshot.tensors, expected)
+    assert SnapshotReader(tmp_path / "lora").load(1).tensors.keys() == expected.keys()
+    full = SnapshotWriter(tmp_path / "full", cfg)
+    full.publish(_params(cfg), 1)
+    full.close()
+    assert SnapshotReader(tmp_path / "full").load(1).adapter_config is None
+
+    def size(path):
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    assert size(tmp_path / "lora" / "1") < size(tmp_path / "full" / "1") / 3

@@ -105,6 +105,38 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     assert (run_dir / "checkpoints" / "5").is_dir()
 
 
+@pytest.mark.timeout(900)  # two runs, an evaluation and an export: ~3 minutes on a quiet machine
+def test_a_lora_run_warm_starts_publishes_adapters_evaluates_resumes_streaming_and_exports(model_dir, tmp_path):
+    import peft  # noqa: F401  (the export's reader; the test extra has it)
+
+    from jaxrl.snapshots import SnapshotReader
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=3, eval={"episodes": 8},
+                          sft={"steps": 2, "batch_size": 8, "demonstrations": 8},
+                          learner={"group_size": 4, "optimizer": {"learning_rate": 1e-3},
+                                   "loss": {"is_level": "token"}, "lora": {"rank": 4, "alpha": 8}})
+    summary = summary_of(jaxrl("train", config))
+    assert summary["steps"] == 3 and summary["compiles_after_step_1"] == 0
+    assert "eval_after_warm_start" in summary
+    bridge_log = (run_dir / "logs" / "bridge.log").read_text()
+    assert "version 4" in bridge_log
+    snapshot = SnapshotReader(run_dir / "snapshots").load(4)
+    assert snapshot.adapter_config["r"] == 4 and snapshot.adapter_config["base_model_name_or_path"] == str(model_dir)
+    assert all(".lora_A." in name or ".lora_B." in name for name in snapshot.tensors)
+    evaluated = summary_of(jaxrl("eval", run_dir))
+    assert evaluated["weights"] == "snapshot 4" and evaluated["success"] == summary["eval_after"]
+
+    # Resumed in stream mode: episodes under way take each new adapter version.
+    summary = summary_of(jaxrl("train", config, "--set", "steps=5", "--set", "rollout.mode=stream", "--resume"))
+    assert summary["steps"] == 5
+    assert [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r] == [1, 2, 3, 4, 5]
+    assert "version 6" in (run_dir / "logs" / "bridge.log").read_text()
+    out = jaxrl("export", run_dir, "--out", tmp_path / "adapters")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
+
+
 def _assert_snapshots_lived_in_memory(bridge_log: str) -> None:
     """The bridge loaded every snapshot from a directory of the run's own in /dev/shm, gone now."""
     if not SHM.is_dir():
@@ -386,6 +418,10 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     (["mesh.data=3"], "mesh: mesh={'data': 3"),
     (["log.wandb={project: p}"], "log.wandb needs the 'wandb' package"),
     (["envs.0.bundled=null", "envs.0.env_class=no_such_module:Env"], "environment 'echo'"),
+    (["learner.lora.rank=0"], "learner.lora.rank=0 must be an integer >= 1"),
+    (["learner.lora.targets=[q_proj, c_attn]"], "the model has no projection 'c_attn'"),
+    (["learner.lora.rank=32", "bridge.engine=vllm", "bridge.engine_kwargs={max_lora_rank: 16}"],
+     "bridge.engine_kwargs.max_lora_rank=16 is below learner.lora.rank=32"),
 ])
 def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")

@@ -14,6 +14,12 @@ ever read again. vLLM labels each token with the weight version that sampled it
 steps are synchronous; with vLLM's async scheduling (GPU) the tokens still in flight at a swap are
 those of the preempted requests, which vLLM drops and samples again (unmeasured here).
 
+LoRA (`lora`, PEFT's adapter_config of the run's adapters): vLLM's own LoRA support
+(`enable_lora`), with one adapter id that every request carries. It starts as a zero adapter (the
+base model); each snapshot's adapters are written as a PEFT directory and replace it in place
+(`LoRARequest(load_inplace=True)`) between two steps, and running requests recompute their KV with
+them as for whole weights, so every token's logprob is the new adapter's from the swap on.
+
 Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, the log-softmax of the logits
 after temperature (the default `raw_logprobs` ignores temperature). vLLM's processed logprobs also
 apply top-p / top-k truncation, which is not the full-vocabulary `log_softmax(logits / T)` the
@@ -118,7 +124,7 @@ class _Job:
 
 @dataclasses.dataclass
 class _Swap:
-    weights: list
+    weights: list | Path  # [(HF name, torch tensor)], or a PEFT adapter directory
     version: int
     future: concurrent.futures.Future
 
@@ -132,12 +138,20 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(
-        self, model_dir: str | Path, engine_kwargs: dict | None = None, policy_version: int = 0
+        self, model_dir: str | Path, engine_kwargs: dict | None = None, policy_version: int = 0,
+        lora: dict | None = None,
     ):
         import vllm
 
         self.model_dir = Path(model_dir)
         kwargs = dict(engine_kwargs or {})
+        self._adapters = None if lora is None else _AdapterDir(self.model_dir, lora)
+        if self._adapters is not None:
+            kwargs.setdefault("enable_lora", True)
+            kwargs.setdefault("max_loras", 1)
+            # vLLM takes ranks 1, 8, 16, 32, ... as the most it serves.
+            kwargs.setdefault("max_lora_rank", next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512)
+                                                    if r >= self._adapters.lora.rank))
         mode = kwargs.setdefault("logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
             raise ValueError(
@@ -163,6 +177,11 @@ class VLLMEngine:
         self._wake = threading.Condition()
         self._running: dict[str, tuple[_Job, int]] = {}  # vLLM request id: (its job, prompt index)
         self._request_ids = itertools.count()
+        self._lora_request = None
+        if self._adapters is not None:
+            self._lora_request = self._adapters.request(self._adapters.zeros())
+            if not self.llm.llm_engine.add_lora(self._lora_request):
+                raise EngineError("vllm did not load the zero LoRA adapter")
         self._worker = threading.Thread(target=self._work, name="vllm", daemon=True)
         self._worker.start()
 
@@ -270,7 +289,8 @@ class VLLMEngine:
                 raise EngineError(self._broken)
             for i, prompt in enumerate(job.prompts):
                 request_id = str(next(self._request_ids))
-                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), job.params)
+                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), job.params,
+                                                lora_request=self._lora_request)
                 job.request_ids.append(request_id)
                 self._running[request_id] = (job, i)
         except Exception as e:
@@ -328,6 +348,11 @@ class VLLMEngine:
         except SnapshotError as e:
             raise SnapshotRefused(str(e)) from e
         where = f"snapshot {snapshot.path}"
+        if (snapshot.adapter_config is None) != (self._adapters is None):
+            raise SnapshotRefused(
+                f"{where}: holds {'LoRA adapters' if snapshot.adapter_config else 'whole weights'}, but this engine "
+                f"serves {'adapters' if self._adapters else 'whole weights'}; start the bridge "
+                f"{'with' if snapshot.adapter_config else 'without'} the run's lora launch setting")
         theirs = _shape_config(snapshot.hf_config)
         differ = [k for k in _SHAPE_KEYS if theirs[k] != self._served_config[k]]
         if differ:
@@ -335,6 +360,8 @@ class VLLMEngine:
                 f"{k}={theirs[k]!r} (serving {self._served_config[k]!r})" for k in differ
             )
             raise SnapshotRefused(f"{where}: model shape differs from the served model: {details}")
+        if self._adapters is not None:
+            return self._adapters.write(snapshot, version)
         shapes = {name: tuple(x.shape) for name, x in snapshot.tensors.items()}
         served = self._served_shapes
         missing = sorted(self._required - set(shapes))
@@ -355,10 +382,16 @@ class VLLMEngine:
         if not swap.future.set_running_or_notify_cancel():
             return
         try:
-            # One call with the full list: vLLM fuses q/k/v and gate/up, so each group arrives whole.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": swap.weights})
-            if self._served_config["tie_word_embeddings"]:
-                self.llm.apply_model(_repack_tied_lm_head)
+            if isinstance(swap.weights, Path):
+                self._lora_request = self._adapters.request(swap.weights, load_inplace=True)
+                if not self.llm.llm_engine.add_lora(self._lora_request):
+                    raise EngineError(f"vllm did not load the adapters of {swap.weights}")
+                self._lora_request = self._adapters.request(swap.weights)
+            else:
+                # One call with the full list: vLLM fuses q/k/v and gate/up, so each group arrives whole.
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": swap.weights})
+                if self._served_config["tie_word_embeddings"]:
+                    self.llm.apply_model(_repack_tied_lm_head)
             # Cached prefixes and running requests hold KV computed with the old weights: the
             # running ones are preempted and recompute it (prompt and tokens so far) at the next step.
             if not self.llm.reset_prefix_cache(reset_running_requests=True):
@@ -382,6 +415,73 @@ class VLLMEngine:
             self._wake.notify()
         await asyncio.to_thread(self._worker.join)
         self.llm.llm_engine.engine_core.shutdown()  # a second call does nothing
+        if self._adapters is not None:
+            self._adapters.close()
+
+
+class _AdapterDir:
+    """The adapters vLLM loads, as PEFT directories (vLLM reads LoRA adapters from files) in a
+    temporary directory of the engine's own: one per version, the older ones removed once a newer
+    one is written (vLLM has read them by then)."""
+
+    def __init__(self, model_dir: Path, adapter_config: dict):
+        import tempfile
+
+        from jaxrl.models import ModelConfig
+        from jaxrl.models.lora import config_from_peft
+
+        self.adapter_config = adapter_config
+        self.lora = config_from_peft(adapter_config, "vllm engine lora")
+        self.model_cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+        self.root = Path(tempfile.mkdtemp(prefix="jaxrl-vllm-lora-"))
+
+    def request(self, path: Path, load_inplace: bool = False):
+        from vllm.lora.request import LoRARequest
+
+        # One id for every version: a swap replaces its weights, and running requests keep it.
+        return LoRARequest("policy", 1, str(path), load_inplace=load_inplace)
+
+    def zeros(self) -> Path:
+        from jaxrl.models.lora import adapter_shapes
+
+        shapes = adapter_shapes(self.model_cfg, self.lora)
+        return self._save({name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, "base")
+
+    def write(self, snapshot, version: int) -> Path:
+        from jaxrl.models.lora import LoraError, check_adapter_tensors, config_from_peft
+
+        where = f"snapshot {snapshot.path}"
+        try:
+            theirs = config_from_peft(snapshot.adapter_config, f"{where} adapter_config")
+            if (theirs.rank, theirs.alpha, theirs.targets) != (self.lora.rank, self.lora.alpha, self.lora.targets):
+                raise LoraError(f"{where}: adapters of rank {theirs.rank}, alpha {theirs.alpha} on "
+                                f"{list(theirs.targets)}; this engine serves rank {self.lora.rank}, alpha "
+                                f"{self.lora.alpha} on {list(self.lora.targets)}")
+            check_adapter_tensors(self.model_cfg, self.lora, snapshot.tensors, where)
+        except LoraError as e:
+            raise SnapshotRefused(str(e)) from e
+        return self._save(snapshot.tensors, str(version))
+
+    def _save(self, tensors: dict, name: str) -> Path:
+        import shutil
+
+        from safetensors.numpy import save_file
+
+        from jaxrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+        path = self.root / name
+        path.mkdir()
+        (path / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config))
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / ADAPTER_WEIGHTS))
+        for old in self.root.iterdir():
+            if old != path and old.name != "base":
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _fail(future: concurrent.futures.Future, error: Exception) -> None:

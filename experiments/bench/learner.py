@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
     step_fn = jit_train_step(learner.graphdef, cfg, learner.tx, learner.shardings,
                              {k: batch_sharding(mesh, v.ndim) for k, v in arrays.items()})
     with jax.set_mesh(mesh):
-        peak_mb = compiled_peak_mb(step_fn.lower(learner.state, arrays).compile())
+        peak_mb = compiled_peak_mb(step_fn.lower(learner.state, arrays, None).compile())
 
     big_cfg = model_config(args, args.logp_vocab)
     big_batch = make_batch(args, args.logp_vocab)

@@ -85,11 +85,14 @@ class Linear(nnx.Module):
         self.kernel = _param(rngs, (d_in, d_out), axes, cfg, "normal")
         self.bias = _param(rngs, (d_out,), axes[1:], cfg, "zeros") if bias else None
         self.dtype = cfg.jnp_dtype
+        self.lora = nnx.data(None)  # low-rank adapters, added by jaxrl.models.lora.add_lora
 
     def __call__(self, x):
         y = matmul_2d(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x.astype(self.dtype))
         return y
 
 

@@ -171,7 +171,8 @@ class Bridge:
         """Writes the learner's weights as a snapshot and has the bridge serve them; returns their
         version (the learner's step + 1, as in a run)."""
         if self._writer is None:
-            self._writer = SnapshotWriter(self.snapshots, learner.model().cfg, keep=3)
+            self._writer = SnapshotWriter(self.snapshots, learner.model().cfg, keep=3, lora=learner.cfg.lora,
+                                          base_model=str(self.cfg.model.dir))
         version = learner.step + 1
         self._writer.publish(learner.state.params, version)
         self.load_snapshot(self.snapshots, version)

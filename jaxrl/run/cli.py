@@ -341,7 +341,7 @@ def _export(args) -> int:
         warnings.simplefilter("always", ExportWarning)
         try:
             out = export(args.run_dir, args.out, version=args.version,
-                         checkpoint_step=args.checkpoint_step, dtype=args.dtype)
+                         checkpoint_step=args.checkpoint_step, dtype=args.dtype, merged=args.merged, base=args.base)
         except ExportError as e:
             print(f"jaxrl export: error: {e}", file=sys.stderr)
             return 1
@@ -418,6 +418,9 @@ def _add_tools(sub) -> None:
     which.add_argument("--checkpoint-step", type=int, help="export this train checkpoint instead of a snapshot")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
     exp.add_argument("--out", required=True, help="output directory (new or empty)")
+    exp.add_argument("--merged", action="store_true",
+                     help="a LoRA run: the whole model with the adapters merged in (default: the PEFT adapter directory)")
+    exp.add_argument("--base", help="a LoRA run: the base model directory (default: the one the run trained on)")
     exp.set_defaults(func=_export)
 
     # Served by the bridge's own entry point (`python -m bridge`); listed here for --help.

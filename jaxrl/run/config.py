@@ -342,7 +342,22 @@ class TrainConfig:
             raise ValueError(f"bridge.request_timeout_s={timeout:g} is shorter than an episode may take with its "
                              f"replays ({longest:g} s: twice envs[].episode_timeout_s, plus retry_budget_s); "
                              "raise it, or leave it null")
+        self._check_lora()
         self.learner_config()  # the derived values must make a valid learner config
+
+    def _check_lora(self) -> None:
+        """LoRA needs the engine to serve adapters: the run tells it (no engine_kwargs of its own)."""
+        lora, kwargs = self.learner.lora, self.bridge.engine_kwargs
+        if lora is None:
+            return
+        if "lora" in kwargs:
+            raise ValueError("bridge.engine_kwargs.lora: the run sets it from learner.lora; leave it out")
+        if self.bridge.engine == "vllm" and kwargs.get("enable_lora", True) is not True:
+            raise ValueError("learner.lora needs vLLM's LoRA support: leave bridge.engine_kwargs.enable_lora out "
+                             "(the run turns it on), or set learner.lora: null")
+        if self.bridge.engine == "vllm" and kwargs.get("max_lora_rank", lora.rank) < lora.rank:
+            raise ValueError(f"bridge.engine_kwargs.max_lora_rank={kwargs['max_lora_rank']} is below "
+                             f"learner.lora.rank={lora.rank}: raise it, or leave it out (the run sets it)")
 
     @property
     def longest_episode_s(self) -> float | None:

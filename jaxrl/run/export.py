@@ -1,5 +1,9 @@
 """Export a run's weights as a Hugging Face model directory that transformers and vLLM load.
 
+A LoRA run exports its adapters as a PEFT adapter directory (`adapter_config.json`,
+`adapter_model.safetensors`: `peft.PeftModel.from_pretrained` and vLLM's LoRA requests load it),
+or with `merged` the whole model, the adapters merged into the base it trained on.
+
 The source is a weight snapshot (already keyed by Hugging Face names, in the serving dtype) or
 a train checkpoint (a whole TrainState; only its `params` are read, as NumPy, without knowing
 the tree in advance, and mapped to Hugging Face names with `jaxrl.models.hf.hf_names`). The
@@ -9,6 +13,7 @@ output is written next to `out_dir` and renamed into place, so a failed export l
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -19,7 +24,9 @@ import orbax.checkpoint as ocp
 
 from jaxrl.models import ModelConfig, from_hf_tensors, hf_names, save_pretrained
 from jaxrl.models.config import DTYPES, ModelConfigError
-from jaxrl.models.hf import CheckpointError
+from jaxrl.models.hf import CheckpointError, read_config, read_safetensors
+from jaxrl.models.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, check_adapter_tensors, config_from_peft,
+                               merged_tensors, peft_names)
 from jaxrl.run.run_dir import RunDir
 from jaxrl.snapshots import SnapshotError, SnapshotReader, snapshot_versions
 
@@ -41,6 +48,8 @@ def export(
     version: int | None = None,
     checkpoint_step: int | None = None,
     dtype: str | None = None,
+    merged: bool = False,
+    base: str | Path | None = None,
 ) -> Path:
     """Writes `source`'s weights to `out_dir` as config.json + safetensors + tokenizer files.
 
@@ -48,6 +57,8 @@ def export(
     snapshot or checkpoint in them. From a run directory the newest snapshot is exported (or
     `version`); with `checkpoint_step`, or when the run has no snapshot, the train checkpoint
     (newest, or that step). The dtype of the source is kept unless `dtype` is given.
+    A LoRA run's export is its PEFT adapter directory, or with `merged` the whole model with the
+    adapters merged into `base` (default: the base model directory the run trained on).
     Returns `out_dir`; raises ExportError for anything it cannot export.
     """
     source, out_dir = Path(source), Path(out_dir)
@@ -61,9 +72,19 @@ def export(
     kind, directory, number, run = _resolve(source, version, checkpoint_step)
     with _on_host():
         if kind == "snapshots":
-            cfg, hf_config, tensors = _read_snapshot(directory, number)
+            cfg, hf_config, tensors, lora = _read_snapshot(directory, number)
         else:
-            cfg, hf_config, tensors = _read_checkpoint(directory, number)
+            cfg, hf_config, tensors, lora = _read_checkpoint(directory, number)
+        if lora is None and (merged or base is not None):
+            raise ExportError(f"{directory}: the run trained every weight (no LoRA adapters): its export is the whole "
+                              "model already; leave out --merged and --base")
+        if lora is not None and not merged:
+            if dtype is not None:
+                raise ExportError("--dtype: adapters are exported as trained (float32); it applies to --merged")
+            _write_adapters(run, lora, tensors, out_dir)
+            return out_dir
+        if lora is not None:
+            cfg, hf_config, tensors = _merge(cfg, lora, tensors, base, directory)
         source_dtype = cfg.param_dtype
         cfg = cfg.replace(param_dtype=dtype or source_dtype, dtype=dtype or source_dtype)
         try:
@@ -179,16 +200,66 @@ def _checkpoint_steps(directory: Path) -> list[int]:
     return sorted(_checkpoint_manager(directory).all_steps())
 
 
-def _read_snapshot(directory: Path, version: int) -> tuple[ModelConfig, dict, dict]:
+def _write_adapters(run: RunDir | None, adapter_config: dict, tensors: dict, out_dir: Path) -> None:
+    """The PEFT adapter directory (and the run's tokenizer), written beside `out_dir` and renamed in."""
+    from safetensors.numpy import save_file
+
+    tmp = out_dir.parent / f".{out_dir.name}.export-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        shutil.copymode(tmp / ADAPTER_CONFIG, tmp / ADAPTER_WEIGHTS)
+        _copy_tokenizer(run, tmp, out_dir)
+        if out_dir.exists():
+            out_dir.rmdir()  # checked empty by `export`
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _merge(cfg: ModelConfig, adapter_config: dict, adapters: dict, base: str | Path | None,
+           source: Path) -> tuple[ModelConfig, dict, dict]:
+    """(config, HF config, tensors) of the base model with the adapters merged in."""
+    base = Path(base or adapter_config.get("base_model_name_or_path") or "")
+    try:
+        hf_config = read_config(base)
+        base_cfg = _model_config(hf_config, str(base / "config.json"))
+        if any(getattr(base_cfg, k) != getattr(cfg, k) for k in ("hidden_size", "num_layers", "vocab_size",
+                                                                  "intermediate_size", "num_heads", "num_kv_heads")):
+            raise ExportError(f"{base}: a different model from the one {source}'s adapters were trained on; give the "
+                              "base model directory with --base")
+        tensors = merged_tensors(cfg, config_from_peft(adapter_config, str(source)), read_safetensors(base), adapters)
+    except (CheckpointError, LoraError) as e:
+        raise ExportError(f"{e}; give the base model directory the run trained on with --base") from None
+    return base_cfg, hf_config, tensors
+
+
+def _lora(adapter_config: dict | None, cfg: ModelConfig, tensors: dict, source: str) -> dict | None:
+    """The adapter config, once the tensors are checked to be its adapters on this model."""
+    if adapter_config is None:
+        return None
+    try:
+        check_adapter_tensors(cfg, config_from_peft(adapter_config, source), tensors, source)
+    except LoraError as e:
+        raise ExportError(str(e)) from None
+    return adapter_config
+
+
+def _read_snapshot(directory: Path, version: int) -> tuple[ModelConfig, dict, dict, dict | None]:
     try:
         snapshot = SnapshotReader(directory).load(version)
     except SnapshotError as e:
         raise ExportError(f"{e}; export another version or a train checkpoint") from None
     cfg = _model_config(snapshot.hf_config, f"{snapshot.path}/manifest")
-    return cfg, snapshot.hf_config, snapshot.tensors
+    return (cfg, snapshot.hf_config, snapshot.tensors,
+            _lora(snapshot.adapter_config, cfg, snapshot.tensors, f"{snapshot.path}/manifest"))
 
 
-def _read_checkpoint(directory: Path, step: int) -> tuple[ModelConfig, dict, dict]:
+def _read_checkpoint(directory: Path, step: int) -> tuple[ModelConfig, dict, dict, dict | None]:
     path = directory / str(step)
     manager = _checkpoint_manager(directory)
     try:
@@ -220,16 +291,22 @@ def _read_checkpoint(directory: Path, step: int) -> tuple[ModelConfig, dict, dic
         )["state"]["params"]
     except Exception as e:
         raise ExportError(f"{path}/state: params cannot be restored ({type(e).__name__}: {e})") from None
-    tensors = _params_to_hf(cfg, params, path)
+    lora = meta.get("lora")
+    if lora is not None:
+        names = [(name, param_path, True) for name, param_path in peft_names(cfg, config_from_peft(lora, f"{path}/meta"))]
+        tensors = _params_to_hf(names, params, path)
+        return cfg, hf_config, tensors, _lora(lora, cfg, tensors, f"{path}/meta")
+    tensors = _params_to_hf(hf_names(cfg), params, path)
     dtypes = {str(v.dtype) for v in tensors.values()}
     saved = dtypes.pop() if len(dtypes) == 1 else cfg.param_dtype
-    return cfg.replace(param_dtype=saved if saved in DTYPES else cfg.param_dtype), hf_config, tensors
+    return cfg.replace(param_dtype=saved if saved in DTYPES else cfg.param_dtype), hf_config, tensors, None
 
 
-def _params_to_hf(cfg: ModelConfig, params, path: Path) -> dict[str, np.ndarray]:
-    """{HF name: array in HF layout} from a restored params tree (layer indices come back as str)."""
+def _params_to_hf(names, params, path: Path) -> dict[str, np.ndarray]:
+    """{HF name: array in HF layout} from a restored params tree (layer indices come back as str), for
+    `names`' (HF name, params path, transposed)."""
     tensors, used = {}, set()
-    for name, param_path, transposed in hf_names(cfg):
+    for name, param_path, transposed in names:
         node = params
         for key in param_path:
             if not isinstance(node, dict) or str(key) not in node:

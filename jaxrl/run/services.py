@@ -26,6 +26,7 @@ from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
 from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec, read_token_file
 from jaxrl.compilation import bucket
+from jaxrl.models.lora import adapter_config
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.processes import BridgeProcesses
 from jaxrl.run.supervision import EnvServers
@@ -197,7 +198,8 @@ def bridge_launch(cfg: TrainConfig, model_dir: Path, envs_file: Path, snapshot_r
     server = ServerSpec(snapshot_roots=() if snapshot_root is None else (snapshot_root,),
                         limits=Limits(**bridge_limits(cfg)))
     return BridgeLaunch(model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_at_once(cfg), seed=cfg.seed,
-                        engine_kwargs=engine_kwargs(cfg), envs=envs_file, server=server, cpus=tuple(b.cpus))
+                        engine_kwargs=engine_kwargs(cfg), envs=envs_file, server=server, cpus=tuple(b.cpus),
+                        lora=None if cfg.learner.lora is None else adapter_config(cfg.learner.lora, str(model_dir)))
 
 
 def _episodes_at_once(cfg: TrainConfig) -> int:

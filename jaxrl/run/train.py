@@ -42,6 +42,7 @@ from jaxrl.checkpoints import TrainCheckpointer, abstract_like
 from jaxrl.compilation import compiles, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained, load_tokenizer
+from jaxrl.models.lora import adapter_config, add_lora
 from jaxrl.run import report
 from jaxrl.run.batches import prompt_width, rl_batch
 from jaxrl.run.collection import Collector, EnvironmentsDown, Share, StepRollouts, rollout_metrics
@@ -108,7 +109,9 @@ class _Publisher:
 
     def __init__(self, job: _Job, snapshots: Path | str, model_cfg):
         self.job, self.snapshots = job, snapshots  # where the bridges read them (see snapshot_directory)
-        self.writer = SnapshotWriter(snapshots, model_cfg, keep=SNAPSHOTS_KEPT)
+        # A LoRA run publishes its adapters alone: `params` are the learner's, adapters or all weights.
+        self.writer = SnapshotWriter(snapshots, model_cfg, keep=SNAPSHOTS_KEPT, lora=job.cfg.learner.lora,
+                                     base_model=str(job.cfg.model.dir))
         self.version = 0  # the bridges start on the model directory
 
     def publish(self, params, version: int) -> float:
@@ -172,6 +175,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         job = _start(cfg, run, ckpt, share, model_dir, logs, snapshots, stack, out, tasks)
         startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
+        if cfg.learner.lora is not None:  # fresh adapters: the base model, as the bridges serve it
+            add_lora(model, cfg.learner.lora)
         publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
         if start_step is None:
             summary.update(_timed(startup, "eval_before_s", _evaluate_base, job, publisher, model))
@@ -268,7 +273,7 @@ def _evaluate_base(job: _Job, publisher: _Publisher, model) -> dict[str, float]:
     """Bridges of our own start on the model; running ones may serve anything: give them ours. Then
     the base model's held-out success."""
     if job.cfg.bridge.addresses:
-        publisher.publish(nnx.split(model)[1], 0)
+        publisher.publish(nnx.state(model, nnx.LoRAParam) if job.cfg.learner.lora else nnx.split(model)[1], 0)
     if not (job.cfg.eval.before and job.cfg.eval.episodes and job.primary):
         return {}
     before = job.evaluate(0, "before training")
@@ -295,6 +300,7 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
         summary.update({k: meta[k] for k in ("eval_before", "eval_before_stderr") if k in meta})
         print(f"resumed from step {step}", file=job.out, flush=True)
     meta = {"model_config": model.cfg.to_hf(),
+            **({"lora": adapter_config(cfg.learner.lora, str(cfg.model.dir))} if cfg.learner.lora else {}),
             **{k: summary[k] for k in ("eval_before", "eval_before_stderr") if k in summary}}
     publisher.forget_after(step)
     if step > 0 or warm:

@@ -305,3 +305,47 @@ def test_new_weights_reach_a_request_under_way_and_tag_its_tokens(engine, model_
     # the model that sampled it, given the whole sequence, with no stale KV mixed in.
     np.testing.assert_allclose(c.logprobs[:9], reference_logprobs(old, prompt, c.token_ids, 1.0)[:9], atol=1e-4)
     np.testing.assert_allclose(c.logprobs[9:], reference_logprobs(new, prompt, c.token_ids, 1.0)[9:], atol=1e-4)
+
+
+def test_lora_adapters_are_served_as_a_lora_request_per_version(loop, tmp_path):
+    """A LoRA engine starts on the base model (a zero adapter) and serves each adapter snapshot with
+    vLLM's own LoRA support: logprobs are those of peft's model of the same adapters."""
+    import peft
+
+    from jaxrl.models.lora import LoraConfig, adapter_config, adapter_tensors, add_lora
+
+    model_dir = build_tiny_model(tmp_path / "model", "qwen3")
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+    engine = VLLMEngine(model_dir, CPU_ENGINE_KWARGS, lora=adapter_config(lora))
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=4)
+        base = loop.run_until_complete(engine.generate(PROMPTS[:2], params))
+        assert_matches(hf_model(model_dir), PROMPTS[:2], base, 1.0)
+
+        model = add_lora(load_pretrained(model_dir), lora)
+        rng = np.random.default_rng(0)
+        adapters = jax.tree.map(lambda x: jax.numpy.asarray(0.2 * rng.standard_normal(x.shape), np.float32),
+                                nnx.state(model, nnx.LoRAParam))
+        for version in (1, 2):
+            adapters = jax.tree.map(lambda x: x * 1.5, adapters)
+            writer = SnapshotWriter(tmp_path / "snaps", model.cfg, lora=lora)
+            writer.publish(adapters, version)
+            writer.close()
+            loop.run_until_complete(engine.load_snapshot(str(tmp_path / "snaps"), version))
+            out = loop.run_until_complete(engine.generate(PROMPTS[:2], params))
+            assert all(c.policy_version == version for group in out for c in group)
+            peft_dir = tmp_path / f"peft-{version}"
+            peft_dir.mkdir()
+            (peft_dir / "adapter_config.json").write_text(__import__("json").dumps(adapter_config(lora)))
+            from safetensors.numpy import save_file
+
+            save_file({k: np.asarray(v) for k, v in adapter_tensors(model.cfg, lora, adapters).items()},
+                      str(peft_dir / "adapter_model.safetensors"))
+            reference = peft.PeftModel.from_pretrained(hf_model(model_dir), peft_dir).eval()
+            assert_matches(reference, PROMPTS[:2], out, 1.0)
+        whole = SnapshotWriter(tmp_path / "whole", model.cfg)
+        whole.publish(nnx.state(load_pretrained(model_dir), nnx.Param), 3)
+        with pytest.raises(SnapshotRefused, match="holds whole weights, but this engine serves adapters"):
+            loop.run_until_complete(engine.load_snapshot(str(tmp_path / "whole"), 3))
+    finally:
+        loop.run_until_complete(engine.close())

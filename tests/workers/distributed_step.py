@@ -1,7 +1,8 @@
 """One process of a jax.distributed learner run, started by tests/test_learner.py.
 
-Usage: distributed_step.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID OUT.npz
-Each process feeds its own rows of every batch; process 0 writes the final parameters.
+Usage: distributed_step.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID OUT.npz [lora]
+Each process feeds its own rows of every batch; process 0 writes the final parameters. With `lora`
+the learner trains adapters, and every process publishes them together as a snapshot in OUT.snapshots.
 """
 
 import sys
@@ -19,14 +20,19 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jaxrl.learner import Learner  # noqa: E402
 from jaxrl.losses import LossConfig  # noqa: E402
 from jaxrl.models import Decoder  # noqa: E402
+from jaxrl.models.lora import LoraConfig  # noqa: E402
 from jaxrl.optim import OptimizerConfig  # noqa: E402
 from jaxrl.sharding import MeshConfig, make_mesh  # noqa: E402
+from jaxrl.snapshots import SnapshotWriter  # noqa: E402
 from jaxrl.tiny import tiny_config  # noqa: E402
 from jaxrl.train_step import LearnerConfig  # noqa: E402
 
 B, P, C, VOCAB = 8, 5, 6, 128
-cfg = LearnerConfig(group_size=4, loss=LossConfig(loss_type="dapo"), optimizer=OptimizerConfig(learning_rate=1e-3))
-learner = Learner(Decoder(tiny_config("llama", vocab_size=VOCAB), nnx.Rngs(0)), cfg, make_mesh(MeshConfig(fsdp=-1)))
+lora = LoraConfig(rank=4) if sys.argv[5:] == ["lora"] else None
+cfg = LearnerConfig(group_size=4, loss=LossConfig(loss_type="dapo"), optimizer=OptimizerConfig(learning_rate=1e-3),
+                    lora=lora)
+model_cfg = tiny_config("llama", vocab_size=VOCAB)
+learner = Learner(Decoder(model_cfg, nnx.Rngs(0)), cfg, make_mesh(MeshConfig(fsdp=-1)))
 rng = np.random.default_rng(0)
 for step in range(2):
     completion_mask = (np.arange(C)[None] < rng.integers(1, C + 1, (B, 1))).astype(np.int32)
@@ -41,6 +47,10 @@ for step in range(2):
     rows = B // num_processes
     learner.update({k: v[process_id * rows:(process_id + 1) * rows] for k, v in batch.items()})
 params = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(learner.state.params)]
+if lora is not None:
+    writer = SnapshotWriter(out + ".snapshots", model_cfg, lora=lora)
+    writer.publish(learner.state.params, 1)
+    writer.close()
 if process_id == 0:
     np.savez(out, *params)
 if num_processes > 1:
