@@ -442,7 +442,7 @@ def test_listening_beyond_loopback_needs_tls_or_insecure_and_every_bridge_a_toke
 
 
 def test_engine_failures_cost_the_episode_not_the_bridge(bridge):
-    """An engine ValueError for an episode (here: a prompt that fills the model's whole context)
+    """An engine ValueError for an episode (here: a prompt that fills the engine's whole sequence)
     becomes that episode's error trajectory, not INVALID_ARGUMENT for the request: the servicer
     does not know each engine's limits up front, a multi-turn episode may only outgrow the context
     after some turns while others already streamed, and the request's other trajectories must
@@ -454,7 +454,7 @@ def test_engine_failures_cost_the_episode_not_the_bridge(bridge):
     failed = [t for t in trajs if t.group_id == "0"]
     assert len(failed) == 2
     for t in failed:
-        assert t.finish_reason == "error" and "max_position_embeddings" in t.error
+        assert t.finish_reason == "error" and "raise rollout.max_prompt_tokens" in t.error
         assert f"{context} tokens" in t.error and len(t.completion_ids) == 0 and t.num_turns == 0
     for t in (t for t in trajs if t.group_id == "1"):  # generation stops at the end of the context
         assert t.finish_reason == "length" and len(t.completion_ids) == 2 and t.error == ""
