@@ -620,6 +620,7 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
         engine = build_engine(launch.engine, launch.model, launch.dtype, launch.max_batch, launch.seed,
                               launch.engine_kwargs, launch.lora)
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
+        log.info("%s engine on model %s%s", launch.engine, launch.model, " (LoRA adapters over it)" * bool(launch.lora))
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
                     parent_pid=parent_pid, vocab_size=vocab_size)
 

@@ -41,6 +41,17 @@ def test_shipped_configs_load(path):
     ({"snapshot_dir": "http://host/snaps"}, r"snapshot_dir: http://host/snaps: snapshots go to a directory or to "
                                            r"a gs:// or s3:// bucket, not to a http:// URL"),
     ({"snapshot_dir": "s3://bucket/../x"}, r"snapshot_dir: s3://bucket/../x: give the bucket and a path in it"),
+    ({"sft": {"steps": 5, "train_all": True}},
+     r"^config: sft.train_all=true applies to LoRA runs: without learner.lora the warm start trains every weight "
+     r"already; leave it out$"),
+    ({"sft": {"train_all": False}, "learner": {"lora": {}}},
+     r"^config: sft.train_all=false with sft.steps=0: there is no warm start to train; set sft.steps, or leave "
+     r"sft.train_all out$"),
+    ({"model": {"dir": "m", "tiny": {}}, "sft": {"steps": 5}, "learner": {"lora": {}},
+      "bridge": {"addresses": ["127.0.0.1:9"]}},
+     r"^config: learner.lora with a warm start of every weight \(sft.train_all, true for a model.tiny model\) "
+     r"restarts the run's bridges on the warm-started model, which bridges at bridge.addresses cannot be: leave "
+     r"bridge.addresses empty, or set sft.train_all: false$"),
 ])
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -82,3 +93,18 @@ def test_warm_start_needs_environments_with_solvers():
                                 "sft": {"steps": 5, "envs": ["u"]}})
     served = from_dict(TrainConfig, {**BASE, "sft": {"steps": 5}})
     assert served.envs[0].solver == "echo"  # a bundled environment's own
+
+
+@pytest.mark.parametrize("tiny, train_all, lora, steps, full", [
+    ({}, None, {}, 5, True),  # a random model: nothing for adapters to adapt
+    (None, None, {}, 5, False),  # a pretrained one: the warm start trains the adapters
+    (None, True, {}, 5, True),
+    ({}, False, {}, 5, False),
+    ({}, None, None, 5, False),  # no adapters: every weight trains anyway
+    ({}, None, {}, 0, False),  # no warm start
+])
+def test_a_lora_warm_start_trains_every_weight_of_a_tiny_model_unless_told(tiny, train_all, lora, steps, full):
+    cfg = from_dict(TrainConfig, {**BASE, "model": {"dir": "m", "tiny": tiny},
+                                  "sft": {"steps": steps, **({} if train_all is None else {"train_all": train_all})},
+                                  "learner": {"lora": lora}})
+    assert cfg.full_warm_start is full

@@ -75,6 +75,13 @@ def test_two_process_distributed_run_takes_the_same_step_as_one_process(tmp_path
     assert len(one.files) == len(two.files) > 10
     for name in one.files:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0)
+    if not lora:  # the model, saved by both processes together (process 0 writes)
+        from jaxrl.models.hf import read_safetensors
+
+        a, b = (read_safetensors(f"{tmp_path / name}.model") for name in ("one.npz", "two.npz"))
+        assert a.keys() == b.keys() and len(a) > 10
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], atol=1e-5, rtol=0)
     if lora:  # the adapters' snapshot, written by both processes together
         from jaxrl.snapshots import SnapshotReader
 

@@ -19,6 +19,7 @@ def test_layout_names_every_part(tmp_path):
     assert run.config == tmp_path / "run" / "config.yaml"
     assert run.metrics == tmp_path / "run" / "metrics.jsonl"
     assert run.record == tmp_path / "run" / "run.json"
+    assert run.base_model == tmp_path / "run" / "base-model"
     assert not run.path.exists()  # naming the layout creates nothing
 
 

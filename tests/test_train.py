@@ -137,6 +137,98 @@ def test_a_lora_run_warm_starts_publishes_adapters_evaluates_resumes_streaming_a
     assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.timeout(900)  # a run killed at step 3, resumed, evaluated and exported: 75 s on a loaded machine
+def test_a_lora_run_over_a_warm_start_of_every_weight_serves_restarts_resumes_exactly_and_exports(
+        model_dir, tmp_path):
+    """sft.train_all: the warm start trains every weight, written to RUN/base-model; the bridges
+    (restarted on it, and again after a SIGKILL) serve the adapters over it with the learner's own
+    logprobs; SIGKILLed, the run resumes to the same adapters bitwise; `jaxrl eval` and export --merged
+    take the same base."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl.models import load_pretrained
+    from jaxrl.models.hf import read_safetensors
+    from jaxrl.models.lora import LoraConfig, add_lora, with_adapters
+    from jaxrl.run.export import export
+    from jaxrl.run.replay import compared
+    from jaxrl.snapshots import SnapshotReader
+
+    run_dir, snapshots = tmp_path / "run", tmp_path / "snapshots"  # on disk: the killed run's are read after it
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, steps=10_000, checkpoint_every=2,
+                          eval={"episodes": 8}, snapshot_dir=str(snapshots),
+                          rewards=[{"fn": "env"}, {"fn": "tests.workers.rewards:even_length"}],
+                          sft={"steps": 4, "batch_size": 8, "demonstrations": 8, "train_all": True},
+                          learner={"group_size": 4, "optimizer": {"learning_rate": 1e-2},
+                                   "loss": {"is_level": "token"}, "lora": {"rank": 4, "alpha": 8}})
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _logged_steps(proc, run_dir, 0)
+        [bridge] = [c for c in _children_of(proc.pid)  # the one restarted on RUN/base-model
+                    if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
+        os.kill(bridge, signal.SIGKILL)  # restarted by the run, on RUN/base-model again
+        killed_at = _logged_steps(proc, run_dir, 2)
+        # Killed after an odd step, past the bridge's restart, once the step before is checkpointed (every
+        # 2, in the background): the last step is taken again.
+        while (killed_at % 2 == 0 or not read_metrics(run_dir)[-1]["bridges/restarts"]
+               or not (run_dir / "checkpoints" / str(killed_at - 1)).is_dir()):
+            killed_at = _logged_steps(proc, run_dir, killed_at)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    base = run_dir / "base-model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in base.iterdir()}
+    warm, random = read_safetensors(base), read_safetensors(model_dir)
+    assert all(np.abs(np.asarray(warm[k]) - np.asarray(random[k])).max() > 0 for k in warm)  # every weight trained
+    rows = read_metrics(run_dir)
+    assert rows[-1]["bridges/restarts"] == 1
+    models = re.findall(r"jax engine on model (\S+) \(LoRA", (run_dir / "logs" / "bridge.log").read_text())
+    assert models == [str(model_dir), str(base), str(base)]  # started, relaunched, restarted
+    # The bridges' logprobs (adapters over the warm-started base, before and after the restart) are the
+    # learner's own: importance weights of 1 in sync mode.
+    for r in rows:
+        assert abs(r["is_weight_raw_min"] - 1) < 1e-5 and abs(r["is_weight_raw_max"] - 1) < 1e-5, r
+    assert [r["compiles/learner"] + r["compiles/bridge"] for r in rows[1:]] == [0.0] * (len(rows) - 1)
+    again = killed_at  # the step the resumed run takes again
+    first = next(r for r in rows if r["step"] == again)
+    published = SnapshotReader(snapshots).load(again + 1)
+
+    resumed = jaxrl("train", config, "--resume", "--set", f"steps={again}")
+    summary = summary_of(resumed)
+    assert summary["steps"] == again and f"resumed from step {again - 1}\n" in resumed.stdout
+    rows = read_metrics(run_dir)
+    second = next(r for r in rows if r["step"] == again and "loss" in r)
+    assert first["grad_norm"] > 0 and {k: v for k, v in first.items() if compared(k)} == {
+        k: v for k, v in second.items() if compared(k)}
+    final = SnapshotReader(run_dir / "snapshots").load(again + 1)
+    assert final.adapter_config["base_model_name_or_path"] == str(base)
+    assert final.tensors.keys() == published.tensors.keys()
+    assert all(np.array_equal(final.tensors[k], published.tensors[k]) for k in final.tensors)
+
+    models = re.findall(r"jax engine on model (\S+) \(LoRA", (run_dir / "logs" / "bridge.log").read_text())
+    assert models[3:] == [str(base)]  # resumed
+    evaluated = summary_of(jaxrl("eval", run_dir))
+    assert evaluated["weights"] == f"snapshot {again + 1}" and evaluated["success"] == summary["eval_after"]
+    assert re.findall(r"jax engine on model (\S+) \(LoRA", (run_dir / "logs" / "eval" / "bridge.log").read_text()) == [
+        str(base)]
+    adapters = export(run_dir, tmp_path / "adapters")
+    assert json.loads((adapters / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    ours = load_pretrained(base)  # the learner's model: the warm-started base and the final adapters
+    lora = LoraConfig(rank=4, alpha=8)
+    nnx.update(ours, with_adapters(ours.cfg, lora, final.tensors, nnx.state(add_lora(ours, lora)), "final"))
+    merged = load_pretrained(export(run_dir, tmp_path / "merged", merged=True))
+    ids = np.arange(40, 64, dtype=np.int32).reshape(2, 12)
+    inputs = (ids, np.broadcast_to(np.arange(12), ids.shape), np.ones_like(ids))
+    np.testing.assert_allclose(merged(*inputs)[0], ours(*inputs)[0], atol=1e-4)
+    run_dir.rename(tmp_path / "moved")  # the adapters' config names the base where it was: the run's own is used
+    moved = load_pretrained(export(tmp_path / "moved", tmp_path / "merged-moved", merged=True))
+    np.testing.assert_array_equal(moved(*inputs)[0], merged(*inputs)[0])
+
+
 def _assert_snapshots_lived_in_memory(bridge_log: str) -> None:
     """The bridge loaded every snapshot from a directory of the run's own in /dev/shm, gone now."""
     if not SHM.is_dir():
@@ -422,6 +514,8 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     (["learner.lora.targets=[q_proj, c_attn]"], "the model has no projection 'c_attn'"),
     (["learner.lora.rank=32", "bridge.engine=vllm", "bridge.engine_kwargs={max_lora_rank: 16}"],
      "bridge.engine_kwargs.max_lora_rank=16 is below learner.lora.rank=32"),
+    (["learner.lora.rank=4", "sft.steps=2", "sft.train_all=true", "bridge.addresses=[127.0.0.1:9]"],
+     "which bridges at bridge.addresses cannot be: leave bridge.addresses empty, or set sft.train_all: false"),
 ])
 def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")

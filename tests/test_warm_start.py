@@ -4,8 +4,12 @@ checked, then a short supervised run on them with the run's optimizer settings."
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from bridge.client import BridgeRequestError
 from bridge.wire import SamplingParams
@@ -14,7 +18,9 @@ from jaxrl.run.collection import RolloutClient
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.tasks import TaskSource
 from jaxrl.run.typed_config import from_dict
-from jaxrl.run.warm_start import WarmStartError, demonstrations, warm_start, warm_start_learner_config
+from jaxrl.run.run_dir import RunDir
+from jaxrl.run.warm_start import (WarmStartError, demonstrations, lora_base, warm_start, warm_start_learner_config,
+                                  write_base_model)
 from jaxrl.sharding import MeshConfig, make_mesh
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer
@@ -89,3 +95,36 @@ def test_warm_start_uses_the_run_optimizer_and_lowers_the_loss(tok, tmp_path):
     assert metrics["loss"] < metrics["loss_first"] - 1.0
     assert metrics["demonstrations"] == 16 and metrics["steps"] == 12 and metrics["model_tokens"] > 0
     assert trained.cfg == before
+
+
+def test_a_lora_warm_start_of_every_weight_is_written_as_the_adapters_base(tok, tmp_path):
+    """sft.train_all: the warm start trains the whole model (no adapters yet), which becomes the
+    base the run's adapters sit on: RUN/base-model, bitwise, beside the source model's other files."""
+    tiny = build_tiny_model(tmp_path / "tiny", tokenizer=tok)
+    cfg = from_dict(TrainConfig, {"run_dir": str(tmp_path / "run"), "model": {"dir": str(tiny), "tiny": {}},
+                                  "envs": [ECHO], "sft": {"steps": 3, "batch_size": 8, "demonstrations": 8},
+                                  "learner": {"lora": {"rank": 4}}})
+    assert warm_start_learner_config(cfg).lora is None and cfg.learner_config().lora is not None
+    run = RunDir(cfg.run_dir)
+    assert lora_base(cfg, run) == run.base_model.absolute()
+    pretrained = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tiny=None))
+    assert warm_start_learner_config(pretrained).lora == cfg.learner.lora and lora_base(pretrained, run) == tiny
+
+    model = load_pretrained(tiny)
+    start = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    trained, _ = warm_start(model, play(tok, cfg), cfg, make_mesh(MeshConfig(fsdp=-1)), tok.pad_token_id)
+    params = jax.tree.map(np.asarray, nnx.state(trained, nnx.Param))
+    assert not jax.tree.leaves(nnx.state(trained, nnx.LoRAParam))  # no adapters yet: the learner adds them
+    assert all((a != b).any() for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(params)))  # every weight
+
+    (tmp_path / "run").mkdir()
+    run.base_model.mkdir()  # an earlier attempt's, resumed before its first checkpoint: replaced
+    (run.base_model / "stale.txt").write_text("x")
+    write_base_model(trained, tiny, run.base_model)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["base-model"]
+    assert sorted(p.name for p in run.base_model.iterdir()) == sorted(p.name for p in tiny.iterdir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (run.base_model / name).read_bytes() == (tiny / name).read_bytes()
+    assert json.loads((run.base_model / "config.json").read_text()) == json.loads((tiny / "config.json").read_text())
+    loaded = jax.tree.map(np.asarray, nnx.state(load_pretrained(run.base_model), nnx.Param))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.flax import save_file
 
@@ -236,13 +237,20 @@ def save_pretrained(
     hf_config: dict | None = None,
     max_shard_bytes: int = 5 << 30,
 ) -> None:
-    """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`)."""
+    """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`).
+
+    With several processes (a model sharded over them) every process calls it: each tensor is
+    gathered, and process 0 writes."""
+    cfg = model.cfg
+    tensors = to_hf_tensors(cfg, nnx.state(model, nnx.Param))
+    if jax.process_count() > 1:
+        tensors = {name: multihost_utils.process_allgather(x, tiled=True) for name, x in tensors.items()}
+        if jax.process_index() != 0:
+            return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = model.cfg
     config = {**(hf_config or {}), **cfg.to_hf()}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = to_hf_tensors(cfg, nnx.state(model, nnx.Param))
     shards: list[dict[str, jax.Array]] = [{}]
     size = 0
     for name, value in tensors.items():

@@ -46,12 +46,14 @@ from jaxrl.run.export import export
 from jaxrl.run.processes import BridgeProcess, EnvServerProcess
 from jaxrl.run.report import compare_runs, summary_table
 from jaxrl.run.rollout_client import RolloutClient
+from jaxrl.run.run_dir import RunDir
 from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
 from jaxrl.run.tasks import Task, TaskSource
 from jaxrl.run.tracking import MetricsLogger, read_metrics
 from jaxrl.run.train import ensure_model, train
 from jaxrl.run.trajectory_file import load_trajectories, save_trajectories
 from jaxrl.run.typed_config import to_dict
+from jaxrl.run.warm_start import lora_base
 from jaxrl.sharding import make_mesh
 from jaxrl.snapshots import SnapshotWriter, snapshot_versions
 
@@ -89,7 +91,7 @@ def evaluate(target: str | Path | TrainConfig, version: int | None = None, env: 
     if version is not None and version not in versions:
         raise ConfigError(f"evaluate: {run} has snapshots {versions}, not version {version}")
     snapshot = (run / "snapshots", versions[-1] if version is None else version) if versions else None
-    return evaluate_weights(cfg, run / "logs" / "eval", snapshot, env, split)
+    return evaluate_weights(cfg, run / "logs" / "eval", snapshot, env, split, lora_base(cfg, RunDir(run)))
 
 
 def make_learner(cfg: TrainConfig) -> Learner:

@@ -251,11 +251,13 @@ def _eval(args) -> int:
         from bridge.envs.spec import RewardError, RolloutFnError
         from jaxrl.run.evaluation import EvaluationFailed, evaluate_weights
         from jaxrl.run.processes import ChildStartError
+        from jaxrl.run.run_dir import RunDir
         from jaxrl.run.services import StartupError
+        from jaxrl.run.warm_start import lora_base
 
         logs = Path(args.target) / "logs" / "eval" if snapshot is not None else Path(scratch) / "logs"
         try:
-            result = evaluate_weights(cfg, logs, snapshot, args.env, args.split)
+            result = evaluate_weights(cfg, logs, snapshot, args.env, args.split, lora_base(cfg, RunDir(args.target)))
         except (StartupError, ChildStartError, EvaluationFailed, RewardError, RolloutFnError, BridgeError) as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 1

@@ -204,6 +204,11 @@ class SFTConfig:
     demonstrations: int = option("solver episodes the bridge plays (training tasks)", default=1024)
     envs: list[str] = option(
         "environments to demonstrate (default: every environment of the run with a solver)", default_factory=list)
+    train_all: bool | None = option(
+        "with learner.lora: the warm start trains every weight, and RL then trains adapters over the warm-started "
+        "model (written to RUN/base-model, which the run's bridges are restarted on and its adapters name as their "
+        "base); false: the warm start trains the adapters alone; null: true for a model.tiny model (random: its frozen "
+        "head leaves adapters nothing to adapt), false otherwise", default=None)
 
     def __post_init__(self):
         if self.steps < 0 or self.batch_size < 1 or self.demonstrations < 1:
@@ -343,6 +348,7 @@ class TrainConfig:
                              f"replays ({longest:g} s: twice envs[].episode_timeout_s, plus retry_budget_s); "
                              "raise it, or leave it null")
         self._check_lora()
+        self._check_train_all()
         self.learner_config()  # the derived values must make a valid learner config
 
     def _check_lora(self) -> None:
@@ -358,6 +364,26 @@ class TrainConfig:
         if self.bridge.engine == "vllm" and kwargs.get("max_lora_rank", lora.rank) < lora.rank:
             raise ValueError(f"bridge.engine_kwargs.max_lora_rank={kwargs['max_lora_rank']} is below "
                              f"learner.lora.rank={lora.rank}: raise it, or leave it out (the run sets it)")
+
+    def _check_train_all(self) -> None:
+        """sft.train_all picks what a LoRA run's warm start trains: set, it needs both."""
+        if self.sft.train_all is not None and self.learner.lora is None:
+            raise ValueError(f"sft.train_all={str(self.sft.train_all).lower()} applies to LoRA runs: without "
+                             "learner.lora the warm start trains every weight already; leave it out")
+        if self.sft.train_all is not None and not self.sft.steps:
+            raise ValueError(f"sft.train_all={str(self.sft.train_all).lower()} with sft.steps=0: there is no warm "
+                             "start to train; set sft.steps, or leave sft.train_all out")
+        if self.full_warm_start and self.bridge.addresses:
+            raise ValueError("learner.lora with a warm start of every weight (sft.train_all, true for a model.tiny "
+                             "model) restarts the run's bridges on the warm-started model, which bridges at "
+                             "bridge.addresses cannot be: leave bridge.addresses empty, or set sft.train_all: false")
+
+    @property
+    def full_warm_start(self) -> bool:
+        """A LoRA run whose warm start trains every weight: its adapters sit on the warm-started model
+        (RUN/base-model), not on model.dir."""
+        train_all = self.sft.train_all if self.sft.train_all is not None else self.model.tiny is not None
+        return self.learner.lora is not None and self.sft.steps > 0 and train_all
 
     @property
     def longest_episode_s(self) -> float | None:

@@ -84,17 +84,19 @@ def evaluate(client: RolloutClient, tasks: list[Task], cfg: TrainConfig, version
 
 
 def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | None = None,
-                     env: str | None = None, split: str = "test") -> EvalResult:
-    """`jaxrl eval`: the run's services started on `model.dir` (logs in `logs`), the bridges given
-    snapshot `(directory, version)` if any, then the held-out tasks of `env` (default: every
-    environment, as `jaxrl train` evaluates) from `split`."""
+                     env: str | None = None, split: str = "test", model_dir: Path | None = None) -> EvalResult:
+    """`jaxrl eval`: the run's services started on `model_dir` (default `model.dir`; a LoRA run's
+    adapters sit on `jaxrl.run.warm_start.lora_base`), logs in `logs`, the bridges given snapshot
+    `(directory, version)` if any, then the held-out tasks of `env` (default: every environment, as
+    `jaxrl train` evaluates) from `split`."""
     check_services(cfg)
-    tokenizer = load_tokenizer(cfg.model.dir)
+    model_dir = Path(model_dir or cfg.model.dir)
+    tokenizer = load_tokenizer(model_dir)
     bridge_env = use_persistent_cache(cfg.compilation_cache)
     token = bridge_token(cfg)
     with contextlib.ExitStack() as stack:
         root = snapshot[0] if snapshot is not None else None
-        started = start_services(cfg, Path(cfg.model.dir), logs, stack, token, root, bridge_env)
+        started = start_services(cfg, model_dir, logs, stack, token, root, bridge_env)
         client = RolloutClient(started.addresses, cfg, token, started.bridges)
         stack.callback(client.close)
         version = 0

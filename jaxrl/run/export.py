@@ -58,7 +58,7 @@ def export(
     `version`); with `checkpoint_step`, or when the run has no snapshot, the train checkpoint
     (newest, or that step). The dtype of the source is kept unless `dtype` is given.
     A LoRA run's export is its PEFT adapter directory, or with `merged` the whole model with the
-    adapters merged into `base` (default: the base model directory the run trained on).
+    adapters merged into `base` (default: the base model directory the run trained on, see `_base_of`).
     Returns `out_dir`; raises ExportError for anything it cannot export.
     """
     source, out_dir = Path(source), Path(out_dir)
@@ -84,7 +84,7 @@ def export(
             _write_adapters(run, lora, tensors, out_dir)
             return out_dir
         if lora is not None:
-            cfg, hf_config, tensors = _merge(cfg, lora, tensors, base, directory)
+            cfg, hf_config, tensors = _merge(cfg, lora, tensors, base or _base_of(lora, run), directory)
         source_dtype = cfg.param_dtype
         cfg = cfg.replace(param_dtype=dtype or source_dtype, dtype=dtype or source_dtype)
         try:
@@ -221,10 +221,20 @@ def _write_adapters(run: RunDir | None, adapter_config: dict, tensors: dict, out
         raise
 
 
-def _merge(cfg: ModelConfig, adapter_config: dict, adapters: dict, base: str | Path | None,
+def _base_of(adapter_config: dict, run: RunDir | None) -> Path:
+    """The base model the adapters were trained on: as their config names it or, where that directory
+    is gone and the run holds its own (a LoRA run whose warm start trained every weight, moved or
+    copied since), RUN/base-model."""
+    named = Path(adapter_config.get("base_model_name_or_path") or "")
+    if not named.is_dir() and run is not None and run.base_model.is_dir():
+        return run.base_model
+    return named
+
+
+def _merge(cfg: ModelConfig, adapter_config: dict, adapters: dict, base: str | Path,
            source: Path) -> tuple[ModelConfig, dict, dict]:
     """(config, HF config, tensors) of the base model with the adapters merged in."""
-    base = Path(base or adapter_config.get("base_model_name_or_path") or "")
+    base = Path(base)
     try:
         hf_config = read_config(base)
         base_cfg = _model_config(hf_config, str(base / "config.json"))

@@ -10,8 +10,9 @@ out (normal return, exception or `sys.exit`).
     with EnvServerProcess.start("wordle", max_concurrent_envs=16) as server:
         ...  # sessions over server.ws_url
 
-A run's bridges are held by `BridgeProcesses`, which starts them all at once and restarts one as
-it was. Keeping children serving (when to restart, when to give up) is `jaxrl.run.supervision`'s.
+A run's bridges are held by `BridgeProcesses`, which starts them all at once, restarts one as
+it was, and relaunches them all on another model (a LoRA run's warm-started base). Keeping
+children serving (when to restart, when to give up) is `jaxrl.run.supervision`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -310,10 +313,20 @@ class BridgeProcesses:
         self._kwargs: list[dict] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._launching: list[threading.Lock] = []  # by bridge: its restart and a relaunch do not overlap
 
     def start(self, kwargs: Sequence[Mapping]) -> list[BridgeProcess]:
         """Starts one bridge per `BridgeProcess.start` arguments in `kwargs`, all at once; if one
         fails, the others are stopped and its BridgeStartError raised."""
+        started = self._start_all(kwargs)
+        with self._lock:
+            self.bridges += started
+            self._kwargs += [dict(kw) for kw in kwargs]
+            self._launching += [threading.Lock() for _ in kwargs]
+        return started
+
+    @staticmethod
+    def _start_all(kwargs: Sequence[Mapping]) -> list[BridgeProcess]:
         with concurrent.futures.ThreadPoolExecutor(len(kwargs), thread_name_prefix="bridge-start") as pool:
             futures = [pool.submit(BridgeProcess.start, **kw) for kw in kwargs]
             concurrent.futures.wait(futures)
@@ -323,24 +336,44 @@ class BridgeProcesses:
             for bridge in started:
                 bridge.stop(grace_s=0.0)
             raise failed[0]
-        with self._lock:
-            self.bridges += started
-            self._kwargs += [dict(kw) for kw in kwargs]
         return started
 
     def restart(self, i: int) -> BridgeProcess | None:
         """Bridge i stopped (by PID: it may be hung rather than gone) and started again on a fresh
         port (raises BridgeStartError like `start`); None when the bridges are stopping."""
-        self.bridges[i].stop(grace_s=0.0, term_s=1.0)
-        if self._stopping.is_set():
-            return None
-        fresh = BridgeProcess.start(**self._kwargs[i])
-        with self._lock:
+        with self._launching[i]:
+            self.bridges[i].stop(grace_s=0.0, term_s=1.0)
             if self._stopping.is_set():
-                fresh.stop(grace_s=0.0)
                 return None
-            self.bridges[i] = fresh
-        return fresh
+            fresh = BridgeProcess.start(**self._kwargs[i])
+            with self._lock:
+                if self._stopping.is_set():
+                    fresh.stop(grace_s=0.0)
+                    return None
+                self.bridges[i] = fresh
+            return fresh
+
+    def relaunch(self, model: Path) -> list[BridgeProcess]:
+        """Every bridge stopped and started again, all at once, on the model directory `model`, their
+        launch otherwise as it was (a LoRA launch's adapter config names `model` as its base);
+        `restart` starts them on it from now on. Raises BridgeStartError like `start`."""
+        with contextlib.ExitStack() as held:
+            for lock in self._launching:  # a restart under way finishes first
+                held.enter_context(lock)
+            for kw in self._kwargs:
+                launch = kw["launch"]
+                lora = None if launch.lora is None else {**launch.lora, "base_model_name_or_path": str(model)}
+                kw["launch"] = dataclasses.replace(launch, model=str(model), lora=lora)
+            for bridge in self.bridges:
+                bridge.stop()
+            started = self._start_all(self._kwargs)
+            with self._lock:
+                if self._stopping.is_set():
+                    for bridge in started:
+                        bridge.stop(grace_s=0.0)
+                else:
+                    self.bridges = started
+            return started
 
     def __enter__(self) -> BridgeProcesses:
         return self

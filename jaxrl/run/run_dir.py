@@ -9,6 +9,9 @@ RUN/
   snapshots/       weight snapshots for the bridge (jaxrl.snapshots.SnapshotWriter), or only the
                    last one served when they live in memory while the run trains
   tokenizer/       the run's tokenizer, written with `tokenizer.save_pretrained`
+  base-model/      a LoRA run whose warm start trained every weight (`sft.train_all`): the
+                   warm-started model, as a Hugging Face model directory, that its bridges serve and
+                   its adapters sit on
   logs/            the children's logs, train.log (the trainer's warnings and library errors) and
                    train_error.log (the traceback of a run that failed)
 ```
@@ -63,6 +66,10 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.path / "tokenizer"
+
+    @property
+    def base_model(self) -> Path:
+        return self.path / "base-model"
 
     @property
     def config(self) -> Path:

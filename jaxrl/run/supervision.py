@@ -18,6 +18,7 @@ import collections
 import logging
 import threading
 import time
+from pathlib import Path
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from jaxrl.run.config import BridgeConfig
@@ -212,6 +213,7 @@ class Bridges:
         self.members = [Bridge(self, i, a, started.bridges[i] if started else None, started)
                         for i, a in enumerate(addresses)]
         self.none_since: float | None = None  # when the last living bridge died (None while one lives)
+        self.started = started
         for b in self.members:
             b.watch(min(1.0, cfg.health_timeout_s / 2), self.closing)
 
@@ -228,6 +230,23 @@ class Bridges:
         """Snapshot `version` (at `path`) is the newest: a bridge that comes back loads it first."""
         with self.changed:
             self.snapshot = (path, version)
+
+    def relaunch(self, model: Path) -> None:
+        """The run's own bridges stopped and started again on the model directory `model` (a LoRA
+        run's warm-started base, see jaxrl.run.train), serving it as version 0: planned, so neither
+        deaths nor restarts. Between requests only: none serves meanwhile. Raises BridgeStartError."""
+        with self.changed:
+            for b in self.members:
+                b.alive, b.down = False, True  # their watchers leave them be
+            self.snapshot = None
+        processes = self.started.relaunch(model)
+        with self.changed:
+            for b, process in zip(self.members, processes):
+                b.client.close()
+                b.process, b.address, b.pid = process, process.address, process.pid
+                b.client = self.connect(process.address)
+                b.alive, b.down = True, False
+            self.changed.notify_all()
 
     def wait_for_one(self) -> None:
         """Returns once a bridge lives; BridgesDown when none has for `bridge.grace_s`, or none can."""
@@ -278,17 +297,19 @@ class Bridge(Watched):
         self.owner, self.index, self.address = owner, index, address
         self.process, self._started = process, started
         self.client = owner.connect(address)
+        self.probed = self.client  # the client of the watcher's last probe
         self.pid = process.pid if process is not None else None
         self.cause = ""
         self.tail = ""
 
     def probe(self) -> str | None:
-        exited = self.process.exit_words() if self.process is not None else None
+        process, self.probed = self.process, self.client
+        exited = process.exit_words() if process is not None else None
         if exited is not None:
             return exited
         timeout = self.owner.cfg.health_timeout_s
         try:
-            self.client.health(timeout_s=timeout)
+            self.probed.health(timeout_s=timeout)
         except BridgeUnavailable as e:
             return f"missed a health check (bridge.health_timeout_s={timeout:g}: {e})"
         except BridgeError:
@@ -296,8 +317,9 @@ class Bridge(Watched):
         return None
 
     def died(self, why: str, client: BridgeClient | None = None) -> None:
-        """The bridge is dead (unless `client`, the one a failed call went through, was replaced since)."""
-        owner, client = self.owner, client or self.client
+        """The bridge is dead (unless `client`, the one a failed call went through, or by default the
+        one the watcher probed, was replaced since: a relaunch may have replaced the bridge meanwhile)."""
+        owner, client = self.owner, client or self.probed
         process = self.process
         if process is not None:
             process.wait(0.2)  # a killed bridge's stream ends a moment before its process is reaped

@@ -9,6 +9,14 @@ weights after k updates are published as version k + 1 (the warm start's as vers
 SIGTERM finish the current step, write a checkpoint and stop every child process; a second Ctrl-C
 stops at once (children are still stopped). `--resume` continues from the newest checkpoint.
 
+A LoRA run whose warm start trains every weight (`TrainConfig.full_warm_start`) trains its
+adapters over the warm-started model: written to RUN/base-model, the run's bridges are restarted
+on it (serving it as version 0, then the fresh adapters as version 1), its adapters' config names
+it, and `--resume` starts the bridges and the learner on it. Restarting costs one bridge start;
+handing bridges that serve adapters a new base instead would need every engine to replace its
+base in place (vLLM's LoRA layers wrap theirs), and every bridge restarted after a crash to be
+given that base before its adapters: a model directory serves both.
+
 Several processes (hosts) run one job together when jax.distributed is set up (`distributed.*`,
 or the cluster's environment; see jaxrl.run.distributed): each collects its share of a step's
 groups from bridges of its own and feeds the learner its rows; process 0 alone evaluates and
@@ -59,7 +67,7 @@ from jaxrl.run.supervision import EnvServers
 from jaxrl.run.tasks import TaskSource, checked_tasks
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows
 from jaxrl.run.typed_config import dump_yaml
-from jaxrl.run.warm_start import demonstrations, warm_start
+from jaxrl.run.warm_start import demonstrations, lora_base, warm_start, write_base_model
 from jaxrl.sharding import make_mesh
 from jaxrl.snapshots import SnapshotWriter, copy_snapshot, delete_snapshot, snapshot_versions
 
@@ -111,7 +119,7 @@ class _Publisher:
         self.job, self.snapshots = job, snapshots  # where the bridges read them (see snapshot_directory)
         # A LoRA run publishes its adapters alone: `params` are the learner's, adapters or all weights.
         self.writer = SnapshotWriter(snapshots, model_cfg, keep=SNAPSHOTS_KEPT, lora=job.cfg.learner.lora,
-                                     base_model=str(job.cfg.model.dir))
+                                     base_model=str(lora_base(job.cfg, job.run)))
         self.version = 0  # the bridges start on the model directory
 
     def publish(self, params, version: int) -> float:
@@ -160,6 +168,13 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
                            "directory you can write") from None
     ckpt = TrainCheckpointer(run.checkpoints, keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     start_step = _start_step(run, ckpt, resume)
+    # A warm start of every weight makes the adapters' base; until it has, the bridges serve model.dir.
+    base_to_come = cfg.full_warm_start and start_step is None
+    served = model_dir if base_to_come else lora_base(cfg, run)
+    if not (served / "config.json").is_file():
+        raise StartupError(f"--resume: {served} is missing, and this config trains LoRA adapters over it (the "
+                           "warm-started model of sft.train_all, true for a model.tiny model); resume with the "
+                           "sft.train_all the run started with")
     logs = _record(run, cfg, start_step)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     with GracefulStop() as stop, contextlib.ExitStack() as stack:
@@ -172,10 +187,10 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         stack.callback(ckpt.close)
         snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
         # Start: environment servers and bridges, the base model's evaluation, the learner.
-        job = _start(cfg, run, ckpt, share, model_dir, logs, snapshots, stack, out, tasks)
+        job = _start(cfg, run, ckpt, share, served, logs, snapshots, stack, out, tasks)
         startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
-        model = load_pretrained(model_dir, param_dtype=cfg.model.dtype)
-        if cfg.learner.lora is not None:  # fresh adapters: the base model, as the bridges serve it
+        model = load_pretrained(served, param_dtype=cfg.model.dtype)
+        if cfg.learner.lora is not None and not base_to_come:  # fresh adapters: the base model, as served
             add_lora(model, cfg.learner.lora)
         publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
         if start_step is None:
@@ -253,8 +268,9 @@ def _snapshot_room(cfg: TrainConfig, run: RunDir, model_dir: Path):
 
 def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share, model_dir: Path, logs: Path,
            snapshots: Path | str, stack: contextlib.ExitStack, out, tasks: TaskSource) -> _Job:
-    """The environment servers and bridges (seconds: imports, model load, compiles), started while
-    this process loads the tokenizer; their stop and the client's close go on `stack`."""
+    """The environment servers and bridges serving `model_dir` (seconds: imports, model load,
+    compiles), started while this process loads the tokenizer; their stop and the client's close go
+    on `stack`."""
     services = stack.enter_context(contextlib.ExitStack())
     token = bridge_token(cfg)  # a fresh one for bridges of our own
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
@@ -292,15 +308,26 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
         model, summary["sft"] = _timed(startup, "warm_start_s", lambda: warm_start(
             model, demonstrations(job.client, job.tasks, cfg), cfg, mesh, job.pad_id))
         print(f"warm start: {json.dumps(summary['sft'])}", file=job.out, flush=True)
+        if cfg.full_warm_start:  # the adapters' base, on disk and served (see the module's docstring)
+            base = lora_base(cfg, job.run)
+            _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
+            _timed(startup, "bridges_restart_s", job.client.bridges.relaunch, base)
     t0 = time.perf_counter()
     learner, step = Learner(model, cfg.learner_config(), mesh), 0
     if start_step is not None:
         learner.state, meta = job.ckpt.restore(abstract_like(learner.state, learner.shardings))
         step = int(meta["step"])
+        saved = meta.get("lora_over_warm_start", False)
+        if cfg.learner.lora is not None and saved != cfg.full_warm_start:
+            where = {True: "its warm-started model (RUN/base-model)", False: "model.dir"}
+            raise StartupError(f"--resume: the run's adapters were trained over {where[saved]}, and this config "
+                               f"puts them over {where[cfg.full_warm_start]}; resume with sft.train_all: "
+                               f"{str(saved).lower()}")
         summary.update({k: meta[k] for k in ("eval_before", "eval_before_stderr") if k in meta})
         print(f"resumed from step {step}", file=job.out, flush=True)
-    meta = {"model_config": model.cfg.to_hf(),
-            **({"lora": adapter_config(cfg.learner.lora, str(cfg.model.dir))} if cfg.learner.lora else {}),
+    lora_meta = {"lora": adapter_config(cfg.learner.lora, str(lora_base(cfg, job.run))),
+                 "lora_over_warm_start": cfg.full_warm_start} if cfg.learner.lora else {}
+    meta = {"model_config": model.cfg.to_hf(), **lora_meta,
             **{k: summary[k] for k in ("eval_before", "eval_before_stderr") if k in summary}}
     publisher.forget_after(step)
     if step > 0 or warm:

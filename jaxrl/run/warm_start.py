@@ -7,12 +7,20 @@ environment answers (loss mask 0). The learner trains on them with the `sft` los
 negative log-likelihood) through the same batch path as rollouts, with `learner.optimizer`'s
 AdamW settings and the model in `model.dtype`; only the learning rate and its schedule are the
 warm start's own (`sft.*`).
+
+A LoRA run's warm start trains its adapters alone, or with `sft.train_all` (by default for a random
+`model.tiny` model, whose frozen head leaves adapters nothing to adapt) every weight: the
+warm-started model is then the base that RL trains adapters over (`lora_base`), written to
+RUN/base-model as a Hugging Face model directory (`write_base_model`), which the run's bridges
+serve, `--resume` loads, and the adapters' config names for `jaxrl export` and PEFT.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,10 +30,12 @@ from bridge.wire import SamplingParams, TrajectoryData
 from jaxrl.compilation import bucket
 from jaxrl.learner import Learner
 from jaxrl.losses import LossConfig
-from jaxrl.models import Decoder
+from jaxrl.models import Decoder, save_pretrained
+from jaxrl.models.hf import INDEX_FILE, read_config
 from jaxrl.run.batches import learner_batch
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rollout_client import RolloutClient
+from jaxrl.run.run_dir import RunDir
 from jaxrl.run.tasks import TaskSource
 from jaxrl.train_step import LearnerConfig
 
@@ -61,7 +71,36 @@ def warm_start_learner_config(cfg: TrainConfig) -> LearnerConfig:
         cfg.learner.optimizer, learning_rate=cfg.sft.learning_rate, schedule="cosine",
         warmup_steps=min(max(steps // 10, 1), steps), total_steps=steps, final_lr_fraction=0.1)
     return dataclasses.replace(cfg.learner, group_size=1, grad_accum=1, num_iterations=1,
-                               loss=LossConfig(loss_type="sft"), optimizer=optimizer)
+                               loss=LossConfig(loss_type="sft"), optimizer=optimizer,
+                               lora=None if cfg.full_warm_start else cfg.learner.lora)
+
+
+def lora_base(cfg: TrainConfig, run: RunDir) -> Path:
+    """The model a run's adapters sit on, and its bridges serve once it trains them: RUN/base-model
+    when its warm start trains every weight (absolute: adapter configs name it), else model.dir."""
+    return run.base_model.absolute() if cfg.full_warm_start else Path(cfg.model.dir)
+
+
+def write_base_model(model: Decoder, source: Path, out: Path) -> None:
+    """Writes `model` to `out` as a Hugging Face model directory: its weights (`model.dtype`, bitwise
+    as the learner holds them) and config, beside the other files of the model directory `source`
+    it started from (tokenizer, chat template, generation config). Written beside `out` and renamed
+    in, so that `out` is whole or absent. Every process calls it; process 0 writes."""
+    tmp = out.parent / f".{out.name}.tmp"
+    primary = jax.process_index() == 0
+    if primary:
+        shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp, hf_config=read_config(source))
+    if primary:
+        for file in source.iterdir():
+            if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json", INDEX_FILE):
+                shutil.copy2(file, tmp / file.name)
+        shutil.rmtree(out, ignore_errors=True)  # an earlier attempt's, resumed before its first checkpoint
+        tmp.rename(out)
+    if jax.process_count() > 1:  # the others go on once it is there
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes("jaxrl-warm-start:base-model")
 
 
 def warm_start(model: Decoder, demos: list[TrajectoryData], cfg: TrainConfig, mesh, pad_id: int,

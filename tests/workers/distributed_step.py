@@ -2,7 +2,8 @@
 
 Usage: distributed_step.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID OUT.npz [lora]
 Each process feeds its own rows of every batch; process 0 writes the final parameters. With `lora`
-the learner trains adapters, and every process publishes them together as a snapshot in OUT.snapshots.
+the learner trains adapters, and every process publishes them together as a snapshot in OUT.snapshots;
+without, every process saves the model together as a Hugging Face model directory in OUT.model.
 """
 
 import sys
@@ -19,7 +20,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from jaxrl.learner import Learner  # noqa: E402
 from jaxrl.losses import LossConfig  # noqa: E402
-from jaxrl.models import Decoder  # noqa: E402
+from jaxrl.models import Decoder, save_pretrained  # noqa: E402
 from jaxrl.models.lora import LoraConfig  # noqa: E402
 from jaxrl.optim import OptimizerConfig  # noqa: E402
 from jaxrl.sharding import MeshConfig, make_mesh  # noqa: E402
@@ -51,6 +52,8 @@ if lora is not None:
     writer = SnapshotWriter(out + ".snapshots", model_cfg, lora=lora)
     writer.publish(learner.state.params, 1)
     writer.close()
+else:  # as a warm start of every weight writes a LoRA run's base model
+    save_pretrained(learner.model(), out + ".model")
 if process_id == 0:
     np.savez(out, *params)
 if num_processes > 1:
