@@ -130,3 +130,24 @@ def test_a_request_stops_as_soon_as_the_run_cannot_go_on(bridges):
     finally:
         slow.delay_s = 0.0
         client.close()
+
+
+def test_a_request_under_way_when_the_client_closes_ends_instead_of_waiting_forever(bridges):
+    """close() cancels the streams its pool has not started; a request waiting on one must end (a
+    thread left waiting keeps the process from exiting: stream mode's suppliers at a run's end)."""
+    client = RolloutClient([bridges[0][0]], config(), TOKEN)
+    release = threading.Event()
+    busy = [client.pool.submit(release.wait) for _ in range(client.pool._max_workers)]  # every thread taken
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            request = pool.submit(client.request, [("coin", {"seed": 0})], ["g"], 2, SamplingParams(max_tokens=8), 0)
+            deadline = time.monotonic() + 30
+            while not client.outstanding[0]:  # its stream is submitted, queued behind the busy threads
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            client.close()
+            with pytest.raises(BridgesDown, match="closed while a request was under way"):
+                request.result(timeout=10)
+    finally:
+        release.set()
+        client.close()

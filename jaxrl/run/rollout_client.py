@@ -18,7 +18,7 @@ from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.processes import BridgeProcesses
-from jaxrl.run.supervision import Bridge, Bridges
+from jaxrl.run.supervision import Bridge, Bridges, BridgesDown
 from jaxrl.run.tasks import Task
 
 Group = list[TrajectoryData]
@@ -79,6 +79,10 @@ class RolloutClient:
             finished, _ = concurrent.futures.wait(running, timeout=0.5 if pending else CHECK_EVERY_S,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
             self.check()
+            if self.bridges.closing.is_set():
+                # close() cancelled the streams not yet started, and wait() never reports a future that
+                # its pool's shutdown cancelled: without this the request would wait forever.
+                raise BridgesDown("the rollout client was closed while a request was under way")
             for future in finished:
                 bridge, client, share = running.pop(future)
                 pending += self._received(bridge, client, share, group_size, *future.result(), done)
