@@ -1,11 +1,12 @@
 """Policy objectives compared on the default task: grpo, dapo, dr_grpo, gspo, cispo and sapo, 3 seeds
 each, from one shared warm-started model; held-out success with its standard error, a table and a plot.
 
-    python -m experiments.loss_variants [--toy] [--steps N] [--out runs/experiments/loss_variants]
+    python -m experiments.loss_variants [--toy] [--steps N] [--set KEY=VALUE ...] [--out runs/experiments/loss_variants]
 
 Every variant starts from the same model: the CPU default's (`configs/tiny_cpu.yaml`) warm start,
 run once and exported, then trains the default's RL phase (`--steps`, default the config's) under
-its own `learner.loss.loss_type`, everything else the default's. Each (variant, seed) is a `jaxrl
+its own `learner.loss.loss_type`, everything else the default's (or `--set`'s, applied to every RL run:
+e.g. `--set learner.num_iterations=2`, where the objectives' ratios leave 1). Each (variant, seed) is a `jaxrl
 train` run of its own under OUT/runs/; OUT/summary.md holds the per-run table and the curves
 (compare_reward.png), OUT/variants.md held-out success per variant: the mean over seeds +- its
 standard error (sd / sqrt(seeds)), and the same for the reward of the last 10 steps.
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/experiments/loss_variants")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key of every RL run (dotted), repeatable")
     parser.add_argument("--toy", action="store_true", help="two variants, one seed, two steps, no warm start (CI)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, overrides in variants.items():
         for seed in seeds:
             run_dir = out / "runs" / f"{name}_seed{seed}"
-            cfg = api.config(base, {**overrides, "model.dir": str(model), "sft.steps": 0,
+            cfg = api.config(api.config(base, args.set), {**overrides, "model.dir": str(model), "sft.steps": 0,
                                     **({} if args.toy else {"model.tiny": None}),
                                     "seed": seed, "data.seed": seed, "run_dir": str(run_dir),
                                     "steps": steps, "eval.before": False})
