@@ -12,8 +12,9 @@ Each part runs in a process of its own (its own device memory, its own time limi
 until `--budget-s` is spent; a part that fails or runs out of time records its error and the rest
 go on. `--out DIR` gets `gpu.json` (rewritten after every part) and `gpu.log` (the parts' output).
 
-  peaks          the card's own ceilings: an n x n x n bfloat16 matmul's FLOP/s, and a device copy's
-                 bytes/s (bytes read + written), medians of 10 after a warm-up.
+  peaks          the card's own ceilings: an n x n x n bfloat16 matmul's FLOP/s, a device copy's
+                 bytes/s (bytes read + written) and a sum's (bytes read), medians of 10 after a
+                 warm-up; memory floors use the faster of the two.
   learner        the GRPO train step (forward, backward, AdamW; grpo loss) jitted once, at 64 x 1,024
                  tokens (prompt 512 + completion 512, no padding; `learner_long`: 16 x 8,192, prompt
                  1,024), gradients accumulated over micro-batches of 16 x 1,024 (1 x 8,192); tokens/s
@@ -57,7 +58,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 GB = 1 << 30
 PARTIAL = "partial figures: "
@@ -78,7 +78,7 @@ TINY = dict(model="tiny", sync_models=("tiny",), matmul_n=256, copy_elems=1 << 2
             learner=(8, 8, 24, 2), learner_long=(4, 16, 48, 4), slots=(4, 8), prompt=16, new=16,
             hf_slots=(4,), run_steps=2, run_groups=1, repeats=2)
 # Seconds each part may take at most (the whole run: --budget-s); the order is the priority.
-BUDGETS = {"peaks": 40, "learner": 120, "torch_learner": 60, "engine": 120, "hf_generate": 60, "sync": 80,
+BUDGETS = {"peaks": 40, "learner": 240, "torch_learner": 60, "engine": 120, "hf_generate": 60, "sync": 80,
            "run": 150, "learner_long": 120, "torch_learner_long": 60, "lora": 150, "multiturn": 100}
 PARTS = tuple(BUDGETS)
 GOALS = {"learner_mfu": 0.35, "learner_over_torch": 1.5, "engine_over_floor_max": 3.0, "engine_over_hf": 3.0,
@@ -155,10 +155,12 @@ def part_peaks(s: dict, work: Path) -> dict:
     x = jax.random.normal(kc, (s["copy_elems"],), jnp.bfloat16)
     copy = jax.jit(lambda x: x + 1)  # one read and one write of every element
     copy_s = median_s(lambda: copy(x).block_until_ready(), 10)
+    read = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))  # one read, as decoding reads weights and KV
+    read_s = median_s(lambda: read(x).block_until_ready(), 10)
     device = jax.devices()[0]
     return {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
             "matmul_flops": 2 * n ** 3 / matmul_s, "matmul_n": n, "copy_bytes_per_s": 2 * x.nbytes / copy_s,
-            "copy_bytes": 2 * x.nbytes}
+            "read_bytes_per_s": x.nbytes / read_s, "copy_bytes": 2 * x.nbytes}
 
 
 def full_batch(rows: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> dict:
@@ -315,12 +317,13 @@ def part_engine(s: dict, work: Path) -> dict:
             result = asyncio.run(engine.generate(prompts, params))
             return result, time.perf_counter() - start
 
-        generate(C)  # compiles this batch size's programs
+        _, compile_wall = generate(C)  # compiles this batch size's programs
         before = compiles()
         result, wall = generate(C)
         produced = sum(len(c.token_ids) for [c] in result)
         assert produced == slots * C, (produced, slots * C)
-        out[f"slots_{slots}"] = {"tok_s": produced / wall, "wall_s": wall, "compiles": compiles() - before}
+        out[f"slots_{slots}"] = {"tok_s": produced / wall, "wall_s": wall, "compiles": compiles() - before,
+                                 "first_run_s": compile_wall}
         partial(out)
         if slots == min(s["slots"]):
             out["agreement"] = agreement(path, prompts, result, P, C)
@@ -496,11 +499,15 @@ def part_run(s: dict, work: Path) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config_path)], stdout=subprocess.PIPE,
                             stderr=log, text=True, env=env, cwd=Path(__file__).parents[2], start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=max(10.0, deadline - time.time() - 15))
+    try:  # stopped in time to report what it did and how far it got
+        stdout, _ = proc.communicate(timeout=max(10.0, deadline - time.time() - 20))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 15)
-        stdout, _ = proc.communicate(timeout=30)
+        try:
+            stdout, _ = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            stdout, _ = proc.communicate()
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] if (
         run_dir / "metrics.jsonl").exists() else []
@@ -515,22 +522,20 @@ def part_run(s: dict, work: Path) -> dict:
         if values:
             out[key.split("/")[1] + "_median"] = statistics.median(values)
     if proc.returncode != 0:
-        log.flush()
-        out["log_tail"] = (work / "run.log").read_text()[-1500:]
-        bridge_log = run_dir / "logs" / "bridge.log"
-        if bridge_log.exists():
-            out["bridge_log_tail"] = bridge_log.read_text()[-1000:]
+        log.close()
+        for name, path in (("train", work / "run.log"), ("bridge", run_dir / "logs" / "bridge.log")):
+            if path.exists():  # into the bench's own log: the work directory is deleted
+                print(f"---- {name} log, last 40 lines\n" + "\n".join(path.read_text().splitlines()[-40:]))
+                out[f"{name}_log_last"] = path.read_text().strip().splitlines()[-1:]
     return out
 
 
 def part_lora(s: dict, work: Path) -> dict:
     from experiments.bench import lora
 
-    tiny = s["model"] == "tiny"
-    args = SimpleNamespace(tiny=tiny, layers=2 if tiny else 28, rank=4 if tiny else 16, rows=4 if tiny else 8,
-                           prompt_len=8 if tiny else 256, completion_len=8 if tiny else 256,
-                           decode_rows=4 if tiny else 16, decode_tokens=8 if tiny else 64, repeats=2, dir=str(work))
-    return lora.run(args)
+    sizes = ["--tiny", "--rank", "4"] if s["model"] == "tiny" else [
+        "--rows", "8", "--prompt-len", "256", "--completion-len", "256", "--decode-rows", "16", "--decode-tokens", "64"]
+    return lora.run(lora.parse_args(sizes + ["--repeats", "2", "--dir", str(work)]))
 
 
 def part_multiturn(s: dict, work: Path) -> dict:
@@ -548,7 +553,9 @@ def part_multiturn(s: dict, work: Path) -> dict:
 def derived(results: dict) -> dict:
     """MFU, floors and ratios from the parts' raw figures, and each goal met or not."""
     peaks, engine, hf = results.get("peaks", {}), results.get("engine", {}), results.get("hf_generate", {})
-    flops, copy = peaks.get("matmul_flops"), peaks.get("copy_bytes_per_s")
+    # The floor at the fastest memory rate measured: a slow copy kernel must not flatter the engine.
+    flops = peaks.get("matmul_flops")
+    copy = max(peaks.get("copy_bytes_per_s", 0), peaks.get("read_bytes_per_s", 0)) or None
     out, goals = {}, {}
     for name in ("learner", "learner_long"):
         ours, torch_side = results.get(name, {}), results.get(f"torch_{name}", {})
