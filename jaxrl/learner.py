@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl.models import Decoder
 from jaxrl.models.lora import add_lora
 from jaxrl.optim import make_optimizer
-from jaxrl.sharding import BATCH_AXES, batch_sharding, param_shardings, put_batch
+from jaxrl.packing import pack
+from jaxrl.sharding import BATCH_AXES, batch_shardings, param_shardings, put_batch
 from jaxrl.train_step import (
     LearnerConfig,
     TrainState,
@@ -72,6 +73,14 @@ class Learner:
             lambda p: init_state(p, cfg, tx), out_shardings=self.shardings
         )(params)
         self.num_batch_shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        # Packed rows per micro-batch: one per batch shard unless the config says more (a multiple).
+        self.pack_rows = cfg.pack_rows or self.num_batch_shards
+        if cfg.pack_tokens is not None and self.pack_rows % self.num_batch_shards:
+            raise ValueError(f"learner.pack_rows={cfg.pack_rows} must be a multiple of the mesh's "
+                             f"{self.num_batch_shards} batch shards")
+        if cfg.pack_tokens is not None and jax.process_count() > 1:
+            raise ValueError("learner.pack_tokens packs on one process; a run over several processes uses padded "
+                             "rows (leave learner.pack_tokens null)")
         self._step_fns: dict[int, object] = {}  # by prompt_group: rows sharing each prompt
 
     @property
@@ -84,14 +93,17 @@ class Learner:
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One train step on this process's rows of the batch; returns host metrics."""
         validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
-        group = shared_prompt_rows(batch, self.cfg)
+        if self.cfg.pack_tokens is not None:
+            batch, group = {**batch, **pack(batch, self.cfg.pack_tokens, self.pack_rows)}, 1
+        else:
+            group = shared_prompt_rows(batch, self.cfg)
         if jax.process_count() > 1:  # every process must run the same program
             group = int(multihost_utils.process_allgather(np.int32(group)).min())
         arrays = put_batch(batch, self.mesh)
         if group not in self._step_fns:
             self._step_fns[group] = jit_train_step(
-                self.graphdef, self.cfg, self.tx, self.shardings,
-                {k: batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()}, group, self.frozen_shardings,
+                self.graphdef, self.cfg, self.tx, self.shardings, batch_shardings(self.mesh, arrays), group,
+                self.frozen_shardings,
             )
         step = self.step
         start = time.perf_counter()

@@ -75,9 +75,19 @@ def batch_sharding(mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def batch_shardings(mesh, batch: dict) -> dict[str, NamedSharding]:
+    """Where each array of a learner batch lives: its rows over the batch axes (packed micro-batches,
+    `*_MxRxL`: their rows, the second axis), the packing's per-step numbers on every device."""
+    def one(key, ndim):
+        if key.endswith("_MxRxL"):
+            return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
+        if key in ("window_M", "micro_batches"):
+            return NamedSharding(mesh, PartitionSpec())
+        return batch_sharding(mesh, ndim)
+    return {k: one(k, np.ndim(v)) for k, v in batch.items()}
+
+
 def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
     """Global arrays from this process's rows of the batch (all rows on a single host)."""
-    return {
-        k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))
-        for k, v in batch.items()
-    }
+    shardings = batch_shardings(mesh, batch)
+    return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v)) for k, v in batch.items()}

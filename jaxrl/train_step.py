@@ -18,8 +18,9 @@ import optax
 from flax import nnx
 
 from jaxrl.advantages import AdvantageConfig, check_group_size, compute_advantages, validate_rewards
-from jaxrl.logprobs import completion_logprobs
+from jaxrl.logprobs import completion_logprobs, packed_logprobs
 from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
+from jaxrl.models.decoder import QUERY_BLOCK
 from jaxrl.models.lora import LoraConfig, training_mode
 from jaxrl.optim import OptimizerConfig, learning_rate_schedule
 from jaxrl.options import option
@@ -52,6 +53,13 @@ class LearnerConfig:
     loss: LossConfig = option("policy loss", default=LossConfig())
     advantages: AdvantageConfig = option("how rewards become advantages", default=AdvantageConfig())
     optimizer: OptimizerConfig = option("AdamW and its learning-rate schedule", default=OptimizerConfig())
+    pack_tokens: int | None = option(
+        "lay a step's episodes end to end in rows of this many tokens (a multiple of 64, at least 128), each "
+        "attending within itself, so that the model runs on real tokens rather than the padded prompt and "
+        "completion widths; micro-batches of pack_rows rows, as many as the step fills (grad_accum must be 1); "
+        "null: padded rows", default=None)
+    pack_rows: int | None = option(
+        "packed rows per micro-batch; null: one per batch shard of the mesh", default=None)
     lora: LoraConfig | None = option(
         "train low-rank adapters only: the base stays frozen in model.dtype (no gradient, no optimiser state) and "
         "snapshots carry the adapters alone (PEFT's layout); null: every weight trains", default=None)
@@ -65,6 +73,16 @@ class LearnerConfig:
             check_group_size(self.group_size, "learner.group_size")
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature={self.temperature!r} must be > 0")
+        if self.pack_tokens is not None:
+            if not isinstance(self.pack_tokens, int) or self.pack_tokens < 2 * QUERY_BLOCK or \
+                    self.pack_tokens % QUERY_BLOCK:
+                raise ValueError(f"learner.pack_tokens={self.pack_tokens!r} must be a multiple of {QUERY_BLOCK} "
+                                 f"and at least {2 * QUERY_BLOCK}")
+            if self.grad_accum != 1:
+                raise ValueError(f"learner.grad_accum={self.grad_accum} with learner.pack_tokens: packed micro-batches "
+                                 "are pack_rows rows of pack_tokens tokens, as many as a step fills; set grad_accum 1")
+        if self.pack_rows is not None and (not isinstance(self.pack_rows, int) or self.pack_rows < 1):
+            raise ValueError(f"learner.pack_rows={self.pack_rows!r} must be an integer >= 1")
 
 
 class TrainState(NamedTuple):
@@ -151,6 +169,47 @@ def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
     return out
 
 
+def _packed_micro_batch(packed: dict, m) -> dict:
+    return {k: jax.lax.dynamic_index_in_dim(packed[k], m, keepdims=False)
+            for k in ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "target_MxRxL", "window_M")}
+
+
+def _to_rows(x_RxL, target_RxL, B: int, C: int):
+    """Packed per-token values -> the (B, C) layout (0 where this micro-batch holds no token)."""
+    flat = jnp.zeros(B * C + 1, x_RxL.dtype).at[target_RxL.ravel()].add(x_RxL.ravel())
+    return flat[:B * C].reshape(B, C)
+
+
+class _Accumulated(NamedTuple):
+    """Micro-batch metrics combined as `_combine_metrics` does, one micro-batch at a time."""
+
+    sums: dict
+    tokens: jax.Array
+
+    @classmethod
+    def zeros(cls, metrics: dict) -> _Accumulated:
+        def start(k, v):
+            return jnp.full(v.shape, jnp.inf if k.endswith("_min") else -jnp.inf if k.endswith("_max") else 0.0,
+                            v.dtype)
+        return cls({k: start(k, v) for k, v in metrics.items()}, jnp.zeros((), jnp.float32))
+
+    def add(self, metrics: dict, tokens) -> _Accumulated:
+        def one(k, acc, v):
+            if k.endswith("_min"):
+                return jnp.minimum(acc, jnp.where(tokens > 0, v, jnp.inf))
+            if k.endswith("_max"):
+                return jnp.maximum(acc, jnp.where(tokens > 0, v, -jnp.inf))
+            return acc + (v if k in ("loss", "policy_loss") else v * tokens)
+        return _Accumulated({k: one(k, self.sums[k], v) for k, v in metrics.items()}, self.tokens + tokens)
+
+    def metrics(self) -> dict:
+        def one(k, v):
+            if k.endswith(("_min", "_max")):
+                return jnp.where(jnp.isfinite(v), v, 0.0)
+            return v if k in ("loss", "policy_loss") else v / jnp.maximum(self.tokens, 1)
+        return {k: one(k, v) for k, v in self.sums.items()}
+
+
 def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: LearnerConfig,
                tx: optax.GradientTransformation, prompt_group: int = 1, frozen: nnx.State | None = None):
     """One batch: `cfg.num_iterations` optimiser updates with `tx` (`make_optimizer(cfg.optimizer)`).
@@ -158,9 +217,10 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
 
     `prompt_group`: rows come in blocks of this many sharing one prompt (`shared_prompt_rows`),
     computed once per block. `frozen`: the model's state that does not train (with LoRA: the base
-    weights), merged with the params of every pass and never changed."""
+    weights), merged with the params of every pass and never changed. A batch with the packed
+    layout (`jaxrl.packing.pack`'s arrays) runs the model on that, a loop over the micro-batches
+    the step needs; its losses stay per row of the padded layout."""
     schedule = learning_rate_schedule(cfg.optimizer)
-    A = cfg.grad_accum
 
     if cfg.loss.loss_type == "sft":
         adv_B, adv_stats = jnp.zeros(batch["rewards_BxR"].shape[:1], jnp.float32), {}
@@ -168,47 +228,38 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
         adv_B, adv_stats = compute_advantages(batch["rewards_BxR"], cfg.group_size, cfg.advantages)
     loss_mask = batch["loss_mask_BxC"].astype(jnp.float32)
     normalizer = loss_normalizer(cfg.loss, loss_mask)
-    micro = {k: _micro_batches(v, A, prompt_group) for k, v in batch.items() if k != "rewards_BxR"}
-    micro["adv_B"] = _micro_batches(adv_B, A, prompt_group)
 
-    def logprobs(params, mb, with_entropy=False, dropout_key=None):
+    def model_of(params, dropout_key=None):
         model = nnx.merge(graphdef, params, *(() if frozen is None else (frozen,)))
         if dropout_key is not None:
             training_mode(model, dropout_key)
-        return completion_logprobs(
-            model, mb["prompt_BxP"], mb["prompt_mask_BxP"], mb["completion_BxC"],
-            mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy, prompt_group,
-        )
+        return model
 
-    def frozen_logprobs(params):
-        return jax.lax.map(lambda mb: jax.lax.stop_gradient(logprobs(params, mb)[0]), micro)
-
-    # logp_old is fixed before the first update; with a single pass the loss uses
-    # stop_gradient(logp) instead, which is the same number without a forward pass.
-    micro["logp_old"] = frozen_logprobs(state.params) if cfg.num_iterations > 1 else None
-    micro["ref_logp"] = frozen_logprobs(state.ref_params) if cfg.loss.beta > 0 else None
-
-    def micro_loss(params, mb, dropout_key):
-        logp, entropy = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
+    def loss_of(logp, entropy, mb, mask):
         loss_batch = LossBatch(
-            mask_BxT=mb["loss_mask_BxC"], adv_B=mb["adv_B"], logp_old_BxT=mb["logp_old"],
+            mask_BxT=mask, adv_B=mb["adv_B"], logp_old_BxT=mb["logp_old"],
             sampler_logp_BxT=mb.get("sampler_logp_BxC"), ref_logp_BxT=mb["ref_logp"],
         )
         return policy_loss(logp, loss_batch, cfg.loss, normalizer, jax.lax.stop_gradient(entropy))
 
+    def dropout_keys(step, n: int):
+        # Adapter dropout draws from the update's step and micro-batch: a resumed run draws the same.
+        return (jax.random.split(jax.random.fold_in(jax.random.key(0), step), n)
+                if cfg.lora is not None and cfg.lora.dropout else None)
+
+    if "tokens_MxRxL" in batch:
+        grads_of, frozen_logprobs = _packed_passes(batch, cfg, adv_B, loss_mask, model_of, loss_of, dropout_keys)
+    else:
+        grads_of, frozen_logprobs = _padded_passes(batch, cfg, adv_B, prompt_group, model_of, loss_of, dropout_keys)
+
+    # logp_old is fixed before the first update; with a single pass the loss uses
+    # stop_gradient(logp) instead, which is the same number without a forward pass.
+    fixed = {"logp_old": frozen_logprobs(state.params) if cfg.num_iterations > 1 else None,
+             "ref_logp": frozen_logprobs(state.ref_params) if cfg.loss.beta > 0 else None}
+
     def iteration(carry, _):
         params, opt_state, step = carry
-
-        def accumulate(grads, mb_and_key):
-            (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *mb_and_key)
-            return jax.tree.map(jnp.add, grads, g), metrics
-
-        # Adapter dropout draws from the update's step and micro-batch: a resumed run draws the same.
-        keys = (jax.random.split(jax.random.fold_in(jax.random.key(0), step), A)
-                if cfg.lora is not None and cfg.lora.dropout else None)
-        grads, metrics_A = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (micro, keys))
-        tokens_A = micro["loss_mask_BxC"].sum(axis=(1, 2)).astype(jnp.float32)
-        metrics = _combine_metrics(metrics_A, tokens_A)
+        grads, metrics = grads_of(params, step, fixed)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["learning_rate"] = schedule(step)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -225,6 +276,84 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
     metrics.update(adv_stats)
     metrics["completion_tokens"] = loss_mask.sum()
     return TrainState(step, params, opt_state, state.ref_params), metrics
+
+
+def _padded_passes(batch, cfg: LearnerConfig, adv_B, prompt_group: int, model_of, loss_of, dropout_keys):
+    """(grads_of, frozen_logprobs) over `grad_accum` micro-batches of the padded rows."""
+    A = cfg.grad_accum
+    micro = {k: _micro_batches(v, A, prompt_group) for k, v in batch.items() if k != "rewards_BxR"}
+    micro["adv_B"] = _micro_batches(adv_B, A, prompt_group)
+
+    def logprobs(params, mb, with_entropy=False, dropout_key=None):
+        return completion_logprobs(
+            model_of(params, dropout_key), mb["prompt_BxP"], mb["prompt_mask_BxP"], mb["completion_BxC"],
+            mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy, prompt_group,
+        )
+
+    def frozen_logprobs(params):
+        return jax.lax.map(lambda mb: jax.lax.stop_gradient(logprobs(params, mb)[0]), micro)
+
+    def micro_loss(params, mb, dropout_key):
+        logp, entropy = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
+        return loss_of(logp, entropy, mb, mb["loss_mask_BxC"])
+
+    def grads_of(params, step, fixed):
+        def accumulate(grads, mb_and_key):
+            (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *mb_and_key)
+            return jax.tree.map(jnp.add, grads, g), metrics
+
+        grads, metrics_A = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params),
+                                        ({**micro, **fixed}, dropout_keys(step, A)))
+        tokens_A = micro["loss_mask_BxC"].sum(axis=(1, 2)).astype(jnp.float32)
+        return grads, _combine_metrics(metrics_A, tokens_A)
+
+    return grads_of, frozen_logprobs
+
+
+def _packed_passes(batch, cfg: LearnerConfig, adv_B, loss_mask, model_of, loss_of, dropout_keys):
+    """(grads_of, frozen_logprobs) over the packed micro-batches the step needs (a loop of
+    `micro_batches` iterations: the arrays hold the most any step can need)."""
+    B, C = loss_mask.shape
+    M = batch["tokens_MxRxL"].shape[0]
+    rows = {k: v for k, v in batch.items() if k.endswith(("_BxC", "_BxP"))}
+    rows["adv_B"] = adv_B
+
+    def logprobs(params, mb, with_entropy=False, dropout_key=None):
+        logp, entropy = packed_logprobs(
+            model_of(params, dropout_key), mb["tokens_MxRxL"], mb["positions_MxRxL"], mb["segments_MxRxL"],
+            mb["window_M"], cfg.temperature, cfg.logp_chunk, with_entropy)
+        target = mb["target_MxRxL"][:, 1:]
+        present = _to_rows(jnp.ones_like(logp), target, B, C)
+        return _to_rows(logp, target, B, C), entropy if entropy is None else _to_rows(entropy, target, B, C), present
+
+    def frozen_logprobs(params):
+        def one(m, logp_BxC):
+            return logp_BxC + jax.lax.stop_gradient(logprobs(params, _packed_micro_batch(batch, m))[0])
+        return jax.lax.fori_loop(0, batch["micro_batches"], one, jnp.zeros((B, C), jnp.float32))
+
+    def micro_loss(params, mb, dropout_key, fixed):
+        logp, entropy, present = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
+        mask = loss_mask * present
+        loss, metrics = loss_of(logp, entropy, {**rows, **fixed}, mask)
+        return loss, (metrics, mask.sum())
+
+    def grads_of(params, step, fixed):
+        keys = dropout_keys(step, M)
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def one(m, carry):
+            grads, acc = carry
+            key = None if keys is None else keys[m]
+            (_, (metrics, tokens)), g = grad_fn(params, _packed_micro_batch(batch, m), key, fixed)
+            return jax.tree.map(jnp.add, grads, g), acc.add(metrics, tokens)
+
+        shapes = jax.eval_shape(micro_loss, params, _packed_micro_batch(batch, 0), None if keys is None else keys[0],
+                                fixed)[1][0]
+        start = (jax.tree.map(jnp.zeros_like, params), _Accumulated.zeros(shapes))
+        grads, acc = jax.lax.fori_loop(0, batch["micro_batches"], one, start)
+        return grads, acc.metrics()
+
+    return grads_of, frozen_logprobs
 
 
 def shared_prompt_rows(batch: dict, cfg: LearnerConfig) -> int:

@@ -6,6 +6,7 @@ onto a mesh with `fsdp` and `tp` axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -32,6 +33,8 @@ _INIT_STD = 0.02
 # last query: at least this many queries per block, at most this many blocks (an unrolled loop).
 _MIN_QUERY_BLOCK = 64
 _MAX_QUERY_BLOCKS = 16
+# Packed rows run their queries in blocks of this many, each against a window of keys ending with it.
+QUERY_BLOCK = _MIN_QUERY_BLOCK
 
 
 class KVCache(NamedTuple):
@@ -177,6 +180,8 @@ class Attention(nnx.Module):
         if layer_cache is not None:
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
             out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
+        elif keys.segments_BxT is not None:
+            out = packed_attention(q, k, v, keys.segments_BxT, keys.window)
         else:
             out = causal_attention(q, k, v, keys.mask_BxT)
         return self.o_proj(out.reshape(B, T, -1)), layer_cache
@@ -258,6 +263,53 @@ def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
 
 
+def packed_windows(length: int) -> tuple[int, ...]:
+    """Key windows the query blocks of a packed row may be limited to: powers of two from two
+    query blocks, and the whole row."""
+    windows, w = [], 2 * QUERY_BLOCK
+    while w < length:
+        windows.append(w)
+        w *= 2
+    return (*windows, length)
+
+
+def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, window: int):
+    """Each block of QUERY_BLOCK queries against the `window` keys that end with it, a query
+    seeing the keys of its own segment at or before it: the work is T x window, not T x T."""
+    B, N, T, H = q_BxNxTxH.shape
+    # Keys padded in front (segment 0: never visible), so every block's window is one slice.
+    front = ((0, 0), (0, 0), (window, 0), (0, 0))
+    k_pad, v_pad = jnp.pad(k_BxNxTxH, front), jnp.pad(v_BxNxTxH, front)
+    seg_pad = jnp.pad(segments_BxT, ((0, 0), (window, 0)))
+    # Key j of a block's window sits j + QUERY_BLOCK - window slots after the block's first query.
+    causal_QxW = jnp.arange(window)[None, :] + QUERY_BLOCK - window <= jnp.arange(QUERY_BLOCK)[:, None]
+
+    def block(start):
+        q = jax.lax.dynamic_slice_in_dim(q_BxNxTxH, start, QUERY_BLOCK, axis=2)
+        k = jax.lax.dynamic_slice_in_dim(k_pad, start + QUERY_BLOCK, window, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v_pad, start + QUERY_BLOCK, window, axis=2)
+        seg_q = jax.lax.dynamic_slice_in_dim(segments_BxT, start, QUERY_BLOCK, axis=1)
+        seg_k = jax.lax.dynamic_slice_in_dim(seg_pad, start + QUERY_BLOCK, window, axis=1)
+        visible_BxQxW = causal_QxW[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] > 0)
+        return _softmax_attention(q, k, v, visible_BxQxW)
+
+    out_KxBxNxQxH = jax.lax.map(block, jnp.arange(0, T, QUERY_BLOCK))
+    return out_KxBxNxQxH.transpose(1, 2, 0, 3, 4).reshape(B, N, T, H)
+
+
+def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, window):
+    """Causal attention within segments of packed rows (T a multiple of QUERY_BLOCK), each query
+    block over `packed_windows(T)[window]` keys: enough for the longest segment of the batch."""
+    B, T, N, H = q_BxTxNxH.shape
+    G = N // k_BxTxKxH.shape[2]
+    q = q_BxTxNxH.transpose(0, 2, 1, 3)
+    k = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    v = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
+    branches = [functools.partial(_segment_window_attention, window=w) for w in packed_windows(T)]
+    out = jax.lax.switch(window, branches, q, k, v, segments_BxT)
+    return out.transpose(0, 2, 1, 3)
+
+
 def cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS):
     """Queries over a KV cache; the G query heads of a KV head and the T queries form the rows of
     one matmul per (batch, KV head), so the cache is read in place, never copied per query head."""
@@ -327,7 +379,9 @@ class _KeySlots(NamedTuple):
     mask_BxT: jax.Array  # True on real tokens
     start_B: jax.Array | None  # with a cache: each row's slot of its first new token
     visible_BxTxS: jax.Array | None  # with a cache: query t may attend to key slot s
-    window: jax.Array | None = None  # with a cache: the attention_windows entry that holds every visible slot
+    # With a cache: the attention_windows entry that holds every visible slot; packed: the packed_windows one.
+    window: jax.Array | None = None
+    segments_BxT: jax.Array | None = None  # packed rows: each token's segment (0: padding)
 
 
 class Decoder(nnx.Module):
@@ -378,6 +432,17 @@ class Decoder(nnx.Module):
         if cache is not None:
             cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32))
         return self.norm(x), cache
+
+    def packed_hidden(self, tokens_RxL, positions_RxL, segments_RxL, window):
+        """Final normed hidden states (R, L, D) of packed rows: segments (numbered from 1 in
+        each row, 0 for padding) attend only within themselves, each query block over
+        `packed_windows(L)[window]` keys."""
+        keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL)
+        x = self._embed(tokens_RxL)
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        for layer in self.layers:
+            x, _ = layer(x, positions_RxL, inv_freq, keys, None)
+        return self.norm(x)
 
     def prefixed_hidden(self, prefix_GxP, prefix_mask_GxP, tokens_BxT, mask_BxT):
         """`hidden` of B = G * n rows that share prefixes, each prefix computed once: row b is
