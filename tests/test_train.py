@@ -64,6 +64,7 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
                           rewards=[{"fn": "env"}, {"fn": "tests.workers.rewards:short", "weight": 0.5}])
     summary = summary_of(jaxrl("train", config))
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
+    assert summary["compiles_after_step_1"] == 0  # step 2's checkpoint included (16 when it sliced the norms)
     for key in ("wall_s", "eval_before", "eval_after", "eval_stderr"):
         assert isinstance(summary[key], float), key
     rows = read_metrics(run_dir)
