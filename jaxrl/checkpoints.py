@@ -4,6 +4,14 @@ Saves are asynchronous; Orbax writes `<step>.orbax-checkpoint-tmp` and renames i
 process killed mid-save leaves the previous checkpoints intact; a save that fails (a full disk)
 has its temporary directory removed once the failure surfaces. Restores take the target's
 shardings, so a run can resume on a different mesh than the one that saved it.
+
+A save compiles nothing: a run's first checkpoint comes after its first step, when nothing may
+compile. Orbax's replica-parallel saving (its default on CPU and TPU) has each replica of a
+replicated array (LoRA adapters, norms) write a slice of it, and each slice is a program of its
+own per replica, device and shape (24 for a tiny LoRA run on 8 devices). Each shard is written
+whole by its first replica instead, as Orbax does on GPU; a multi-host run whose weights are
+replicated across hosts (a `data` axis over hosts) then writes them from the hosts holding those
+replicas rather than spread over all of them.
 """
 
 from __future__ import annotations
@@ -16,6 +24,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl.train_step import TrainState
+
+
+# Whole shards: see the module's docstring.
+_HANDLERS = ocp.type_handlers.create_type_handler_registry(
+    (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
 
 
 class CheckpointMismatchError(ValueError):
@@ -61,7 +74,8 @@ class TrainCheckpointer:
         # Named handlers let a fresh process read metadata before its first save.
         self.manager = ocp.CheckpointManager(
             self.directory,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_HANDLERS),
+                           "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
@@ -85,7 +99,7 @@ class TrainCheckpointer:
         try:
             saved = self.manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
                 force=force,
             )
         except Exception as e:
@@ -105,7 +119,9 @@ class TrainCheckpointer:
         self._check_shapes(step, target)
         restored = self.manager.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, ocp.checkpoint_utils.construct_restore_args(target)),
+                meta=ocp.args.JsonRestore()),
         )
         return restored["state"], restored["meta"]
 

@@ -17,6 +17,7 @@ from bridge.client import BridgeClient, BridgeUnauthenticated, BridgeUnavailable
 from bridge.engines.base import SamplingParams
 from bridge.wire import BRIDGE_LISTENING, TOKEN_ENV
 from jaxrl.tiny import build_tiny_model
+from processes import error_line
 
 ROOT = Path(__file__).parents[1]
 
@@ -79,7 +80,8 @@ def test_jaxrl_bridge_hands_its_arguments_to_python_m_bridge(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxrl.run.cli", "bridge", "--engine", "tensorrt", "--model",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "jaxrl bridge: error: unknown engine 'tensorrt'; choose one of: jax, vllm"
+    assert error_line(proc.stderr, "jaxrl bridge") == (
+        "jaxrl bridge: error: unknown engine 'tensorrt'; choose one of: jax, vllm")
 
 
 def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from processes import error_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def test_config_prints_documented_defaults_and_resolves_files():
     cfg = yaml.safe_load(resolved.stdout)
     assert cfg["steps"] == 7 and cfg["envs"][0]["bundled"] and cfg["learner"]["group_size"] >= 2
     bad = jaxrl("config", "configs/tiny_cpu.yaml", "--set", "rollout.mode=fast")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'sync', 'async'" in bad.stderr
+    assert bad.returncode == 2 and "'sync', 'async'" in error_line(bad.stderr, "jaxrl config")
 
 
 def test_eval_a_model_directory_against_a_bundled_environment(tmp_path):
@@ -46,7 +48,7 @@ def test_eval_a_model_directory_against_a_bundled_environment(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tasks"] == 4 and result["errors"] == 0 and "success (pass@1)" in proc.stdout
     bad = jaxrl("eval", tmp_path / "model", "--env", "chess")
-    assert bad.returncode == 2 and "bundled environment" in bad.stderr and bad.stderr.count("\n") == 1
+    assert bad.returncode == 2 and "bundled environment" in error_line(bad.stderr, "jaxrl eval")
     missing = jaxrl("eval", tmp_path / "nothing", "--env", "echo")
     assert missing.returncode == 2 and "neither a run directory" in missing.stderr
     no_env = jaxrl("eval", tmp_path / "model")

@@ -226,7 +226,10 @@ def test_server_killed_mid_rollout_episodes_are_replayed_on_fresh_sessions():
 
             thread = threading.Thread(target=rollout)
             thread.start()
-            time.sleep(1.5)
+            deadline = time.monotonic() + 120
+            while engine.calls < 32:  # turns under way: sessions open mid-episode, however slow the machine
+                assert thread.is_alive() and time.monotonic() < deadline, "the episodes never started"
+                time.sleep(0.01)
             os.kill(server.pid, signal.SIGKILL)  # fault: every open session drops mid-episode
             server.stop()
             replacement = EnvServerProcess.start("guess_number", port=port, max_concurrent_envs=64)

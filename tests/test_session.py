@@ -69,7 +69,10 @@ def test_pings_keep_an_idle_session_and_detect_a_frozen_one(freezable):
         async with endpoint.session() as env:
             await env.reset(seed=3)
             with frozen(freezable):
-                await asyncio.sleep(1.5)  # idle while frozen: a ping goes unanswered
+                deadline = time.monotonic() + 20
+                while env.connected:  # idle while frozen: a ping goes unanswered
+                    assert time.monotonic() < deadline, "a frozen server's session still looks connected"
+                    await asyncio.sleep(0.05)
                 start = time.monotonic()
                 with pytest.raises(SessionLost, match="keepalive ping timeout"):
                     await env.step({"message": "x"})

@@ -5,17 +5,21 @@ of tests/test_train.py.)"""
 import os
 import signal
 import time
+import types
 
 import pytest
 
+from jaxrl.run import supervision
 from jaxrl.run.supervision import EnvServerDown, EnvServers, RestartWindow
 from processes import gone
 
 
-def test_the_window_allows_max_restarts_then_none_until_the_oldest_leaves_it():
+def test_the_window_allows_max_restarts_then_none_until_the_oldest_leaves_it(monkeypatch):
+    now = [1000.0]  # the window's own clock: a stalled test process must not age its restarts out
+    monkeypatch.setattr(supervision, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     window = RestartWindow(max_restarts=2, window_s=0.5)
     assert window.allow() and window.allow() and not window.allow()
-    time.sleep(0.6)
+    now[0] += 0.6
     assert window.allow()
     assert not RestartWindow(max_restarts=0).allow()
 
