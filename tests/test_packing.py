@@ -124,10 +124,11 @@ def _gradients(cfg: LearnerConfig, batch: dict, mesh) -> tuple[dict, dict]:
     return grads, jax.device_get(metrics)
 
 
-LOSSES = [LossConfig(loss_type=t) for t in ("grpo", "bnpo", "dapo", "dr_grpo", "gspo", "gspo_token", "cispo", "sapo",
-                                            "sft")] + [
-    LossConfig(loss_type="dapo", beta=0.05, is_level="sequence", token_mask=(0.5, 5.0)),
-    LossConfig(loss_type="grpo", is_level="token", is_mode="mask", opsm_threshold=0.1, dual_clip=3.0),
+# Each aggregation's normaliser, a per-sequence objective, supervised tokens, and the corrections that
+# read sampler logprobs: the rest of losses.py sees the same (B, C) arrays whatever the layout.
+LOSSES = [LossConfig(loss_type=t) for t in ("grpo", "dr_grpo", "gspo", "sft")] + [
+    LossConfig(loss_type="dapo", beta=0.05, is_level="sequence", token_mask=(0.5, 5.0), opsm_threshold=0.1,
+               dual_clip=3.0),
 ]
 
 
