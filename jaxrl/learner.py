@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl.models import Decoder
 from jaxrl.models.lora import add_lora
 from jaxrl.optim import make_optimizer
-from jaxrl.packing import pack
+from jaxrl.models.decoder import QUERY_BLOCK
+from jaxrl.packing import pack, segment_lengths
 from jaxrl.sharding import BATCH_AXES, batch_shardings, param_shardings, put_batch
 from jaxrl.train_step import (
     LearnerConfig,
@@ -94,7 +95,9 @@ class Learner:
         """One train step on this process's rows of the batch; returns host metrics."""
         validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
         if self.cfg.pack_tokens is not None:
-            batch, group = {**batch, **pack(batch, self.cfg.pack_tokens, self.pack_rows)}, 1
+            # A prompt longer than the run's width (which widens its step) widens the rows too.
+            width = max(self.cfg.pack_tokens, -(-int(segment_lengths(batch).max(initial=0)) // QUERY_BLOCK) * QUERY_BLOCK)
+            batch, group = {**batch, **pack(batch, width, self.pack_rows)}, 1
         else:
             group = shared_prompt_rows(batch, self.cfg)
         if jax.process_count() > 1:  # every process must run the same program

@@ -29,6 +29,10 @@ def test_shipped_configs_load(path):
     ({"eval": {"pass_k": 4}}, "eval.temperature > 0"),
     ({"learner": {"group_size": 1}}, "learner.group_size=1 must be >= 2"),
     ({"rollout": {"groups_per_step": 3}, "learner": {"group_size": 2, "grad_accum": 4}}, "divisible"),
+    ({"learner": {"pack_tokens": 512}, "rollout": {"max_prompt_tokens": 512, "max_total_tokens": 256}},
+     r"learner.pack_tokens=512 is shorter than an episode may be \(rollout.max_prompt_tokens \+ max_total_tokens = "
+     r"768\): raise it to at least that"),
+    ({"learner": {"pack_tokens": 1000}}, r"learner.pack_tokens=1000 must be a multiple of 64 and at least 128"),
     ({"sft": {"envs": ["wordle"]}}, "sft.envs names unknown"),
     ({"envs": [{"name": "x", "url": "http://a", "env_class": "m:C"}]}, "exactly one of bundled, url, env_class"),
     ({"envs": [{"name": "e", "bundled": "echo", "max_retries": 2}]},

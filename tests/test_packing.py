@@ -198,3 +198,11 @@ def test_packed_attention_is_finite_on_padding_and_sees_only_its_segment():
     assert np.isfinite(np.asarray(logp)).all()
     np.testing.assert_allclose(np.asarray(changed)[0, 40:89], np.asarray(logp)[0, 40:89], atol=1e-6)
     assert not np.allclose(np.asarray(changed)[0, :39], np.asarray(logp)[0, :39])
+
+
+def test_an_episode_longer_than_the_rows_widens_them_instead_of_failing_the_step():
+    # A prompt longer than rollout.max_prompt_tokens widens its step's padded batch; the packed rows follow.
+    cfg = LearnerConfig(group_size=4, pack_tokens=128, loss=LossConfig(loss_type="dapo"))
+    learner = Learner(Decoder(MODEL_CFG, nnx.Rngs(0)), cfg, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    metrics = learner.update(episodes(B=8, P=12, C=150, long_rows=(2,)))
+    assert np.isfinite(metrics["loss"])

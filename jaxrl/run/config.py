@@ -332,6 +332,11 @@ class TrainConfig:
         if r.mode != "sync" and self.learner.loss.is_level == "none":
             raise ValueError(f"rollout.mode={r.mode} trains on trajectories of older weights: set "
                              "learner.loss.is_level to token or sequence (importance-sampling correction)")
+        pack = self.learner.pack_tokens
+        if pack is not None and pack < r.max_prompt_tokens + r.max_total_tokens:
+            raise ValueError(f"learner.pack_tokens={pack} is shorter than an episode may be (rollout.max_prompt_tokens "
+                             f"+ max_total_tokens = {r.max_prompt_tokens + r.max_total_tokens}): raise it to at least "
+                             "that")
         if (self.groups_per_step_rows % self.learner.grad_accum) != 0:
             raise ValueError(f"rollout.groups_per_step x learner.group_size = {self.groups_per_step_rows} must be "
                              f"divisible by learner.grad_accum={self.learner.grad_accum}")
