@@ -17,7 +17,7 @@ from jaxrl.models.lora import add_lora
 from jaxrl.optim import make_optimizer
 from jaxrl.models.decoder import QUERY_BLOCK
 from jaxrl.packing import pack, segment_lengths
-from jaxrl.sharding import BATCH_AXES, batch_shardings, param_shardings, put_batch
+from jaxrl.sharding import BATCH_AXES, batch_sharding, batch_shardings, param_shardings, put_batch
 from jaxrl.train_step import (
     LearnerConfig,
     TrainState,
@@ -79,9 +79,6 @@ class Learner:
         if cfg.pack_tokens is not None and self.pack_rows % self.num_batch_shards:
             raise ValueError(f"learner.pack_rows={cfg.pack_rows} must be a multiple of the mesh's "
                              f"{self.num_batch_shards} batch shards")
-        if cfg.pack_tokens is not None and jax.process_count() > 1:
-            raise ValueError("learner.pack_tokens packs on one process; a run over several processes uses padded "
-                             "rows (leave learner.pack_tokens null)")
         self._step_fns: dict[int, object] = {}  # by prompt_group: rows sharing each prompt
 
     @property
@@ -91,13 +88,31 @@ class Learner:
     def model(self) -> Decoder:
         return nnx.merge(self.graphdef, self.state.params, *(() if self.frozen is None else (self.frozen,)))
 
+    def _pack(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This process's rows of the batch packed; with several processes, each packs its own rows
+        and they agree on the micro-batches to run and each one's attention window."""
+        n = jax.process_count()
+        # A prompt longer than the run's width (which widens its step) widens the rows too.
+        longest = int(segment_lengths(batch).max(initial=0))
+        if n > 1:
+            longest = int(multihost_utils.process_allgather(np.int32(longest)).max())
+        width = max(self.cfg.pack_tokens, -(-longest // QUERY_BLOCK) * QUERY_BLOCK)
+        rows = len(batch["rewards_BxR"])
+        if n == 1:
+            return pack(batch, width, self.pack_rows)
+        total = rows * n
+        first = min(index.indices(total)[0] for (index,) in
+                    batch_sharding(self.mesh, 1).addressable_devices_indices_map((total,)).values())
+        packed = pack(batch, width, self.pack_rows // n, first, total)
+        for key in ("micro_batches", "window_M"):  # every process runs as many, each over the widest window
+            packed[key] = multihost_utils.process_allgather(packed[key]).max(axis=0).astype(np.int32)
+        return packed
+
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One train step on this process's rows of the batch; returns host metrics."""
         validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
         if self.cfg.pack_tokens is not None:
-            # A prompt longer than the run's width (which widens its step) widens the rows too.
-            width = max(self.cfg.pack_tokens, -(-int(segment_lengths(batch).max(initial=0)) // QUERY_BLOCK) * QUERY_BLOCK)
-            batch, group = {**batch, **pack(batch, width, self.pack_rows)}, 1
+            batch, group = {**batch, **self._pack(batch)}, 1
         else:
             group = shared_prompt_rows(batch, self.cfg)
         if jax.process_count() > 1:  # every process must run the same program

@@ -41,13 +41,16 @@ def check_fits(batch: dict[str, np.ndarray], pack_tokens: int) -> None:
                          f"widths together")
 
 
-def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int) -> dict[str, np.ndarray]:
+def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: int = 0,
+         total_rows: int | None = None) -> dict[str, np.ndarray]:
     """The packed layout of `batch` (prompts left-padded, completions right-padded), in micro-batches
-    of `rows` rows of `pack_tokens` tokens."""
+    of `rows` rows of `pack_tokens` tokens. A process's share of a global batch packs its own rows:
+    they are rows `first_row`... of `total_rows`, which `target_MxRxL` counts in."""
     check_fits(batch, pack_tokens)
     prompt_BxP, pmask_BxP = np.asarray(batch["prompt_BxP"]), np.asarray(batch["prompt_mask_BxP"]).astype(bool)
     comp_BxC, cmask_BxC = np.asarray(batch["completion_BxC"]), np.asarray(batch["completion_mask_BxC"]).astype(bool)
     B, C = comp_BxC.shape
+    total = B if total_rows is None else total_rows
     L = pack_tokens
     length_B = segment_lengths(batch)
     # First-fit decreasing: the longest episodes open rows first; each later one takes the first
@@ -69,7 +72,7 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int) -> dict[str,
     M = max_micro_batches(B, rows)
     shape = (M * rows, L)
     tokens, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-    segments, target = np.zeros(shape, np.int32), np.full(shape, B * C, np.int32)
+    segments, target = np.zeros(shape, np.int32), np.full(shape, total * C, np.int32)
     for r, row_episodes in enumerate(placed):
         at = 0
         for s, b in enumerate(row_episodes, start=1):
@@ -80,7 +83,7 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int) -> dict[str,
             tokens[r, at + len(prompt):at + n] = comp_BxC[b, c_idx]
             positions[r, at:at + n] = np.arange(n)
             segments[r, at:at + n] = s
-            target[r, at + len(prompt):at + n] = b * C + c_idx
+            target[r, at + len(prompt):at + n] = (first_row + b) * C + c_idx
             at += n
     micro_batches = -(-len(placed) // rows)
     windows = packed_windows(L)

@@ -67,15 +67,16 @@ def _run_workers(num_processes, out, *args):
     return np.load(out)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_process_distributed_run_takes_the_same_step_as_one_process(tmp_path, lora):
-    args = ["lora"] * lora
+@pytest.mark.parametrize("way", ["full", "lora", "packed"])
+def test_two_process_distributed_run_takes_the_same_step_as_one_process(tmp_path, way):
+    lora = way == "lora"
+    args = [] if way == "full" else [way]
     one = _run_workers(1, tmp_path / "one.npz", *args)
     two = _run_workers(2, tmp_path / "two.npz", *args)
     assert len(one.files) == len(two.files) > 10
     for name in one.files:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0)
-    if not lora:  # the model, saved by both processes together (process 0 writes)
+    if way == "full":  # the model, saved by both processes together (process 0 writes)
         from jaxrl.models.hf import read_safetensors
 
         a, b = (read_safetensors(f"{tmp_path / name}.model") for name in ("one.npz", "two.npz"))

@@ -1,9 +1,10 @@
 """One process of a jax.distributed learner run, started by tests/test_learner.py.
 
-Usage: distributed_step.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID OUT.npz [lora]
+Usage: distributed_step.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID OUT.npz [lora | packed]
 Each process feeds its own rows of every batch; process 0 writes the final parameters. With `lora`
 the learner trains adapters, and every process publishes them together as a snapshot in OUT.snapshots;
-without, every process saves the model together as a Hugging Face model directory in OUT.model.
+without, every process saves the model together as a Hugging Face model directory in OUT.model. With
+`packed` each process packs its rows (learner.pack_tokens).
 """
 
 import sys
@@ -31,7 +32,7 @@ from jaxrl.train_step import LearnerConfig  # noqa: E402
 B, P, C, VOCAB = 8, 5, 6, 128
 lora = LoraConfig(rank=4) if sys.argv[5:] == ["lora"] else None
 cfg = LearnerConfig(group_size=4, loss=LossConfig(loss_type="dapo"), optimizer=OptimizerConfig(learning_rate=1e-3),
-                    lora=lora)
+                    lora=lora, pack_tokens=128 if sys.argv[5:] == ["packed"] else None)
 model_cfg = tiny_config("llama", vocab_size=VOCAB)
 learner = Learner(Decoder(model_cfg, nnx.Rngs(0)), cfg, make_mesh(MeshConfig(fsdp=-1)))
 rng = np.random.default_rng(0)
