@@ -17,3 +17,4 @@ def test_tiny_benchmark_prints_figures():
     # Same weights and loss in both frameworks: their first gradients agree.
     assert figures["grad_norm_rel_diff"] < 1e-3
     assert isinstance(figures["cpu"], str) and figures["cpu"]  # the ratio depends on it
+    assert figures["cpu_vector_units"]

@@ -16,6 +16,8 @@ Figures (last line, JSON):
   jax_page_faults_per_step  minor page faults of the process during one `Learner.update`
                        (memory the step touches for the first time since the last)
   cpu                  the CPU's model name (/proc/cpuinfo): the ratio differs between CPUs of one machine kind
+  cpu_vector_units     which of AVX2, AVX-512 (and its bf16) and AMX the CPU has: a virtual machine's
+                       model name ("AMD EPYC") does not tell the generations apart, whose kernels differ
   peak_mem_mb          XLA's compiled memory analysis of the train step (see `compiled_peak_mb`)
   logp_peak_mem_*_mb   XLA temp memory of the gradient of summed completion logprobs at a
                        >= 100k vocabulary, chunked over the sequence vs all positions at once
@@ -180,6 +182,18 @@ def logp_grad_peak_mb(cfg, batch: dict[str, np.ndarray], chunk: int) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / MB
 
 
+def cpu_vector_units() -> str:
+    """The CPU's vector and matrix extensions (/proc/cpuinfo flags): XLA's and PyTorch's kernels for
+    AVX2, AVX-512 and AMX differ, and so does the ratio between them."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    return " ".join(flag for flag in wanted if flag in flags) or "none of avx2/avx512/amx"
+
+
 def cpu_model() -> str:
     """The CPU's name as /proc/cpuinfo gives it (machines of one kind differ: the ratio to PyTorch with them)."""
     try:
@@ -250,6 +264,7 @@ def main(argv=None) -> dict:
         "tokens_per_step": tokens,
         "threads": threads,
         "cpu": cpu_model(),
+        "cpu_vector_units": cpu_vector_units(),
     }
     mc = model_config(args, args.vocab)
     print(f"learner benchmark: {args.family}, hidden {args.hidden}, {args.layers} layers, "
