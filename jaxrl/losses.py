@@ -40,6 +40,19 @@ not re-weight the others.
 
 Then ``L_t <- L_t + beta * k3_t`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``.
 
+On-policy distillation. With ``distill_weight`` lambda > 0 each token's advantage is
+
+    A_t = task_weight * A + lambda * sg(log p_teacher(x_t) - logp_old_t)
+
+where x_t is the token the student (the policy) sampled and p_teacher the teacher's probability of
+it: minus the per-token reverse KL ``log p(x_t) - log p_teacher(x_t)`` (its single-sample estimate),
+a dense reward that pulls the student's samples toward what the teacher would say, on the student's
+own distribution of states (Agarwal et al. 2024, "On-Policy Distillation of Language Models:
+Learning from Self-Generated Mistakes", GKD with lambda = 1, the student's samples, reverse KL;
+Lu and Thinking Machines 2025, "On-Policy Distillation": the negative reverse KL per token as the
+advantage, discount 0, under the same importance-weighted loss). ``task_weight`` 0 is distillation
+alone; the off-policy sequence mask then tests the sign of each sequence's mean advantage.
+
 Aggregation and gradient accumulation. Every aggregation is a masked sum divided by a normaliser
 that ``policy_loss`` takes explicitly; ``aggregation`` picks one (null: the loss type's own:
 grpo, bnpo, dapo, dr_grpo name theirs; gspo, gspo_token and sapo use grpo's, cispo dapo's, as
@@ -123,6 +136,11 @@ class LossConfig:
     opsm_threshold: float | None = option(
         "DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage whose mean "
         "log(p_sampler / p) exceeds this carries no gradient (e.g. 0.5); null: off", default=None)
+    distill_weight: float = option(
+        "on-policy distillation: lambda > 0 adds lambda (log p_teacher - log p) of each sampled token to its "
+        "advantage (the per-token reverse KL to the teacher; see the module docstring); 0: off", default=0.0)
+    task_weight: float = option(
+        "the weight of the task's (rewards') advantage; 0 with distill_weight > 0: distillation alone", default=1.0)
     max_completion_length: int | None = option(
         "dr_grpo's constant in tokens; null: the padded completion width", default=None)
 
@@ -161,6 +179,12 @@ class LossConfig:
                              "0 <= low < 1 < high < inf (IcePop uses [0.5, 5.0])")
         if self.opsm_threshold is not None and not (0 <= self.opsm_threshold < math.inf):
             raise ValueError(f"LossConfig.opsm_threshold={self.opsm_threshold!r} must be None or a finite number >= 0")
+        for key in ("distill_weight", "task_weight"):
+            if not (0 <= getattr(self, key) < math.inf):
+                raise ValueError(f"LossConfig.{key}={getattr(self, key)!r} must be a finite number >= 0")
+        if self.distill_weight == 0 and self.task_weight == 0:
+            raise ValueError("LossConfig.task_weight=0 without distill_weight leaves no advantage: set "
+                             "distill_weight > 0 (distillation alone) or task_weight > 0")
         mcl = self.max_completion_length
         if mcl is not None and (not isinstance(mcl, int) or mcl < 1):
             raise ValueError(f"LossConfig.max_completion_length={mcl!r} must be None or an int >= 1")
@@ -169,7 +193,8 @@ class LossConfig:
         kind = self.loss_type
         if kind == "sft":
             corrections = [f"{k}={getattr(self, k)!r}" for k, off in
-                           (("is_level", "none"), ("token_mask", None), ("opsm_threshold", None), ("aggregation", None))
+                           (("is_level", "none"), ("token_mask", None), ("opsm_threshold", None), ("aggregation", None),
+                            ("distill_weight", 0.0))
                            if getattr(self, k) != off]
             if corrections:
                 raise ValueError(
@@ -203,6 +228,7 @@ class LossBatch(NamedTuple):
     logp_old_BxT None means on-policy: ``logp_old = stop_gradient(logp)``, so ratios are 1.
     sampler_logp_BxT is needed by the sampler corrections (``LossConfig.needs_sampler_logp``);
     ref_logp_BxT when beta > 0 (given with beta == 0 it only feeds the ``kl`` metric).
+    teacher_logp_BxT (the teacher's logprobs of the sampled tokens) when distill_weight > 0.
     """
 
     mask_BxT: jax.Array
@@ -210,6 +236,7 @@ class LossBatch(NamedTuple):
     logp_old_BxT: jax.Array | None = None
     sampler_logp_BxT: jax.Array | None = None
     ref_logp_BxT: jax.Array | None = None
+    teacher_logp_BxT: jax.Array | None = None
 
 
 def validate_batch(logp_BxT, batch: LossBatch, cfg: LossConfig, entropy_BxT=None) -> None:
@@ -225,6 +252,7 @@ def validate_batch(logp_BxT, batch: LossBatch, cfg: LossConfig, entropy_BxT=None
         "logp_old_BxT": shape,
         "sampler_logp_BxT": shape,
         "ref_logp_BxT": shape,
+        "teacher_logp_BxT": shape,
     }
     for key, want in expected.items():
         value = getattr(batch, key)
@@ -237,6 +265,9 @@ def validate_batch(logp_BxT, batch: LossBatch, cfg: LossConfig, entropy_BxT=None
         raise ValueError(f"entropy_BxT has shape {tuple(jnp.shape(entropy_BxT))}; expected {shape}")
     if cfg.beta > 0 and batch.ref_logp_BxT is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} needs batch.ref_logp_BxT (or set beta=0)")
+    if cfg.distill_weight > 0 and batch.teacher_logp_BxT is None:
+        raise ValueError(f"LossConfig.distill_weight={cfg.distill_weight} needs batch.teacher_logp_BxT, the "
+                         "teacher's logprobs of the sampled tokens (or set distill_weight=0)")
     if cfg.needs_sampler_logp and batch.sampler_logp_BxT is None:
         setting = next(f"{k}={getattr(cfg, k)!r}" for k, off in
                        (("is_level", "none"), ("token_mask", None), ("opsm_threshold", None)) if getattr(cfg, k) != off)
@@ -297,11 +328,14 @@ def policy_loss(logp_BxT, batch: LossBatch, cfg: LossConfig, normalizer, entropy
             jax.lax.stop_gradient(logp_BxT) if batch.logp_old_BxT is None else batch.logp_old_BxT
         )
         adv_Bx1 = jnp.asarray(batch.adv_B, jnp.float32)[:, None]
+        adv_BxT, distill = _advantages(adv_Bx1, logp_old_BxT, batch.teacher_logp_BxT, cfg, mask_BxT, n_B, n_tokens)
         objective = _OBJECTIVES.get(cfg.loss_type, _clipped_pg)
-        pg_BxT, metrics = objective(logp_BxT, logp_old_BxT, adv_Bx1, cfg, mask_BxT, n_B, n_tokens)
+        pg_BxT, metrics = objective(logp_BxT, logp_old_BxT, adv_BxT, cfg, mask_BxT, n_B, n_tokens)
+        metrics.update(distill)
         if cfg.needs_sampler_logp:
+            adv_seq_Bx1 = adv_Bx1 if cfg.distill_weight == 0 else _sequence_mean(adv_BxT, mask_BxT, n_B)[:, None]
             keep_BxT, corrections = _sampler_corrections(
-                logp_BxT, logp_old_BxT, batch.sampler_logp_BxT, adv_Bx1, cfg, mask_BxT, n_B, n_tokens)
+                logp_BxT, logp_old_BxT, batch.sampler_logp_BxT, adv_seq_Bx1, cfg, mask_BxT, n_B, n_tokens)
             pg_BxT = keep_BxT * pg_BxT
             metrics.update(corrections)
 
@@ -325,6 +359,17 @@ def policy_loss(logp_BxT, batch: LossBatch, cfg: LossConfig, normalizer, entropy
     if entropy_BxT is not None:
         metrics["entropy"] = _masked_mean(entropy_BxT, mask_BxT, n_tokens)
     return loss, metrics
+
+
+def _advantages(adv_Bx1, logp_old_BxT, teacher_logp_BxT, cfg: LossConfig, mask_BxT, n_B, n_tokens):
+    """Each token's advantage: the task's, weighted, plus distillation's minus reverse KL (none
+    without distill_weight: the sequence's advantage as it is); and distillation's metrics."""
+    if cfg.distill_weight == 0:
+        return adv_Bx1 if cfg.task_weight == 1 else cfg.task_weight * adv_Bx1, {}
+    reverse_kl_BxT = jax.lax.stop_gradient(logp_old_BxT - teacher_logp_BxT)
+    adv_BxT = cfg.task_weight * adv_Bx1 - cfg.distill_weight * reverse_kl_BxT
+    return adv_BxT, {"distill_reverse_kl": _masked_mean(reverse_kl_BxT, mask_BxT, n_tokens),
+                     "advantage_mean": _masked_mean(adv_BxT, mask_BxT, n_tokens)}
 
 
 def _clip_loss(ratio_BxT, adv_Bx1, low, high, mask_BxT, n_tokens):

@@ -36,7 +36,7 @@ BATCH_KEYS = {
     "loss_mask_BxC": None,
     "rewards_BxR": np.floating,
 }
-OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating}
+OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating, "teacher_logp_BxC": np.floating}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,8 @@ def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int 
     missing = [k for k in BATCH_KEYS if k not in batch]
     if cfg.loss.needs_sampler_logp and "sampler_logp_BxC" not in batch:
         missing.append("sampler_logp_BxC (needed by loss.is_level, loss.token_mask or loss.opsm_threshold)")
+    if cfg.loss.distill_weight > 0 and "teacher_logp_BxC" not in batch:
+        missing.append("teacher_logp_BxC (needed by loss.distill_weight: the teacher's logprobs of the sampled tokens)")
     if missing:
         raise ValueError(f"train batch is missing {missing}")
     unknown = sorted(set(batch) - set(BATCH_KEYS) - set(OPTIONAL_BATCH_KEYS))
@@ -106,7 +108,7 @@ def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int 
     B, P = shapes["prompt_BxP"]
     C = shapes["completion_BxC"][1]
     want = {"prompt_mask_BxP": (B, P), "completion_BxC": (B, C), "completion_mask_BxC": (B, C),
-            "loss_mask_BxC": (B, C), "sampler_logp_BxC": (B, C)}
+            "loss_mask_BxC": (B, C), "sampler_logp_BxC": (B, C), "teacher_logp_BxC": (B, C)}
     for key, shape in want.items():
         if key in shapes and shapes[key] != shape:
             raise ValueError(f"train batch {key} has shape {shapes[key]}, expected {shape} "
@@ -239,6 +241,7 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
         loss_batch = LossBatch(
             mask_BxT=mask, adv_B=mb["adv_B"], logp_old_BxT=mb["logp_old"],
             sampler_logp_BxT=mb.get("sampler_logp_BxC"), ref_logp_BxT=mb["ref_logp"],
+            teacher_logp_BxT=mb.get("teacher_logp_BxC"),
         )
         return policy_loss(logp, loss_batch, cfg.loss, normalizer, jax.lax.stop_gradient(entropy))
 

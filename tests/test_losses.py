@@ -34,6 +34,7 @@ def make_batch(seed=0, B=8, T=12):
         logp_old=logp + rng.normal(size=(B, T)) * 0.4,
         sampler=logp + rng.normal(size=(B, T)) * 0.5,
         ref=logp + rng.normal(size=(B, T)) * 0.3,
+        teacher=logp + rng.normal(size=(B, T)) * 0.6,
         entropy=np.abs(rng.normal(size=(B, T))),
     )
     # The reference sees exactly the float32 values JAX sees.
@@ -47,6 +48,7 @@ def to_jax(a, with_ref=True, with_sampler=True, on_policy=False):
         logp_old_BxT=None if on_policy else jnp.asarray(a["logp_old"]),
         sampler_logp_BxT=jnp.asarray(a["sampler"]) if with_sampler else None,
         ref_logp_BxT=jnp.asarray(a["ref"]) if with_ref else None,
+        teacher_logp_BxT=jnp.asarray(a["teacher"]),
     )
     return jnp.asarray(a["logp"]), batch
 
@@ -358,7 +360,8 @@ def ref_loss(a, logp, logp_sg, **kw):
     mask, old, sampler = a["mask"], a["logp_old"], a["sampler"]
     active = mask > 0
     n_B = mask.sum(1)
-    A = a["adv"][:, None] * np.ones_like(logp)
+    # On-policy distillation: minus the per-token reverse KL to the teacher joins the task's advantage.
+    A = cfg.task_weight * a["adv"][:, None] + cfg.distill_weight * (a["teacher"] - old) * np.ones_like(logp)
 
     def seq_mean(x):
         return ((x * mask).sum(1) / np.maximum(n_B, 1))[:, None] * np.ones_like(logp)
@@ -397,8 +400,11 @@ def ref_loss(a, logp, logp_sg, **kw):
         outside = (k < cfg.token_mask[0]) | (k > cfg.token_mask[1])
         keep = np.where(outside, 0.0, keep)
         m["token_mask_frac"] = frac(outside)
+    if cfg.distill_weight:
+        m["distill_reverse_kl"] = (old - a["teacher"])[active].mean()
+        m["advantage_mean"] = A[active].mean()
     if cfg.opsm_threshold is not None:
-        dropped = (A < 0) & (seq_mean(sampler - logp_sg) > cfg.opsm_threshold)
+        dropped = (seq_mean(A) < 0) & (seq_mean(sampler - logp_sg) > cfg.opsm_threshold)
         keep = np.where(dropped, 0.0, keep)
         m["opsm_frac"] = frac(dropped)
     L = keep * L
@@ -454,6 +460,27 @@ def test_objectives_and_sampler_masks_match_their_formulas(loss_type, correction
 def test_every_aggregation_composes_with_the_new_objectives(loss_type, aggregation):
     a = make_off_policy_batch(seed=9)
     check_against_reference(a, loss_type=loss_type, aggregation=aggregation)
+
+
+# Distillation alone and added to the task's advantage, under each objective, with the corrections.
+@pytest.mark.parametrize("weights", [dict(distill_weight=1.0, task_weight=0.0), dict(distill_weight=0.5)],
+                         ids=["alone", "with-task"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "gspo_token", "cispo", "sapo"])
+def test_on_policy_distillation_matches_its_formula(loss_type, weights):
+    a = make_off_policy_batch(seed=11)
+    want = check_against_reference(a, loss_type=loss_type, **weights, **CORRECTIONS["all"])
+    assert want["distill_reverse_kl"] != 0
+
+
+def test_distillation_needs_the_teachers_logprobs_and_some_advantage():
+    a = make_off_policy_batch(seed=11)
+    logp, batch = to_jax(a)
+    with pytest.raises(ValueError, match=r"distill_weight=1.0 needs batch.teacher_logp_BxT"):
+        policy_loss(logp, batch._replace(teacher_logp_BxT=None), LossConfig(distill_weight=1.0), 1.0)
+    with pytest.raises(ValueError, match=r"task_weight=0 without distill_weight leaves no advantage"):
+        LossConfig(task_weight=0.0)
+    with pytest.raises(ValueError, match=r"distill_weight=0.5.* does not apply to loss_type='sft'"):
+        LossConfig(loss_type="sft", distill_weight=0.5)
 
 
 def test_the_reference_cases_reach_every_branch():

@@ -40,7 +40,8 @@ def episodes(seed=0, B=8, P=12, C=40, long_rows=()):
     return {"prompt_BxP": (rng.integers(0, VOCAB, (B, P)) * pmask).astype(np.int32), "prompt_mask_BxP": pmask,
             "completion_BxC": (rng.integers(0, VOCAB, (B, C)) * cmask).astype(np.int32),
             "completion_mask_BxC": cmask, "loss_mask_BxC": loss_mask.astype(np.int32), "rewards_BxR": rewards,
-            "sampler_logp_BxC": (-3 + 0.3 * rng.normal(size=(B, C)) * cmask).astype(np.float32)}
+            "sampler_logp_BxC": (-3 + 0.3 * rng.normal(size=(B, C)) * cmask).astype(np.float32),
+            "teacher_logp_BxC": (-4 + 0.5 * rng.normal(size=(B, C)) * cmask).astype(np.float32)}
 
 
 def test_every_real_token_is_laid_out_once_with_its_own_positions_and_segment():
@@ -128,7 +129,7 @@ def _gradients(cfg: LearnerConfig, batch: dict, mesh) -> tuple[dict, dict]:
 # read sampler logprobs: the rest of losses.py sees the same (B, C) arrays whatever the layout.
 LOSSES = [LossConfig(loss_type=t) for t in ("grpo", "dr_grpo", "gspo", "sft")] + [
     LossConfig(loss_type="dapo", beta=0.05, is_level="sequence", token_mask=(0.5, 5.0), opsm_threshold=0.1,
-               dual_clip=3.0),
+               dual_clip=3.0, distill_weight=0.5),
 ]
 
 

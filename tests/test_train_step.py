@@ -148,6 +148,12 @@ def test_bad_batches_are_refused_before_compilation(change, message):
     assert not learner._step_fns, "nothing may be compiled for a bad batch"
 
 
+def test_distillation_needs_the_teachers_logprobs_in_the_batch():
+    cfg = dataclasses.replace(BASE, loss=dataclasses.replace(BASE.loss, distill_weight=1.0))
+    with pytest.raises(ValueError, match=r"teacher_logp_BxC \(needed by loss.distill_weight"):
+        validate_train_batch(make_batch(), cfg)
+
+
 def test_group_size_must_divide_the_batch():
     with pytest.raises(ValueError, match="group_size=3 does not divide the batch size 16"):
         validate_train_batch(make_batch(), dataclasses.replace(BASE, group_size=3))
