@@ -75,7 +75,7 @@ def _serve(args) -> int:
 
 # The serve flags that make up a launch (`wire.BridgeLaunch`), by their argparse names; left out of
 # `args` when not given, so that a launch's defaults are its dataclass's.
-_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs", "cpus", "lora")
+_ENGINE_FLAGS = ("engine", "model", "dtype", "max_batch", "seed", "engine_kwargs", "envs", "cpus", "lora", "teacher")
 _SERVER_FLAGS = ("host", "port", "insecure", "snapshot_root")
 _LIMIT_FLAGS = tuple(f.name for f in dataclasses.fields(wire.Limits))
 
@@ -176,6 +176,9 @@ def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     br.add_argument("--lora", metavar="ADAPTER_CONFIG", **given,
                     help="a PEFT adapter_config.json: serve LoRA adapters of that shape over --model (a LoRA run's "
                          "snapshots carry adapters only)")
+    br.add_argument("--teacher", metavar="MODEL_DIR", **given,
+                    help="an on-policy distillation teacher (same tokenizer as --model): its logprobs of every "
+                         "episode's tokens go with the trajectory")
     br.add_argument("--envs", help="JSON file of the environments and reward functions to serve: "
                                    '{"envs": [EnvSpec...], "rewards": [RewardSpec...], "tool_parser": "qwen", '
                                    '"chat_template_kwargs": {}}', **given)

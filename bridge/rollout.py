@@ -60,6 +60,7 @@ class Trajectory:
     generate_s: float = 0.0
     env_s: float = 0.0
     total_s: float = 0.0
+    teacher_logprobs: list[float] = dataclasses.field(default_factory=list)  # with a distillation teacher
 
     def append(self, ids, logprobs, trained: bool, version: int | list[int]) -> None:
         """`version`: the weights' version of every token, or of each (new weights may arrive while a

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from bridge import wire
 from bridge.engines.base import Engine, SnapshotRefused, derive_seed
@@ -43,6 +44,7 @@ from bridge.rollout import EpisodeHook, Trajectory, run_episode
 
 if TYPE_CHECKING:
     from bridge.envs.runtime import EnvRuntime
+    from bridge.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +110,15 @@ class BridgeServicer(pb_grpc.BridgeServicer):
     from the start, with growing waits, until its environment's `retry_budget_s` has passed
     since the first loss; then it is dropped (finish_reason "error") and counted.
     `snapshot_roots`: the directories or gs:// / s3:// prefixes LoadSnapshot may read under (none:
-    the model only). `vocab_size`: prompt token ids must be below it (None: not checked here)."""
+    the model only). `vocab_size`: prompt token ids must be below it (None: not checked here).
+    `teacher`: scores every finished episode (on-policy distillation)."""
 
     def __init__(self, engine: Engine, episode_hook_factory: HookFactory | None = None,
                  on_shutdown: Callable[[], None] | None = None, envs: EnvRuntime | None = None,
                  snapshot_roots: Sequence[str | Path] = (), limits: wire.Limits = wire.Limits(),
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, teacher: Teacher | None = None):
         self.engine = engine
+        self.teacher = teacher
         self.vocab_size = vocab_size
         self.snapshot_roots = [str(r).rstrip("/") if is_url(r) else Path(r).resolve() for r in snapshot_roots]
         self.limits = limits
@@ -310,6 +314,19 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         finally:
             self.counters["episodes_in_flight"] -= 1
 
+    async def _scored(self, episode) -> Trajectory:
+        """The episode, with the teacher's logprobs of its model tokens when the bridge serves one."""
+        traj = await episode
+        if self.teacher is None or not traj.completion_ids or traj.finish_reason == "error":
+            return traj
+        try:
+            logp = await self.teacher.score(traj.prompt_ids, traj.completion_ids)
+        except Exception as e:  # this episode cannot be distilled; the others go on
+            traj.finish_reason, traj.error = "error", f"teacher: {type(e).__name__}: {e}"
+            return traj
+        traj.teacher_logprobs = (logp * np.asarray(traj.loss_mask, np.float32)).tolist()
+        return traj
+
     # -- RPCs ---------------------------------------------------------------------------------
 
     async def Rollout(self, request: pb.RolloutRequest, context):
@@ -328,8 +345,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             for j in range(request.group_size):
                 # The episode's identity, not its place in this request: see PromptGroup.seed.
                 seed = None if group.seed is None else derive_seed(group.seed, j)
-                tasks.append(asyncio.create_task(self._episode(
-                    group, j, dataclasses.replace(params, seed=seed), max_turns, max_total, request.policy)))
+                tasks.append(asyncio.create_task(self._scored(self._episode(
+                    group, j, dataclasses.replace(params, seed=seed), max_turns, max_total, request.policy))))
         finished = False
         try:
             for next_done in asyncio.as_completed(tasks):
@@ -441,6 +458,7 @@ async def serve(
     handle_signals: bool = True,
     grace_s: float = 5.0,
     vocab_size: int | None = None,
+    teacher: Teacher | None = None,
 ) -> None:
     """Serves `engine` as `spec` says until Shutdown, SIGTERM/SIGINT, or (with `parent_pid`) the
     parent's exit.
@@ -448,7 +466,7 @@ async def serve(
     `on_listening(host:port)` is called once the server accepts calls. `envs` is started (every
     environment checked) before that. The engine and the environments are closed on the way out.
     Every call must carry `token`. `tls` (private key PEM, certificate chain PEM) serves TLS; see
-    `check_exposure` for listening beyond loopback without it. `vocab_size`: see BridgeServicer.
+    `check_exposure` for listening beyond loopback without it. `vocab_size`, `teacher`: see BridgeServicer.
     """
     host, port = spec.host, spec.port
     check_exposure(host, tls is not None, spec.insecure)
@@ -458,7 +476,8 @@ async def serve(
     if envs is not None:
         await envs.start()
     servicer = BridgeServicer(engine, episode_hook_factory, on_shutdown=stop.set, envs=envs,
-                              snapshot_roots=spec.snapshot_roots, limits=spec.limits, vocab_size=vocab_size)
+                              snapshot_roots=spec.snapshot_roots, limits=spec.limits, vocab_size=vocab_size,
+                              teacher=teacher)
     # No request is received beyond what the limits admit: gRPC refuses a longer one from its length prefix.
     options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", spec.limits.max_request_bytes)]
     server = grpc.aio.server(options=options, interceptors=[TokenCheck(token, servicer.counters)])
@@ -586,6 +605,18 @@ def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int 
     return VLLMEngine(str(model_dir), engine_kwargs, lora=lora)
 
 
+def build_teacher(launch: wire.BridgeLaunch, vocab_size: int | None) -> Teacher:
+    """The distillation teacher of `launch`, over sequences as long as the engine's (StartupError)."""
+    from bridge.teacher import Teacher
+
+    if not (Path(launch.teacher) / "config.json").is_file():
+        raise StartupError(f"teacher {launch.teacher}: not a model directory (no config.json)")
+    try:
+        return Teacher(launch.teacher, launch.engine_kwargs.get("max_seq_len", 2048), vocab_size)
+    except Exception as e:
+        raise StartupError(f"the teacher cannot load {launch.teacher}: {type(e).__name__}: {e}") from e
+
+
 def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes] | None = None,
                parent_pid: int | None = None) -> int:
     """Builds the engine of `launch`, serves it, prints `BRIDGE_LISTENING host:port` once serving;
@@ -621,8 +652,9 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
                               launch.engine_kwargs, launch.lora)
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         log.info("%s engine on model %s%s", launch.engine, launch.model, " (LoRA adapters over it)" * bool(launch.lora))
+        teacher = None if launch.teacher is None else build_teacher(launch, vocab_size)
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
-                    parent_pid=parent_pid, vocab_size=vocab_size)
+                    parent_pid=parent_pid, vocab_size=vocab_size, teacher=teacher)
 
     from bridge.envs.spec import EnvConfigError
 

@@ -127,6 +127,9 @@ class BridgeLaunch:
     # PEFT's adapter_config of the LoRA adapters its snapshots carry (the engine applies them over
     # `model`); None: snapshots carry whole weights.
     lora: dict | None = None
+    # The model directory of an on-policy distillation teacher (its logprobs of every episode's
+    # tokens travel with the trajectory); None: no teacher.
+    teacher: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "model", str(self.model))
@@ -330,6 +333,9 @@ class TrajectoryData:
     env_s: float = 0.0
     total_s: float = 0.0
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The distillation teacher's logprob of each completion token (0 where loss_mask is 0); empty
+    # from a bridge without a teacher.
+    teacher_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
 
     @property
     def num_completion_tokens(self) -> int:
@@ -359,6 +365,7 @@ def trajectory_to_proto(traj: Trajectory) -> pb.Trajectory:
         error=traj.error,
         num_turns=traj.num_turns,
         metrics=dict(traj.metrics),
+        teacher_logprobs=encode_array(traj.teacher_logprobs, LOGPROBS),
     )
 
 
@@ -385,4 +392,6 @@ def trajectory_from_proto(msg: pb.Trajectory) -> TrajectoryData:
         env_s=msg.timings.env_s,
         total_s=msg.timings.total_s,
         metrics=dict(msg.metrics),
+        teacher_logprobs=decode_array(msg.teacher_logprobs, LOGPROBS, f"{what} teacher_logprobs",
+                                      n if msg.teacher_logprobs else 0),
     )

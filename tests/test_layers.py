@@ -14,8 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# jaxrl.logprobs: a distillation teacher scores the student's tokens as the learner does.
 BRIDGE_MAY_USE_OF_CORE = ("jaxrl.models", "jaxrl.snapshots", "jaxrl.snapshot_store", "jaxrl.compilation",
-                          "jaxrl.host_memory")
+                          "jaxrl.host_memory", "jaxrl.logprobs")
 RUN_MAY_USE_OF_BRIDGE = ("bridge.client", "bridge.wire", "bridge.envs.spec")
 PACKAGES = ("jaxrl", "jaxrl.run", "bridge", "bridge.envs", "bridge.engines")
 

@@ -58,6 +58,21 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_a_distillation_run_scores_every_episode_with_its_teacher(model_dir, tmp_path):
+    # The teacher is the student's own starting model: at step 1 the reverse KL is 0 up to rounding,
+    # and the student moves away from it only as the teacher's advantages pull it (distillation alone).
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", model_dir, run_dir, teacher={"model": str(model_dir)},
+                          learner={"group_size": 4, "optimizer": {"learning_rate": 1e-3},
+                                   "loss": {"loss_type": "dapo", "distill_weight": 1.0, "task_weight": 0.0}})
+    summary = summary_of(jaxrl("train", config))
+    assert summary["steps"] == 3 and summary["compiles_after_step_1"] == 0
+    rows = [r for r in read_metrics(run_dir) if "distill_reverse_kl" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert abs(rows[0]["distill_reverse_kl"]) < 1e-4 and rows[0]["advantage_mean"] == pytest.approx(0, abs=1e-4)
+    assert abs(rows[-1]["distill_reverse_kl"]) > abs(rows[0]["distill_reverse_kl"])
+
+
 def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", model_dir, run_dir, eval={"episodes": 16},

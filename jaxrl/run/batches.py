@@ -18,12 +18,13 @@ from jaxrl.run.rewards import RewardWeights
 
 def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, completion_len: int, pad_id: int,
                   rewards: RewardWeights | None = None, sampler_logp: bool = False,
-                  mask_truncated: bool = False) -> dict[str, np.ndarray]:
+                  mask_truncated: bool = False, teacher_logp: bool = False) -> dict[str, np.ndarray]:
     """The learner's batch of `rows` rows from `trajs` (at most `rows`).
 
     `rewards`: one column per reward function (NaN where one does not apply); None: one column of
     zeros (supervised batches need none). `mask_truncated`: episodes cut by the token budget
-    keep their row but train no token (DAPO overlong filtering). Environment tokens past
+    keep their row but train no token (DAPO overlong filtering). `teacher_logp`: the distillation
+    teacher's logprobs, which every trajectory must carry. Environment tokens past
     `completion_len` (the last tool result of an episode that ran out of budget) are cut; a
     trajectory whose model tokens do not fit is a ValueError, never trained on cut.
     """
@@ -40,6 +41,8 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
     }
     if sampler_logp:
         batch["sampler_logp_BxC"] = np.zeros((rows, completion_len), np.float32)
+    if teacher_logp:
+        batch["teacher_logp_BxC"] = np.zeros((rows, completion_len), np.float32)
     for i, t in enumerate(trajs):
         p, c = len(t.prompt_ids), min(len(t.completion_ids), completion_len)
         if not 0 < p <= prompt_len or t.loss_mask[completion_len:].any():
@@ -56,6 +59,12 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
             batch["rewards_BxR"][i] = rewards.columns(t.rewards)
         if sampler_logp:
             batch["sampler_logp_BxC"][i, :c] = t.sampler_logprobs[:c]
+        if teacher_logp:
+            if len(t.teacher_logprobs) != len(t.completion_ids):
+                raise ValueError(f"trajectory {t.group_id}/{t.index_in_group} ({t.env}) carries no teacher logprobs: "
+                                 "its bridge serves no distillation teacher (set teacher.model, or start it with "
+                                 "--teacher)")
+            batch["teacher_logp_BxC"][i, :c] = t.teacher_logprobs[:c]
     batch["prompt_mask_BxP"][len(trajs):, -1] = 1  # padding rows still need one token to attend to
     return batch
 
@@ -70,7 +79,8 @@ def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, row
     prompt_len = prompt_width(trajs, cfg) if prompt_len is None else prompt_len
     return learner_batch(trajs, cfg.groups_per_step_rows if rows is None else rows, prompt_len,
                          cfg.rollout.max_total_tokens, pad_id, RewardWeights(cfg.rewards),
-                         sampler_logp=cfg.learner.loss.needs_sampler_logp, mask_truncated=cfg.rollout.drop_truncated)
+                         sampler_logp=cfg.learner.loss.needs_sampler_logp, mask_truncated=cfg.rollout.drop_truncated,
+                         teacher_logp=cfg.learner.loss.distill_weight > 0)
 
 
 def prompt_width(trajs: Sequence[TrajectoryData], cfg: TrainConfig) -> int:

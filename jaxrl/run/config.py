@@ -46,6 +46,13 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    model: str = option(
+        "Hugging Face model directory of the teacher (the student's tokenizer): the run's bridges score every episode "
+        "with it, and learner.loss.distill_weight turns its logprobs into each token's advantage")
+
+
+@dataclasses.dataclass(frozen=True)
 class BridgeConfig:
     addresses: list[str] = option(
         "running bridges (host:port); empty: start per_host for this run; several: groups go to the least loaded, and "
@@ -277,6 +284,8 @@ class TrainConfig:
     bridge: BridgeConfig = option("generation", default_factory=BridgeConfig)
     eval: EvalConfig = option("held-out evaluation", default_factory=EvalConfig)
     sft: SFTConfig = option("supervised warm start before RL", default_factory=SFTConfig)
+    teacher: TeacherConfig | None = option(
+        "on-policy distillation: {model: DIR}, with learner.loss.distill_weight > 0; null: none", default=None)
     log: LogConfig = option("what the run shows and writes", default_factory=LogConfig)
     distributed: DistributedConfig = option("several processes (hosts) in one run", default_factory=DistributedConfig)
     sync_every: int = option("publish weights to the bridge every N steps", default=1)
@@ -354,6 +363,7 @@ class TrainConfig:
                              "raise it, or leave it null")
         self._check_lora()
         self._check_train_all()
+        self._check_teacher()
         self.learner_config()  # the derived values must make a valid learner config
 
     def _check_lora(self) -> None:
@@ -369,6 +379,16 @@ class TrainConfig:
         if self.bridge.engine == "vllm" and kwargs.get("max_lora_rank", lora.rank) < lora.rank:
             raise ValueError(f"bridge.engine_kwargs.max_lora_rank={kwargs['max_lora_rank']} is below "
                              f"learner.lora.rank={lora.rank}: raise it, or leave it out (the run sets it)")
+
+    def _check_teacher(self) -> None:
+        """A teacher and a distillation weight come together."""
+        weight = self.learner.loss.distill_weight
+        if weight > 0 and self.teacher is None:
+            raise ValueError(f"learner.loss.distill_weight={weight:g} needs a teacher: set teacher.model to the "
+                             "teacher's model directory")
+        if self.teacher is not None and weight == 0:
+            raise ValueError("teacher is set but learner.loss.distill_weight is 0: set it > 0 (e.g. 1.0) to distill, "
+                             "or leave teacher out")
 
     def _check_train_all(self) -> None:
         """sft.train_all picks what a LoRA run's warm start trains: set, it needs both."""

@@ -199,7 +199,8 @@ def bridge_launch(cfg: TrainConfig, model_dir: Path, envs_file: Path, snapshot_r
                         limits=Limits(**bridge_limits(cfg)))
     return BridgeLaunch(model_dir, engine=b.engine, max_batch=b.max_batch or _episodes_at_once(cfg), seed=cfg.seed,
                         engine_kwargs=engine_kwargs(cfg), envs=envs_file, server=server, cpus=tuple(b.cpus),
-                        lora=None if cfg.learner.lora is None else adapter_config(cfg.learner.lora, str(model_dir)))
+                        lora=None if cfg.learner.lora is None else adapter_config(cfg.learner.lora, str(model_dir)),
+                        teacher=None if cfg.teacher is None else cfg.teacher.model)
 
 
 def _episodes_at_once(cfg: TrainConfig) -> int:

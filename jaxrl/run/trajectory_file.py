@@ -14,7 +14,8 @@ import numpy as np
 from bridge.wire import IDS, LOGPROBS, MASK, VERSIONS, TrajectoryData
 
 ARRAYS = {"prompt_ids": IDS, "completion_ids": IDS, "sampler_logprobs": LOGPROBS, "loss_mask": MASK,
-          "token_versions": VERSIONS}
+          "token_versions": VERSIONS, "teacher_logprobs": LOGPROBS}
+OPTIONAL = ("teacher_logprobs",)  # files written before distillation have none
 
 
 class TrajectoryFileError(ValueError):
@@ -46,7 +47,8 @@ def load_trajectories(path: str | Path) -> list[list[TrajectoryData]]:
     for i, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
-            row.update({k: np.asarray(row[k], dtype.newbyteorder("=")) for k, dtype in ARRAYS.items()})
+            row.update({k: np.asarray(row[k] if k not in OPTIONAL else row.get(k, []), dtype.newbyteorder("="))
+                        for k, dtype in ARRAYS.items()})
             t = TrajectoryData(**{k: v for k, v in row.items() if k in fields})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise TrajectoryFileError(f"trajectory file {path} line {i}: not a trajectory ({type(e).__name__}: "
