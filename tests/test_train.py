@@ -633,8 +633,11 @@ def test_bridges_killed_and_stopped_mid_step_cost_re_requests_and_restarts_not_t
         killed, stopped = [c for c in _children_of(proc.pid)
                            if Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3] == b"serve"]
         _wait_until_both_generate(killed, run_dir)
-        os.kill(killed, signal.SIGKILL)
+        # Stop both at once, then kill one: the window in which a group can still finish is two
+        # signals wide, not a whole kill.
         os.kill(stopped, signal.SIGSTOP)
+        os.kill(killed, signal.SIGSTOP)
+        os.kill(killed, signal.SIGKILL)
         t0 = time.time()
         out, err = proc.communicate(timeout=300)
     finally:
@@ -647,7 +650,9 @@ def test_bridges_killed_and_stopped_mid_step_cost_re_requests_and_restarts_not_t
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[1]["bridges/deaths"] == rows[1]["groups/re_requested"] == 0
     assert rows[-1]["bridges/deaths"] == 2 and rows[-1]["bridges/restarts"] >= 1
-    assert rows[-1]["groups/re_requested"] >= 2  # the step's two groups, one on each
+    # The killed bridge's group at least; the stopped one's too unless it had sent its last episode
+    # between the check and the stop (a busy machine makes that window real).
+    assert rows[-1]["groups/re_requested"] >= 1
     # The stopped bridge was found within its health timeout (a ping or a health check missed).
     [found] = [line for line in (run_dir / "logs" / "train.log").read_text().splitlines()
                if f"(pid {stopped}) " in line]
