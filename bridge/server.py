@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -418,6 +419,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         for k, v in (getattr(self.engine, "stats", None) or {}).items():
             if isinstance(v, (int, float)):
                 counters[f"engine.{k}"] = float(v)
+        # Every JAX program this process needed, compiled or loaded from the cache (see
+        # jaxrl.compilation); the module is loaded by what runs JAX here, never by a vLLM bridge.
+        compilation = sys.modules.get("jaxrl.compilation")
+        if compilation is not None:
+            counters["programs"] = float(compilation.programs())
         return pb.StatsReply(protocol_version=wire.PROTOCOL_VERSION, counters=counters)
 
     async def Shutdown(self, request: pb.ShutdownRequest, context):
@@ -592,8 +598,6 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
     exit code. The environments (and reward functions) of `launch.envs` are checked before the
     engine loads. The rest: see `serve`.
     """
-    import sys
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s bridge %(levelname)s %(name)s: %(message)s")
 

@@ -276,6 +276,7 @@ def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots):
     stats = client.stats()
     assert stats["snapshot_loads"] == stats_before["snapshot_loads"] + 1
     assert stats["snapshot_refusals"] == stats_before["snapshot_refusals"] + 2
+    assert stats["programs"] >= stats_before["programs"] > 0  # the JAX programs of the bridge's process
 
 
 def test_every_call_without_the_token_is_refused(bridge, snapshots):
