@@ -15,6 +15,7 @@ bridge's `wire.Limits`. Beyond loopback the bridge serves TLS (see `serve`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import inspect
@@ -25,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -592,6 +594,51 @@ def _build_engine(name: str, model_dir: Path, dtype: str | None, max_batch: int 
     return VLLMEngine(str(model_dir), engine_kwargs, lora=lora)
 
 
+class WarmingUp:
+    """`engine` serving at once while its `warm_up` (the JAX engine's: every program compiled, tens
+    of seconds on a cold cache) runs on a thread of its own: what needs no engine (health, stats,
+    the solver episodes of a warm start) answers meanwhile, and generate and snapshot loads wait for
+    it (and fail with its error). A daemon thread: a bridge stopped meanwhile does not wait for it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.ready.set_running_or_notify_cancel()  # a cancelled waiter must not cancel it for the others
+        threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            self.engine.warm_up()
+        except BaseException as e:  # handed to every generate and load
+            log.error("%s engine: warm-up failed: %s: %s", self.engine.name, type(e).__name__, e)
+            self.ready.set_exception(e)
+        else:
+            self.ready.set_result(None)
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def stats(self) -> dict:
+        return getattr(self.engine, "stats", None) or {}
+
+    async def generate(self, prompts, params):
+        await asyncio.wrap_future(self.ready)
+        return await self.engine.generate(prompts, params)
+
+    async def load_snapshot(self, path: str, version: int) -> float:
+        await asyncio.wrap_future(self.ready)
+        return await self.engine.load_snapshot(path, version)
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
 def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes] | None = None,
                parent_pid: int | None = None) -> int:
     """Builds the engine of `launch`, serves it, prints `BRIDGE_LISTENING host:port` once serving;
@@ -620,9 +667,14 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
 
             envs = runtime_from_file(launch.envs, launch.model)
             await envs.start()  # unreachable environments fail before the model loads
-        # Built inside the loop: an engine may create loop-bound objects.
+        # Built inside the loop: an engine may create loop-bound objects. The JAX engine's warm-up
+        # runs while the bridge serves (see WarmingUp): a run's warm start needs no engine.
+        kwargs = dict(launch.engine_kwargs)
+        warm_up = launch.engine == "jax" and kwargs.pop("warm_up", False)
         engine = build_engine(launch.engine, launch.model, launch.dtype, launch.max_batch, launch.seed,
-                              launch.engine_kwargs, launch.lora)
+                              kwargs, launch.lora)
+        if warm_up:
+            engine = WarmingUp(engine)
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         log.info("%s engine on model %s%s", launch.engine, launch.model, " (LoRA adapters over it)" * bool(launch.lora))
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,

@@ -194,8 +194,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         if cfg.learner.lora is not None and not base_to_come:  # fresh adapters: the base model, as served
             add_lora(model, cfg.learner.lora)
         publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
-        if start_step is None:
-            summary.update(_timed(startup, "eval_before_s", _evaluate_base, job, publisher, model))
+        if start_step is None and cfg.bridge.addresses:  # running bridges may serve anything: give them ours
+            publisher.publish(nnx.state(model, nnx.LoRAParam) if cfg.learner.lora else nnx.split(model)[1], 0)
         learner, step, meta = _make_learner(job, publisher, model, start_step, summary)
         del model
         startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
@@ -286,11 +286,8 @@ def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share,
     return _Job(cfg, run, ckpt, client, tasks, tokenizer, started.result().env_servers, share, out)
 
 
-def _evaluate_base(job: _Job, publisher: _Publisher, model) -> dict[str, float]:
-    """Bridges of our own start on the model; running ones may serve anything: give them ours. Then
-    the base model's held-out success."""
-    if job.cfg.bridge.addresses:
-        publisher.publish(nnx.state(model, nnx.LoRAParam) if job.cfg.learner.lora else nnx.split(model)[1], 0)
+def _evaluate_base(job: _Job) -> dict[str, float]:
+    """The base model's held-out success (process 0's; the others' is empty)."""
     if not (job.cfg.eval.before and job.cfg.eval.episodes and job.primary):
         return {}
     before = job.evaluate(0, "before training")
@@ -301,7 +298,9 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
                   summary: dict[str, Any]) -> tuple[Learner, int, dict[str, Any]]:
     """The learner on `model`, warm-started on demonstrations or restored from a checkpoint, its
     weights published when they differ from the base model's: (learner, its step, the metadata
-    every checkpoint keeps). Adds its phases to `summary`."""
+    every checkpoint keeps). Adds its phases to `summary`, and for a fresh run the base model's
+    evaluation: after the warm start, which needs no generation and so trains while the bridges
+    compile their programs, and before the bridges serve other weights."""
     cfg, startup = job.cfg, summary["startup"]
     mesh = make_mesh(cfg.mesh)
     warm = bool(cfg.sft.steps) and start_step is None
@@ -309,10 +308,12 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
         model, summary["sft"] = _timed(startup, "warm_start_s", lambda: warm_start(
             model, demonstrations(job.client, job.tasks, cfg), cfg, mesh, job.pad_id))
         print(f"warm start: {json.dumps(summary['sft'])}", file=job.out, flush=True)
-        if cfg.full_warm_start:  # the adapters' base, on disk and served (see the module's docstring)
-            base = lora_base(cfg, job.run)
-            _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
-            _timed(startup, "bridges_restart_s", job.client.bridges.relaunch, base)
+    if start_step is None:
+        summary.update(_timed(startup, "eval_before_s", _evaluate_base, job))
+    if warm and cfg.full_warm_start:  # the adapters' base, on disk and served (see the module's docstring)
+        base = lora_base(cfg, job.run)
+        _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
+        _timed(startup, "bridges_restart_s", job.client.bridges.relaunch, base)
     t0 = time.perf_counter()
     learner, step = Learner(model, cfg.learner_config(), mesh), 0
     if start_step is not None:
