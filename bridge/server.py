@@ -15,6 +15,7 @@ bridge's `wire.Limits`. Beyond loopback the bridge serves TLS (see `serve`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import inspect
@@ -24,6 +25,8 @@ import json
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -435,6 +438,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         for k, v in (getattr(self.engine, "stats", None) or {}).items():
             if isinstance(v, (int, float)):
                 counters[f"engine.{k}"] = float(v)
+        # Every JAX program this process needed, compiled or loaded from the cache (see
+        # jaxrl.compilation); the module is loaded by what runs JAX here, never by a vLLM bridge.
+        compilation = sys.modules.get("jaxrl.compilation")
+        if compilation is not None:
+            counters["programs"] = float(compilation.programs())
         return pb.StatsReply(protocol_version=wire.PROTOCOL_VERSION, counters=counters)
 
     async def Shutdown(self, request: pb.ShutdownRequest, context):
@@ -617,14 +625,57 @@ def build_teacher(launch: wire.BridgeLaunch, vocab_size: int | None) -> Teacher:
         raise StartupError(f"the teacher cannot load {launch.teacher}: {type(e).__name__}: {e}") from e
 
 
+class WarmingUp:
+    """`engine` serving at once while its `warm_up` (the JAX engine's: every program compiled, tens
+    of seconds on a cold cache) runs on a thread of its own: what needs no engine (health, stats,
+    the solver episodes of a warm start) answers meanwhile, and generate and snapshot loads wait for
+    it (and fail with its error). A daemon thread: a bridge stopped meanwhile does not wait for it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.ready.set_running_or_notify_cancel()  # a cancelled waiter must not cancel it for the others
+        threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            self.engine.warm_up()
+        except BaseException as e:  # handed to every generate and load
+            log.error("%s engine: warm-up failed: %s: %s", self.engine.name, type(e).__name__, e)
+            self.ready.set_exception(e)
+        else:
+            self.ready.set_result(None)
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def stats(self) -> dict:
+        return getattr(self.engine, "stats", None) or {}
+
+    async def generate(self, prompts, params):
+        await asyncio.wrap_future(self.ready)
+        return await self.engine.generate(prompts, params)
+
+    async def load_snapshot(self, path: str, version: int) -> float:
+        await asyncio.wrap_future(self.ready)
+        return await self.engine.load_snapshot(path, version)
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
 def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes] | None = None,
                parent_pid: int | None = None) -> int:
     """Builds the engine of `launch`, serves it, prints `BRIDGE_LISTENING host:port` once serving;
     exit code. The environments (and reward functions) of `launch.envs` are checked before the
     engine loads. The rest: see `serve`.
     """
-    import sys
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s bridge %(levelname)s %(name)s: %(message)s")
 
@@ -647,9 +698,14 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
 
             envs = runtime_from_file(launch.envs, launch.model)
             await envs.start()  # unreachable environments fail before the model loads
-        # Built inside the loop: an engine may create loop-bound objects.
+        # Built inside the loop: an engine may create loop-bound objects. The JAX engine's warm-up
+        # runs while the bridge serves (see WarmingUp): a run's warm start needs no engine.
+        kwargs = dict(launch.engine_kwargs)
+        warm_up = launch.engine == "jax" and kwargs.pop("warm_up", False)
         engine = build_engine(launch.engine, launch.model, launch.dtype, launch.max_batch, launch.seed,
-                              launch.engine_kwargs, launch.lora)
+                              kwargs, launch.lora)
+        if warm_up:
+            engine = WarmingUp(engine)
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         log.info("%s engine on model %s%s", launch.engine, launch.model, " (LoRA adapters over it)" * bool(launch.lora))
         teacher = None if launch.teacher is None else build_teacher(launch, vocab_size)

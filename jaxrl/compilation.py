@@ -1,9 +1,11 @@
 """XLA compilations of this process: the bucketed shapes that keep them few, JAX's persistent
-compilation cache, and a count of compiles.
+compilation cache, and counts of programs.
 
-A run compiles a small set of shapes fixed by its config. With the persistent cache on (jaxrl's
-default) a second run of the same config loads every executable instead of compiling it, and the
-count (backend compiles; cache hits are not compiles) shows a shape that compiles mid-run.
+A run needs a small set of programs, one per shape fixed by its config. With the persistent cache on
+(jaxrl's default) a second run of the same config loads every executable instead of compiling it.
+Two counts: `programs()`, every executable this process needed (compiled or loaded), which shows a
+shape that turns up mid-run whatever the cache holds; and `compiles()`, those the cache did not
+have.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ jax.monitoring.register_event_listener(_count)
 def bucket(n: int, minimum: int = 16) -> int:
     """The power of two >= n (and >= minimum): shapes that compile once and get reused."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def programs() -> int:
+    """Executables this process needed so far: compiled, or loaded from the persistent cache. A new
+    one mid-run is a shape the config missed, even when a warm cache spares its compile."""
+    return _events[BACKEND_COMPILE]
 
 
 def compiles() -> int:

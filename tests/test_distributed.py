@@ -152,6 +152,7 @@ def two_processes(setup):
         bucket_versions = snapshot_versions(BUCKET_SNAPSHOTS)
     assert summaries[0]["steps"] == summaries[1]["steps"]
     assert [s["stopped"] for s in summaries] == ["SIGTERM", "SIGTERM"]
+    assert [s["programs_after_first_step"] for s in summaries] == [0, 0]  # each process's, and its bridge's
     return run_dir, summaries[0]["steps"], bucket_versions
 
 
@@ -214,7 +215,7 @@ def test_a_two_process_run_resumes_on_one_process_and_ends_as_an_unbroken_run(se
     _, config = setup
     run_dir, stopped_at, _ = two_processes
     summary = _finish(_train(config, run_dir, 8, "--resume"))
-    assert summary["steps"] == STEPS
+    assert summary["steps"] == STEPS and summary["programs_after_first_step"] == 0  # counted from its first step
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     _assert_same_steps(rows[stopped_at:], read_metrics(reference))

@@ -8,6 +8,7 @@ seed and tokens the episode should have used.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -29,7 +30,7 @@ from bridge.engines.jax_engine import JaxEngine
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
 from bridge.rollout import ENV_VERSION, TurnResult
-from bridge.server import StartupError, serve
+from bridge.server import StartupError, WarmingUp, serve
 from jaxrl.models import Decoder, load_pretrained
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import build_tiny_model, tiny_config
@@ -276,6 +277,7 @@ def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots):
     stats = client.stats()
     assert stats["snapshot_loads"] == stats_before["snapshot_loads"] + 1
     assert stats["snapshot_refusals"] == stats_before["snapshot_refusals"] + 2
+    assert stats["programs"] >= stats_before["programs"] > 0  # the JAX programs of the bridge's process
 
 
 def test_every_call_without_the_token_is_refused(bridge, snapshots):
@@ -586,3 +588,48 @@ def test_episode_hook_factory_runs_multi_turn_episodes(model_dir, snapshots):
     assert plain.finish_reason == "length" and plain.num_turns == 1 and plain.env == ""
     assert plain.completion_ids.tolist() == plain_ref.token_ids
     assert len(hooks) == 1 and hooks[0].closed
+
+
+class _ColdEngine:
+    """An engine whose warm-up waits for `go`, then fails with `error` if one is given."""
+
+    name = "cold"
+
+    def __init__(self, error: Exception | None = None):
+        self.go, self.error, self.warm, self.policy_version = threading.Event(), error, False, 0
+
+    def warm_up(self):
+        assert self.go.wait(60)
+        if self.error is not None:
+            raise self.error
+        self.warm = True
+
+    async def generate(self, prompts, params):
+        assert self.warm
+        return [[Completion([7], [-0.5], "length", self.policy_version)] * params.n for _ in prompts]
+
+    async def load_snapshot(self, path, version):
+        assert self.warm
+        self.policy_version = version
+        return 0.0
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("no memory for the programs")])
+def test_a_bridge_serves_while_its_engine_warms_up_and_generates_once_warm(error):
+    engine = _ColdEngine(error)
+    with running(WarmingUp(engine)) as b, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        rollout = pool.submit(lambda: list(b.client.rollout([[1, 2]], 2, _params(max_tokens=1))))
+        deadline = time.monotonic() + 60
+        while b.client.stats()["episodes_in_flight"] < 2:  # Health and Stats answer meanwhile
+            assert time.monotonic() < deadline, "the rollout never started"
+            time.sleep(0.01)
+        assert b.client.health().status == "serving" and not rollout.done()
+        engine.go.set()
+        trajs = rollout.result(60)
+    if error is None:
+        assert [t.completion_ids.tolist() for t in trajs] == [[7], [7]] and all(t.error == "" for t in trajs)
+    else:  # each episode fails with the warm-up's error; the bridge serves on
+        assert all(t.finish_reason == "error" and "no memory for the programs" in t.error for t in trajs), trajs

@@ -324,7 +324,7 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: 
         r["prompt_tokens"] = prompt_tokens
     out = summarize(rows, launch, first_begin, end, args.skip)
     out.update(framework=f"jaxrl ({mode}{', pinned' * pinned})", run_wall_s=summary.get("wall_s"),
-               startup_phases=summary.get("startup"), compiles_after_step_1=summary.get("compiles_after_step_1"),
+               startup_phases=summary.get("startup"), programs_after_first_step=summary.get("programs_after_first_step"),
                log=str(tmp / f"{name}.log"))
     return out
 
@@ -371,7 +371,7 @@ def stream_figures(sync: dict, stream: dict) -> dict:
 
 def _print_table(sides: dict[str, dict]) -> None:
     keys = ("s_per_step", "rollout_s", "generate_s", "env_s", "learn_s", "sync_s", "other_s", "wall_per_step_s",
-            "first_step_s", "startup_s", "wall_s", "compiles_after_step_1")
+            "first_step_s", "startup_s", "wall_s", "programs_after_first_step")
     names = list(sides)
     print(f"{'':>22}" + "".join(f"{n:>14}" for n in names))
     for k in keys:

@@ -147,8 +147,9 @@ class RolloutClient:
                 raise error
         bridge.died(f"stopped answering ({error})", client)
 
-    def _each(self, call, what: str) -> list:
-        """`call(client)` on every living bridge at once; a bridge that does not answer is dead (None)."""
+    def _each(self, call, what: str) -> dict[BridgeClient, object]:
+        """`call(client)` on every living bridge at once, by the client called; a bridge that does not
+        answer is dead (None)."""
         def one(bridge_client):
             bridge, client = bridge_client
             try:
@@ -157,11 +158,13 @@ class RolloutClient:
                 bridge.died(f"stopped answering during {what} ({e})", client)
                 return None
 
-        return list(self.pool.map(one, self.bridges.living()))
+        living = self.bridges.living()
+        return dict(zip([client for _, client in living], self.pool.map(one, living)))
 
-    def stats(self) -> list[dict[str, float]]:
-        """The living bridges' counters (`python -m bridge`'s Stats)."""
-        return [s for s in self._each(lambda c: c.stats(), "Stats") if s is not None]
+    def stats(self) -> dict[BridgeClient, dict[str, float]]:
+        """The living bridges' counters (`python -m bridge`'s Stats), by the client each is called
+        through: a restarted bridge is another process, with another client and counters anew."""
+        return {c: s for c, s in self._each(lambda c: c.stats(), "Stats").items() if s is not None}
 
     def load_snapshot(self, path: str, version: int) -> None:
         """Has every living bridge serve snapshot `version`; the others get it (or a newer one)

@@ -46,8 +46,9 @@ from typing import Any
 import jax
 from flax import nnx
 
+from bridge.client import BridgeClient
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
-from jaxrl.compilation import compiles, use_persistent_cache
+from jaxrl.compilation import compiles, programs, use_persistent_cache
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.models.lora import adapter_config, add_lora
@@ -193,8 +194,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         if cfg.learner.lora is not None and not base_to_come:  # fresh adapters: the base model, as served
             add_lora(model, cfg.learner.lora)
         publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
-        if start_step is None:
-            summary.update(_timed(startup, "eval_before_s", _evaluate_base, job, publisher, model))
+        if start_step is None and cfg.bridge.addresses:  # running bridges may serve anything: give them ours
+            publisher.publish(nnx.state(model, nnx.LoRAParam) if cfg.learner.lora else nnx.split(model)[1], 0)
         learner, step, meta = _make_learner(job, publisher, model, start_step, summary)
         del model
         startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
@@ -205,14 +206,14 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         progress = (stack.enter_context(Progress(cfg.steps, initial=step))
                     if cfg.log.progress and job.primary else None)
         # Train.
-        step, late_compiles = _train_steps(job, learner, publisher, collector, logger, progress, stop, step, meta)
+        step, late_programs = _train_steps(job, learner, publisher, collector, logger, progress, stop, step, meta)
         # Finish: the last checkpoint (collective with several processes), the final evaluation.
         if ckpt.latest_step() != step:
             ckpt.save(step, learner.state, {**meta, "step": step}, force=True)
         ckpt.wait()
         summary["steps"] = step
-        if late_compiles is not None:
-            summary["compiles_after_step_1"] = late_compiles
+        if late_programs is not None:
+            summary["programs_after_first_step"] = late_programs
         if step >= cfg.steps and cfg.eval.episodes and job.primary:
             summary.update(_final_evaluation(job, publisher.version, logger, step, summary))
         if step < cfg.steps:  # stopped: by a signal to this process or to another one
@@ -285,11 +286,8 @@ def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share,
     return _Job(cfg, run, ckpt, client, tasks, tokenizer, started.result().env_servers, share, out)
 
 
-def _evaluate_base(job: _Job, publisher: _Publisher, model) -> dict[str, float]:
-    """Bridges of our own start on the model; running ones may serve anything: give them ours. Then
-    the base model's held-out success."""
-    if job.cfg.bridge.addresses:
-        publisher.publish(nnx.state(model, nnx.LoRAParam) if job.cfg.learner.lora else nnx.split(model)[1], 0)
+def _evaluate_base(job: _Job) -> dict[str, float]:
+    """The base model's held-out success (process 0's; the others' is empty)."""
     if not (job.cfg.eval.before and job.cfg.eval.episodes and job.primary):
         return {}
     before = job.evaluate(0, "before training")
@@ -300,7 +298,9 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
                   summary: dict[str, Any]) -> tuple[Learner, int, dict[str, Any]]:
     """The learner on `model`, warm-started on demonstrations or restored from a checkpoint, its
     weights published when they differ from the base model's: (learner, its step, the metadata
-    every checkpoint keeps). Adds its phases to `summary`."""
+    every checkpoint keeps). Adds its phases to `summary`, and for a fresh run the base model's
+    evaluation: after the warm start, which needs no generation and so trains while the bridges
+    compile their programs, and before the bridges serve other weights."""
     cfg, startup = job.cfg, summary["startup"]
     mesh = make_mesh(cfg.mesh)
     warm = bool(cfg.sft.steps) and start_step is None
@@ -308,10 +308,12 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
         model, summary["sft"] = _timed(startup, "warm_start_s", lambda: warm_start(
             model, demonstrations(job.client, job.tasks, cfg), cfg, mesh, job.pad_id))
         print(f"warm start: {json.dumps(summary['sft'])}", file=job.out, flush=True)
-        if cfg.full_warm_start:  # the adapters' base, on disk and served (see the module's docstring)
-            base = lora_base(cfg, job.run)
-            _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
-            _timed(startup, "bridges_restart_s", job.client.bridges.relaunch, base)
+    if start_step is None:
+        summary.update(_timed(startup, "eval_before_s", _evaluate_base, job))
+    if warm and cfg.full_warm_start:  # the adapters' base, on disk and served (see the module's docstring)
+        base = lora_base(cfg, job.run)
+        _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
+        _timed(startup, "bridges_restart_s", job.client.bridges.relaunch, base)
     t0 = time.perf_counter()
     learner, step = Learner(model, cfg.learner_config(), mesh), 0
     if start_step is not None:
@@ -358,8 +360,8 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
                  logger: MetricsLogger | None, progress: Progress | None, stop: GracefulStop, step: int,
                  meta: dict[str, Any]) -> tuple[int, int | None]:
     """Rollouts, update, publish, evaluate, log, checkpoint: one step at a time until done or
-    stopped. Returns the step reached and the compiles after step 1 (None before step 2). However it
-    ends, the steps taken are checkpointed.
+    stopped. Returns the step reached and the programs needed after this process's first step (None
+    before it). However it ends, the steps taken are checkpointed.
 
     With several processes, each collects its share of the step's groups and trains on its rows;
     what they exchange after collecting (`exchange_step`) makes the metrics the run's and the
@@ -367,7 +369,7 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
     """
     cfg = job.cfg
     exchange = Exchange(cfg.distributed.timeout_s)
-    compiles_seen = _Compiles(job.client)
+    programs_seen = _Programs(job.client)
     signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
     agreed_stop = False
     # One process stops when it is asked to; several at the step they agreed on in the exchange.
@@ -389,13 +391,13 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
             step += 1
             metrics.update(rollout_metrics([e for g in view.groups for e in g], view.counts, cfg) | signal_metrics
                            | view.sums)
-            # After the update: publish, count compiles, evaluate. A bridge failing here must not
+            # After the update: publish, count programs, evaluate. A bridge failing here must not
             # lose the step's metrics and samples, which are written before the run stops.
             failure = None
             try:
                 metrics["time/sync_s"] = (publisher.publish(learner.state.params, step + 1) if
                                           step % cfg.sync_every == 0 or step == cfg.steps or stopping() else 0.0)
-                metrics.update(compiles_seen.since_last(step))
+                metrics.update(programs_seen.since_last())
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and job.primary:
                     metrics.update(job.evaluate(publisher.version).metrics())
             except Exception as e:
@@ -414,7 +416,7 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
     except BaseException:
         _keep_steps(job.ckpt, learner, step, meta)
         raise
-    return step, compiles_seen.after_step_1
+    return step, programs_seen.after_first_step
 
 
 def _collect(job: _Job, collector: Collector, step: int, version: int) -> StepRollouts:
@@ -453,24 +455,32 @@ def _log_step(job: _Job, logger: MetricsLogger | None, step: int, metrics: dict[
         logger.samples(step, sample_rows(result.groups, job.tokenizer, job.cfg.log.samples_per_step))
 
 
-class _Compiles:
-    """XLA compiles of the learner (this process) and of the bridges, step by step: after step 1, a
-    compile is a shape the config missed."""
+class _Programs:
+    """XLA programs the learner (this process) and the bridges needed, step by step: after this
+    process's first step (a resumed run's included), a program is a shape the config missed, whether
+    it compiled or came from the persistent cache. The compiles among them are logged too (few on a
+    warm cache). A bridge counts from the first time it is seen: one restarted mid-run has warmed up
+    anew, which is no shape missed."""
 
     def __init__(self, client: RolloutClient):
         self.client = client
-        self.seen = self._now()
-        self.after_step_1: int | None = None  # None until step 2
+        self.learner = (programs(), compiles())
+        self.bridges = self._bridges()
+        self.after_first_step: int | None = None  # None until the first step
 
-    def _now(self) -> tuple[int, int]:
-        return compiles(), int(sum(stats.get("engine.compiles", 0) for stats in self.client.stats()))
+    def _bridges(self) -> dict[BridgeClient, tuple[int, int]]:
+        return {c: (int(s.get("programs", 0)), int(s.get("engine.compiles", 0)))
+                for c, s in self.client.stats().items()}
 
-    def since_last(self, step: int) -> dict[str, float]:
-        now = self._now()
-        if step > 1:
-            self.after_step_1 = (self.after_step_1 or 0) + sum(now) - sum(self.seen)
-        new = {"compiles/learner": float(now[0] - self.seen[0]), "compiles/bridge": float(now[1] - self.seen[1])}
-        self.seen = now
+    def since_last(self) -> dict[str, float]:
+        learner, bridges = (programs(), compiles()), self._bridges()
+        new_bridge = [sum(now[i] - self.bridges.get(c, now)[i] for c, now in bridges.items()) for i in (0, 1)]
+        new = {"programs/learner": float(learner[0] - self.learner[0]), "programs/bridge": float(new_bridge[0]),
+               "compiles/learner": float(learner[1] - self.learner[1]), "compiles/bridge": float(new_bridge[1])}
+        # The first step needs the programs; after it, none should be new.
+        late = int(new["programs/learner"] + new["programs/bridge"])
+        self.after_first_step = 0 if self.after_first_step is None else self.after_first_step + late
+        self.learner, self.bridges = learner, bridges
         return new
 
 
