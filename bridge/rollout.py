@@ -3,7 +3,9 @@
 An episode generates a turn, hands it to its environment hook (if any), appends what the hook
 returns (tool results, observations: loss mask 0, no logprobs) and generates again, until the
 model stops without the hook asking for more, the hook says done, `max_turns`, or the token
-budget. Without a hook an episode is one turn, rewarded by the reward functions alone.
+budget. An answer that does not fit the budget ends the episode unappended ("length"), as TRL's
+GRPOTrainer drops it: no model turn could follow it, and the learner would cut it at the budget.
+Without a hook an episode is one turn, rewarded by the reward functions alone.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ async def run_episode(
                 break
             if not result.append_ids and completion.finish_reason == "stop":
                 traj.finish_reason = "stop"  # the model answered without asking for anything
+                break
+            if len(traj.completion_ids) + len(result.append_ids) > budget:
+                traj.finish_reason = "length"
                 break
             traj.append(result.append_ids, [], False, ENV_VERSION)
             if traj.num_turns >= max_turns:

@@ -6,8 +6,10 @@ from benches import tiny_figures
 def test_tiny_multiturn_benchmark_prints_its_figures():
     figures = tiny_figures("multiturn", one_device=True)
     assert set(figures["ratios"]) == {"jax_over_ceiling", "continuous_over_batch_sync", "jax_over_hf_turn_sync",
-                                      "jax_over_hf_sequential"}
+                                      "jax_over_hf_sequential", "ceiling_over_floor", "jax_over_floor"}
     assert all(r > 0 for r in figures["ratios"].values())
+    floor = figures["floor"]  # the machine's limit for a decode step, measured in the same run
+    assert floor["tok_s"] > 0 and floor["bandwidth_gb_s"] > 0 and floor["matmul_gflop_s"] > 0
     assert figures["ceiling"]["tokens"] == figures["generated_tokens"] and figures["ceiling"]["compiles"] == 0
     for side in ("jax", "jax_batch_sync", "hf_turn_sync", "hf_sequential"):
         f = figures[side]
@@ -23,7 +25,8 @@ def test_tiny_multiturn_benchmark_prints_its_figures():
     assert figures["hf_turn_sync"]["generate_calls"] >= 2  # every episode has at least two turns
 
 
-def test_tiny_long_tail_mix_runs():
-    figures = tiny_figures("multiturn", "--mix", "long-tail", "--skip-hf", one_device=True)
-    assert set(figures["ratios"]) == {"jax_over_ceiling", "continuous_over_batch_sync"}
+def test_tiny_long_tail_mix_of_groups_runs():
+    figures = tiny_figures("multiturn", "--mix", "long-tail", "--group-size", "2", "--skip-hf", one_device=True)
+    assert set(figures["ratios"]) == {"jax_over_ceiling", "continuous_over_batch_sync", "ceiling_over_floor",
+                                      "jax_over_floor"}
     assert figures["mix"] == "long-tail" and figures["jax"]["tokens"] == figures["generated_tokens"]

@@ -58,4 +58,5 @@ def test_max_turns_and_budget_end_episodes(tok):
     assert traj.finish_reason == "max_turns" and traj.num_turns == 3
     traj = run(ScriptedEngine(tok, lambda prompt: tool_call("add", {"amount": 0})), runtime, "counter", {},
                max_turns=50, budget=120)
-    assert traj.finish_reason == "length" and len(traj.completion_ids) >= 120
+    # The answer that would pass the budget is not appended: the episode ends on the model's turn.
+    assert traj.finish_reason == "length" and len(traj.completion_ids) <= 120 and traj.loss_mask[-1] == 1

@@ -169,7 +169,7 @@ def test_bad_requests_are_refused(model_dir):
 
 
 def test_an_episodes_next_turn_reuses_its_cached_prefix_until_the_weights_change(model_dir):
-    engine = JaxEngine(model_dir, max_batch=2, max_seq_len=64)
+    engine = JaxEngine(model_dir, max_batch=2, max_seq_len=64, prefix_block=4)  # found by blocks of 4 tokens
     params = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
     prompt = [5, 6, 7, 8, 9]
     [[first]] = run(engine.generate([prompt], params))

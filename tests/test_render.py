@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bridge.envs.openenv_episode import resolve_action_mode
-from bridge.envs.render import RenderError, as_function_tool, inline_refs, observation_text
+from bridge.envs.render import RenderCache, RenderError, answer_ids, as_function_tool, inline_refs, observation_text, prompt_ids
 from bridge.envs.spec import EnvSpec
 
 
@@ -42,3 +42,22 @@ def test_references_are_inlined_with_their_siblings_and_recursion_stops():
     assert resolve_action_mode(EnvSpec("e", url="http://127.0.0.1:1"),
                                {"$defs": schema["$defs"], "properties": {"move": {"$ref": "#/$defs/Move"}},
                                 "required": ["move"]}) == ("tool", None)  # an enum is not free text
+
+
+def test_the_render_cache_gives_the_renderings_ids_and_renders_each_input_once():
+    from jaxrl.tiny_tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    cache = RenderCache(tok, {}, size=2)
+    tools = [as_function_tool({"name": "guess", "description": "Guess.", "parameters": schema({"n": {"type": "integer"}},
+                                                                                            ["n"])})]
+    first = [{"role": "user", "content": "Guess my number."}]
+    assert cache.prompt_ids(first, tools) == prompt_ids(tok, first, tools, {}) == cache.prompt_ids(first, tools)
+    answer = [{"role": "tool", "name": "guess", "content": "higher"}]
+    for turn in ([5, 6, tok.eos_token_id], [5, 6]):  # a turn that wrote its end, and one cut short
+        assert cache.answer_ids(turn, answer) == answer_ids(tok, turn, answer, {})
+    assert cache.stats == {"hits": 1, "misses": 3}
+    ids = cache.answer_ids([7, tok.eos_token_id], answer)  # the same answer after another turn: a hit
+    ids.append(0)  # the caller's list is its own
+    assert cache.answer_ids([7, tok.eos_token_id], answer) == answer_ids(tok, [7, tok.eos_token_id], answer, {})
+    assert cache.stats == {"hits": 3, "misses": 3} and len(cache._ids) == 2  # bounded: the prompt was evicted

@@ -335,3 +335,13 @@ def test_any_typed_parameter_takes_anything():
 
     env = ToolEnvironment(Free())
     assert env.call("store", {"value": {"a": [1, None]}}) == '{"a": [1, null]}'
+
+
+def test_each_instance_calls_its_own_methods_with_the_classs_schema():
+    first, second = Game(), Game()
+    a, b = ToolEnvironment(first), ToolEnvironment(second)
+    assert a.tools == b.tools and a.tools[0] is not b.tools[0]  # worked out once, handed out as copies
+    a.reset(secret=3)
+    b.reset(secret=5)
+    assert (a.call("guess", {"n": 3}), b.call("guess", {"n": 3})) == ("correct", "higher")
+    assert first.calls == [3] and second.calls == [3]

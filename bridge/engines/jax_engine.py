@@ -1,7 +1,8 @@
 """The JAX engine: jaxrl's own KV-cache sampler over `jaxrl.models`, with continuous batching.
 
 Requests become rows (one per completion) that wait for one of `max_batch` decode slots
-(`bridge.engines.sampler.Slots`). Each device call advances every live slot `decode_steps` tokens;
+(`bridge.engines.sampler.Slots`: the host plan of `bridge.engines.scheduler`, the device calls of the
+sampler). Each device call advances every live slot `decode_steps` tokens;
 between calls, rows that ended are handed back and waiting rows are prefilled into the free slots.
 When the engine is idle, requests that arrive within `batch_window_s` of the first start together.
 Sequences (prompt + completion) hold at most `max_seq_len` tokens: a longer prompt is refused and a
@@ -38,7 +39,8 @@ from flax import nnx
 
 from bridge.engines.base import (Completion, EngineError, PromptTooLong, SamplingParams, SnapshotRefused,
                                  derive_seed, read_off_loop)
-from bridge.engines.sampler import PrefixCache, Row, Shapes, Slots
+from bridge.engines.sampler import Shapes, Slots
+from bridge.engines.scheduler import Row
 from jaxrl.compilation import compiles
 from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
 from jaxrl.models.lora import LoraError, add_lora, config_from_peft, with_adapters
@@ -67,7 +69,7 @@ class JaxEngine:
     def __init__(self, model_dir: str | Path, dtype: str | None = None, max_batch: int = 64,
                  batch_window_s: float = 0.005, seed: int = 0, tokenizer=None, max_seq_len: int = 2048,
                  prefill_chunk: int = 64, prefix_cache_rows: int | None = None, decode_steps: int = 16,
-                 max_stop_ids: int = 8, warm_up: bool = False, lora: dict | None = None):
+                 max_stop_ids: int = 8, prefix_block: int = 16, warm_up: bool = False, lora: dict | None = None):
         model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
         self.cfg: ModelConfig = model.cfg
         self.lora = None if lora is None else config_from_peft(lora, "jax engine lora")
@@ -79,7 +81,7 @@ class JaxEngine:
         self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, params))
         self.policy_version = 0
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
-                            ("decode_steps", decode_steps), ("max_stop_ids", max_stop_ids)):
+                            ("decode_steps", decode_steps), ("max_stop_ids", max_stop_ids), ("prefix_block", prefix_block)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jax engine: {name}={value!r} must be a positive integer")
         self.shapes = Shapes(min(max_seq_len, self.cfg.max_position_embeddings), prefill_chunk, max_batch,
@@ -88,8 +90,8 @@ class JaxEngine:
         rows = 2 * max_batch if prefix_cache_rows is None else prefix_cache_rows
         if not isinstance(rows, int) or rows < 0:
             raise ValueError(f"jax engine: prefix_cache_rows={rows!r} must be an integer >= 0")
-        self.prefix = PrefixCache(self.cfg, self.shapes, rows)
-        self.slots = Slots(self.cfg, self.shapes, self.prefix)
+        self.slots = Slots(self.cfg, self.shapes, rows, prefix_block)
+        self.prefix = self.slots.prefix
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.tokenizer = tokenizer

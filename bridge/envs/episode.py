@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from bridge.envs.render import answer_ids, prompt_ids
 from bridge.envs.spec import task_prompt
 from bridge.rollout import TurnResult
 from bridge.tool_calls import format_tool_results
@@ -127,7 +126,7 @@ class EnvEpisodeHook:
             self.runtime.warn_once(self.spec.name, "empty_prompt", empty_prompt_warning(self.episode))
         if self.runtime.groups.mixed(self.spec, self.group_id, self.prompt):
             self.metrics["groups_mixed"] = 1.0
-        return prompt_ids(self.runtime.tokenizer, self.prompt, self.episode.tools, self.runtime.template_kwargs)
+        return self.runtime.render.prompt_ids(self.prompt, self.episode.tools)
 
     async def turn(self, completion_ids: list[int]) -> TurnResult:
         tok = self.runtime.tokenizer
@@ -162,7 +161,7 @@ class EnvEpisodeHook:
         self.conversation += messages
         if done:
             return TurnResult([], done=True)
-        return TurnResult(answer_ids(tok, completion_ids, messages, self.runtime.template_kwargs), done=False)
+        return TurnResult(self.runtime.render.answer_ids(completion_ids, messages), done=False)
 
     async def finish(self, trajectory) -> dict[str, float]:
         """The episode's rewards by name (functions answering None leave theirs out)."""

@@ -6,6 +6,7 @@ here, so the same episode reads the same token for token whichever way it runs."
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -144,3 +145,38 @@ def answer_ids(tokenizer: Any, turn_ids: Sequence[int], messages: Sequence[Mappi
     text = render_tool_results(tokenizer, [dict(m) for m in messages], turn_end=None if ended else "",
                                **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+class RenderCache:
+    """`prompt_ids` and `answer_ids` of one tokenizer and template settings, each distinct input rendered
+    once: the G episodes of a group start from one prompt, and environments repeat their answers (a
+    game's "too low", a tool's error), so most turns' template rendering and tokenization were repeats.
+    A bounded LRU keyed by the inputs' JSON; the ids are the functions' own, token for token."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any], size: int = 4096):
+        self.tokenizer, self.template_kwargs, self.size = tokenizer, dict(template_kwargs), size
+        self._ids: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self.stats = {"hits": 0, "misses": 0}
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                   add_generation_prompt: bool = True) -> list[int]:
+        return self._get(("prompt", messages, tools, add_generation_prompt), lambda: prompt_ids(
+            self.tokenizer, messages, tools, self.template_kwargs, add_generation_prompt))
+
+    def answer_ids(self, turn_ids: Sequence[int], messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        ended = bool(turn_ids) and turn_ids[-1] == self.tokenizer.eos_token_id  # all answer_ids reads of the turn
+        return self._get(("answer", ended, messages), lambda: answer_ids(
+            self.tokenizer, turn_ids[-1:] if ended else [], messages, self.template_kwargs))
+
+    def _get(self, key: Any, render) -> list[int]:
+        text = json.dumps(key, sort_keys=True, default=str)
+        ids = self._ids.get(text)
+        if ids is None:
+            self.stats["misses"] += 1
+            ids = self._ids[text] = tuple(render())
+            if len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+        else:
+            self.stats["hits"] += 1
+            self._ids.move_to_end(text)
+        return list(ids)

@@ -14,6 +14,7 @@ from bridge.envs.endpoint import Endpoint
 from bridge.envs.episode import EnvEpisodeHook
 from bridge.envs.group_check import GroupCheck
 from bridge.envs.in_process import InProcessConnector
+from bridge.envs.render import RenderCache
 from bridge.envs.rollout_fn import RolloutFnConnector
 from bridge.envs.scoring import RewardFunctions
 from bridge.envs.served import ServedConnector
@@ -79,6 +80,7 @@ class EnvRuntime:
         self.parser = parser
         self.hidden_ids = hidden_special_ids(tokenizer, parser.delimiters)  # left out of what the parser reads
         self.template_kwargs = dict(template_kwargs or {})
+        self.render = RenderCache(tokenizer, self.template_kwargs)
         self.rewards = RewardFunctions(rewards, tokenizer)
         self.connectors = {s.name: build_connector(s) for s in specs}
         self.started = False

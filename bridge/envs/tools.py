@@ -38,6 +38,7 @@ arguments are checked are `function_tool`'s.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 from collections.abc import Callable, Iterable
@@ -96,6 +97,24 @@ def _to_text(result: Any) -> str:
         return str(result)
 
 
+_CLASS_TOOLS: dict[tuple[type, str], Tool] = {}
+
+
+def _bound_tool(env: object, name: str) -> Tool:
+    """The tool of `env`'s method `name`. Its schema and checks are worked out once per class (docstring
+    parsing and signatures cost a millisecond, and an episode builds a wrapper of a fresh instance),
+    then bound to this instance's method."""
+    method = getattr(env, name)
+    if name in getattr(env, "__dict__", {}):  # set on this instance: its own
+        return Tool(name, method)
+    tool = _CLASS_TOOLS.get((type(env), name))
+    if tool is None:
+        tool = _CLASS_TOOLS[(type(env), name)] = Tool(name, method)
+    bound = copy.copy(tool)
+    bound.fn = method
+    return bound
+
+
 def _discover(env: object, exclude: set[str]) -> tuple[dict[str, Tool], dict[str, str]]:
     cls = type(env)
     # In name order, as TRL lists an environment's tools (`inspect.getmembers`): the same prompt.
@@ -121,7 +140,7 @@ def _discover(env: object, exclude: set[str]) -> tuple[dict[str, Tool], dict[str
         elif not (inspect.getdoc(static) or "").strip():
             skipped[n] = "no docstring"
         else:
-            tools[n] = Tool(n, getattr(env, n))
+            tools[n] = _bound_tool(env, n)
     unknown = sorted(exclude - set(tools) - set(skipped))
     if unknown:
         raise ValueError(

@@ -1,13 +1,15 @@
 """Generation throughput of each engine on one tiny model, and what the gRPC bridge costs.
 
-    python -m experiments.bench.engines [--sequences 64] [--new-tokens 128] [--tiny]
+    python -m experiments.bench.engines [--sequences 64] [--new-tokens 128] [--hidden 128 --layers 4 ...] [--tiny]
 
 Same model, prompts and sampling (temperature 1, no stop, every sequence runs to
 `--new-tokens`) for: the JAX engine in-process, the JAX engine behind a real bridge process
 (`bridge_over_inproc` = bridge tokens/s / in-process tokens/s), transformers' `generate`, and
 vLLM's CPU build when it is importable (run from `.venv-vllm` for that figure; otherwise null).
 Each figure is the median of `--repeats` timed runs after one warm-up run (compilation);
-in-process and bridge runs alternate.
+in-process and bridge runs alternate. `jax_over_floor`: the in-process figure over the machine's
+floor (`experiments.bench.roofline`, measured in the same run) for a decode step of all the
+sequences at their mean context (prompt and half the new tokens): 1 would be the machine's limit.
 The last line is one JSON object.
 """
 
@@ -22,12 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from bridge.engines.base import SamplingParams
 from bridge.engines.jax_engine import JaxEngine
+from experiments.bench.roofline import decode_floor, memory_bandwidth
 from jaxrl.host_memory import restart_tuned
 from jaxrl.tiny import build_tiny_model
+from jaxrl.tiny_tokenizer import build_tokenizer
 
 
 def _tok_s(run, tokens_per_run: int) -> float:
@@ -54,6 +59,7 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
 
     engine = JaxEngine(model_dir, max_batch=max_batch)
     tokens = len(prompts) * params.max_tokens
+    bandwidth = memory_bandwidth()
 
     def inproc():
         out = asyncio.run(engine.generate(prompts, params))
@@ -67,7 +73,10 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
 
         inproc(), bridged()  # warm-up: compilation on both sides
         pairs = [(_tok_s(inproc, tokens), _tok_s(bridged, tokens)) for _ in range(repeats)]
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    context = round(statistics.mean(map(len, prompts)) + params.max_tokens / 2)
+    floor = decode_floor(engine.cfg, len(prompts), context, max(bandwidth, memory_bandwidth()),
+                         sum(x.size for x in jax.tree.leaves(engine.params)))
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs), floor
 
 
 def hf_generate(model_dir, prompts, params, repeats):
@@ -121,29 +130,39 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--family", default="qwen3")
+    parser.add_argument("--hidden", type=int, default=128, help="vs_trl's model: hidden 128, 4 layers, mlp 256, "
+                        "vocab 1000 (0.72M parameters)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--tiny", action="store_true", help="a few sequences and tokens, for CI")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     if args.tiny:
         args.sequences, args.new_tokens, args.repeats = 4, 8, 1
+        args.hidden, args.layers, args.intermediate, args.vocab = 64, 2, 128, 512
 
     # No stop tokens and no min_tokens games: every sequence produces exactly new_tokens.
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", args.family)
+        model_dir = build_tiny_model(Path(tmp) / "model", args.family, tokenizer=build_tokenizer(vocab_size=args.vocab),
+                                     hidden_size=args.hidden, num_layers=args.layers,
+                                     intermediate_size=args.intermediate)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = _prompts(args.sequences, vocab)
         figures = {"sequences": args.sequences, "new_tokens": args.new_tokens}
-        inproc, bridged = jax_inproc_and_bridge(model_dir, prompts, params, args.repeats, args.sequences)
+        inproc, bridged, floor = jax_inproc_and_bridge(model_dir, prompts, params, args.repeats, args.sequences)
         figures["jax_tok_s"], figures["jax_bridge_tok_s"] = inproc, bridged
         figures["bridge_over_inproc"] = bridged / inproc
+        figures["floor"] = floor.figures()
+        figures["jax_over_floor"] = inproc / floor.tok_s
         figures["hf_generate_tok_s"] = None if args.skip_hf else hf_generate(model_dir, prompts, params, args.repeats)
         figures["vllm_cpu_tok_s"], why = vllm_cpu(model_dir, prompts, params, args.repeats)
         if why:
             figures["vllm_note"] = why
 
     for key, value in figures.items():
-        print(f"{key:>20}: {value:.1f}" if isinstance(value, float) else f"{key:>20}: {value}")
+        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
 

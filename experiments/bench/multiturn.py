@@ -4,14 +4,15 @@ same tokens (the ceiling), and vs. transformers' `generate` serving the same epi
 
     python -m experiments.bench.multiturn [--episodes 64] [--model-dir DIR | --hidden 128 --layers 4 ...]
         [--prompt-tokens 350] [--turns 2 4] [--turn-tokens 16 48] [--mix uniform|long-tail]
-        [--tool-tokens 10 20] [--max-delay-ms 50] [--decode-steps 16] [--repeats 3]
+        [--tool-tokens 10 20] [--max-delay-ms 50] [--group-size 1] [--decode-steps 16] [--repeats 3]
         [--hf-batching round|grouped] [--skip-hf] [--skip-sequential] [--tiny]
 
 The script (seeded, the same for every side): episode i arrives after a delay drawn in
 [0, --max-delay-ms], has a prompt of --prompt-tokens +- 10% random ids, a number of turns drawn in
 --turns, per turn a number of tokens to generate (temperature 1, no stop tokens: every turn
 produces exactly that many) and after every turn but the last a "tool result" of ids drawn in
---tool-tokens, appended before the next turn. Turn lengths: `--mix uniform` draws them in
+--tool-tokens, appended before the next turn; with --group-size G, each G consecutive episodes share
+their prompt and arrival time (a GRPO group). Turn lengths: `--mix uniform` draws them in
 --turn-tokens; `--mix long-tail` draws 90% of turns in 8-32 tokens and 10% in 256-512 (`--tiny`:
 2-4 and 16-32). Each turn re-sends the whole sequence so far (prompt, completions, tool results) as a
 new prompt, as the bridge does.
@@ -58,8 +59,13 @@ Threads: XLA's CPU client uses one intra-op thread per core it may use; torch ge
 On a machine shared with other work, torch's threads suffer far more than XLA's when a core is
 taken (the `--tiny` turn-synchronous run at load 3.6 on 2 cores: 0.24 s with 2 torch threads, 0.02 s
 with 1): read `load_before` (1-minute load average) next to each figure.
+The machine's floor (`experiments.bench.roofline`, measured in the same run: memory bandwidth before
+and after the JAX sides, the best of the two, and XLA's matmul rate at the model's shapes) of one
+decode step of --max-batch rows at the ceiling run's mean context: `ceiling_over_floor` and
+`jax_over_floor` are each side's tokens/s over the floor's (1 would be the machine's limit).
 The last line is one JSON object; `ratios`: `jax_over_ceiling` (multi-turn tokens/s over one full
-batch's), `continuous_over_batch_sync`, and JAX tokens/s over transformers tokens/s (>1: JAX faster).
+batch's), `continuous_over_batch_sync`, the two over the floor, and JAX tokens/s over transformers
+tokens/s (>1: JAX faster).
 """
 
 from __future__ import annotations
@@ -74,10 +80,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from bridge.engines.base import SamplingParams
 from bridge.engines.jax_engine import JaxEngine
+from experiments.bench.roofline import decode_floor, memory_bandwidth
 from jaxrl.compilation import compiles
 from jaxrl.host_memory import restart_tuned
 
@@ -97,9 +105,10 @@ class Episode:
 
 def make_script(episodes: int, vocab: int, prompt_tokens: int, turns: tuple[int, int],
                 turn_tokens: tuple[int, int], tool_tokens: tuple[int, int], max_delay_ms: float,
-                seed: int = 0, tail: tuple[float, int, int] | None = None) -> list[Episode]:
+                seed: int = 0, tail: tuple[float, int, int] | None = None, group: int = 1) -> list[Episode]:
     """The episodes every side serves; ids in [10, vocab) (clear of the usual special ids). `tail`:
-    (share, low, high): that share of turns draws its length in [low, high] instead."""
+    (share, low, high): that share of turns draws its length in [low, high] instead. `group`: episodes
+    i and j share their prompt (and arrival) when i // group == j // group, as a GRPO group's do."""
     rng = np.random.default_rng(seed)
     script = []
     for i in range(episodes):
@@ -117,6 +126,9 @@ def make_script(episodes: int, vocab: int, prompt_tokens: int, turns: tuple[int,
             share, low, high = tail
             long = rng.random(n_turns) < share
             episode.turns[:] = np.where(long, rng.integers(low, high + 1, n_turns), episode.turns).tolist()
+        if i % group:
+            leader = script[i - i % group]
+            episode = dataclasses.replace(episode, delay_s=leader.delay_s, prompt=leader.prompt)
         script.append(episode)
     return script
 
@@ -295,6 +307,9 @@ def parse_args(argv=None):
     p.add_argument("--tool-tokens", type=int, nargs=2, default=(10, 20), metavar=("MIN", "MAX"),
                    help="tokens of each tool result")
     p.add_argument("--max-delay-ms", type=float, default=50.0, help="arrival delays in [0, this]")
+    p.add_argument("--group-size", type=int, default=1, help="episodes per group: a group shares its prompt and "
+                   "arrives together (vs_trl's workload: --group-size 8 --prompt-tokens 330 --turns 3 4 "
+                   "--turn-tokens 20 26 --tool-tokens 16 22)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", help="a Hugging Face model directory (default: a tiny random Qwen3 built here)")
     p.add_argument("--hidden", type=int, default=128)
@@ -338,7 +353,8 @@ def main(argv=None) -> dict:
         model_dir = Path(args.model_dir) if args.model_dir else _build_model(args, tmp)
         cfg = json.loads((model_dir / "config.json").read_text())
         script = make_script(args.episodes, cfg["vocab_size"], args.prompt_tokens, tuple(args.turns),
-                             tuple(args.turn_tokens), tuple(args.tool_tokens), args.max_delay_ms, args.seed, args.tail)
+                             tuple(args.turn_tokens), tuple(args.tool_tokens), args.max_delay_ms, args.seed, args.tail,
+                             args.group_size)
         tokens = sum(ep.tokens for ep in script)
         figures = {
             "ratios": {},
@@ -362,6 +378,7 @@ def main(argv=None) -> dict:
         engines = {side: JaxEngine(model_dir, max_batch=args.max_batch, max_seq_len=longest, decode_steps=steps,
                                    warm_up=True)
                    for side, steps in (("jax", args.decode_steps), ("jax_batch_sync", longest))}
+        bandwidth = [memory_bandwidth()]
         runs = {side: [] for side in ("jax", "ceiling", "jax_batch_sync")}
         for _ in range(args.repeats):  # the sides alternate, so that the machine's load falls on all of them
             for side, engine in (("jax", engines["jax"]), ("ceiling", engines["jax"]),
@@ -370,6 +387,12 @@ def main(argv=None) -> dict:
                 figures["load_before"][side] = os.getloadavg()[0]
                 runs[side].append(run_jax(engine, script) if side != "ceiling" else run_ceiling(
                     engine, args.max_batch, round(figures["prompt_tokens_mean"]), tokens, cfg["vocab_size"]))
+        bandwidth.append(memory_bandwidth())
+        # The one-batch run's rows attend on average to their prompt and half their tokens.
+        engine = engines["jax"]
+        floor = decode_floor(engine.cfg, args.max_batch, round(figures["prompt_tokens_mean"] + tokens / args.max_batch / 2),
+                             max(bandwidth), sum(x.size for x in jax.tree.leaves(engine.params)))
+        figures["floor"] = floor.figures()
         for engine in engines.values():
             asyncio.run(engine.close())
         del engines
@@ -378,6 +401,8 @@ def main(argv=None) -> dict:
         for key, num, den in (("jax_over_ceiling", "jax", "ceiling"),
                               ("continuous_over_batch_sync", "jax", "jax_batch_sync")):
             figures["ratios"][key] = statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs[num], runs[den]))
+        for side in ("ceiling", "jax"):
+            figures["ratios"][f"{side}_over_floor"] = figures[side]["tok_s"] / floor.tok_s
 
         hf = None if args.skip_hf else HF(model_dir, threads)
         if hf is not None:
@@ -426,6 +451,10 @@ def _print(figures: dict) -> None:
             latency = f"turn p50 {f['turn_latency_median_ms']:8.1f} ms  "
         print(f"  {side:<14} {f['wall_s']:8.2f} s  {f['tok_s']:9.1f} tok/s  {latency}{extra}  "
               f"(load {figures['load_before'][side]:.2f})")
+    f = figures["floor"]
+    print(f"  floor of a {f['rows']}-row decode step at {f['context']} tokens of context: {f['tok_s']:.0f} tok/s "
+          f"({f['bound']}-bound: {f['memory_ms']:.2f} ms to read {f['bytes'] / 1e6:.1f} MB at {f['bandwidth_gb_s']} GB/s, "
+          f"{f['matmul_ms']:.2f} ms of matmuls at {f['matmul_gflop_s']} GFLOP/s)")
     for key, value in figures["ratios"].items():
         print(f"  {key:<28} {value:.2f}")
     print(json.dumps(_round(figures)), flush=True)

@@ -2,17 +2,22 @@
 
     bash scripts/setup_trl.sh                      # once: .venv-trl (TRL 1.16 + the CPU torch wheel)
     .venv/bin/python -m experiments.bench.vs_trl [--steps 10] [--prompts 1] [--generations 8]
-        [--max-completion-length 128] [--max-tool-calls 4] [--lr 1e-6] [--async] [--stream]
+        [--max-completion-length 128] [--max-tool-calls 4] [--max-prompt-tokens 512] [--lr 1e-6] [--async] [--stream]
         [--hidden 128] [--layers 4] [--intermediate 256] [--vocab 1000] [--repeats 1] [--jaxrl-only] [--tiny]
 
 The workload, the same on both sides:
 
-- the model: a tiny Qwen3 (`jaxrl.tiny`, with `jaxrl.tiny_tokenizer`'s byte-level BPE and its
-  Qwen-style tool-calling chat template), PRIMED here in JAX by a short supervised fine-tune on
-  rendered binary-search demonstrations so that it calls the `guess(n)` tool, and saved as a
-  Hugging Face directory both frameworks load (cached under runs/assets/vs_trl/);
+- the model: a tiny Qwen3 (`jaxrl.tiny`, 0.72M parameters) with a byte-level BPE of 1,000 tokens
+  learned from general text and a Qwen2.5-style tool chat template (`experiments.bench.chat_tokenizer`:
+  tokens per episode as a small general vocabulary has them, not as `jaxrl.tiny_tokenizer`'s corpus
+  written around the games), PRIMED here in JAX by a supervised fine-tune on rendered binary-search
+  demonstrations so that it calls the `guess(n)` tool, and saved as a Hugging Face directory both
+  frameworks load (cached under runs/assets/vs_trl/; the priming takes ~10-35 min on 2 cores);
 - the environment and reward: `experiments/bench/guess_env.py` (`GuessNumber`, TRL's
-  `environment_factory` style, and `reward`), used unchanged by both;
+  `environment_factory` style: `reset(**row)`'s text appended to the row's user turn, a `guess`
+  tool, a secret in 1..50), and `reward`, used unchanged by both, on the same dataset rows in TRL's
+  format (a `prompt` of chat messages, a `seed`). An episode is ~300 prompt tokens, ~2.5 tool calls,
+  ~60 model tokens and ~110 tokens in all, and most episodes end at the 128-token budget;
 - per step `--prompts` tasks x `--generations` episodes at temperature 1, at most
   `--max-completion-length` completion tokens per episode (tool results included) and at most
   `--max-tool-calls` tool calls (TRL: `max_tool_calling_iterations`; jaxrl: `rollout.max_turns`
@@ -27,10 +32,13 @@ The workload, the same on both sides:
 
 Printed per side: median s/step over steps 3..N and per-phase medians (rollout = generate +
 tools/environment, learn, weight sync), wall time including start-up, time to the first step,
-jaxrl's XLA compiles after its first step (learner and bridge; 0 expected), and per episode the tool calls and completion tokens (model-written and total) so a reader can
-see both sides did the same work; the bench fails (exit 1, after printing) if either side makes
-~0 tool calls. The last line is one JSON object; its `ratios` are jaxrl / TRL (lower is better
-for jaxrl): `jaxrl_over_trl_step` and one per phase.
+jaxrl's XLA compiles after its first step (learner and bridge; 0 expected), and the work per
+episode (`WORK`: model turns, tool calls and errors, model-written and total completion tokens, the
+share of episodes that ended at the token budget, prompt tokens) so a reader can see both sides did
+the same work; the bench fails (exit 1, after printing) if either side makes ~0 tool calls, or if
+turns, tool calls, model tokens or total tokens per episode differ from TRL's by more than 15%.
+The last line is one JSON object; its `ratios` are jaxrl / TRL (lower is better for jaxrl):
+`jaxrl_over_trl_step` and one per phase.
 
 `--stream` runs jaxrl twice more with the bridge and the trainer pinned to one CPU each (the bridge
 on the first of this process's CPUs, `bridge.cpus`; the trainer on the second, `taskset`): sync
@@ -58,6 +66,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.bench.guess_env import INSTRUCTIONS
+
 ROOT = Path(__file__).resolve().parents[2]
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 TRL_SIDE = ROOT / "experiments" / "bench" / "vs_trl_trl_side.py"
@@ -65,23 +75,31 @@ ASSETS = ROOT / "runs" / "assets" / "vs_trl"
 ENV_CLASS = "experiments.bench.guess_env:GuessNumber"
 REWARD_FN = "experiments.bench.guess_env:reward"
 PHASES = ("rollout_s", "generate_s", "env_s", "learn_s", "sync_s")
-PRIME_VERSION = "1"  # bump when the priming (demonstrations, recipe) changes: cached models are keyed by it
+PRIME_VERSION = "2"  # bump when the priming (demonstrations, recipe) changes: cached models are keyed by it
+DEMO_COMPLETION_TOKENS = 192  # demonstrations are cut there: past the bench's episodes, which end at 128
 MIN_TOOL_CALLS = 0.5  # per episode; below this a side hardly reaches the tool and the comparison is void
+# The work per episode each side reports (means over all its episodes): model turns, tool calls, tool
+# errors, tokens the model wrote, tokens of the completion in all (tool results included), the share of
+# episodes that ended at the token budget, prompt tokens. The first four must agree within SAME_WORK.
+WORK = ("turns", "tool_calls", "tool_errors", "model_tokens", "total_tokens", "capped", "prompt_tokens")
+SAME_WORK = ("turns", "tool_calls", "model_tokens", "total_tokens")
+SAME_WORK_TOLERANCE = 0.15
 
 
 # -- the primed model ----------------------------------------------------------------------------
 
 
-def _render_demo(tok, tools, secret: int) -> tuple[list[int], list[int]]:
-    """A binary-search episode rendered by the chat template: (ids, loss mask on the model's turns).
+def _render_demo(tok, tools, secret: int, max_completion: int) -> tuple[list[int], list[int]]:
+    """A binary-search episode rendered by the chat template: (ids, loss mask on the model's turns), cut
+    `max_completion` tokens after the prompt (no episode of the bench goes further).
 
     Segments are encoded one by one, as rollouts produce them: the prompt up to the generation prompt,
     each assistant turn through its end-of-turn token (trained), the tool results and the next
     generation prompt (not trained).
     """
-    from experiments.bench.guess_env import PROMPT, binary_search
+    from experiments.bench.guess_env import INSTRUCTIONS, binary_search, reset_text
 
-    conv = [{"role": "user", "content": PROMPT}]
+    conv = [{"role": "user", "content": INSTRUCTIONS + reset_text()}]
     for n, answer in binary_search(secret):
         conv.append({"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": {"name": "guess", "arguments": {"n": n}}}]})
@@ -92,6 +110,7 @@ def _render_demo(tok, tools, secret: int) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
     at = 0
+    prompt_len = None
     while (start := text.find(head, at)) >= 0:
         start += len(head)
         end = text.index(eos, start) + len(eos)
@@ -99,8 +118,9 @@ def _render_demo(tok, tools, secret: int) -> tuple[list[int], list[int]]:
             piece_ids = tok.encode(piece, add_special_tokens=False)
             ids += piece_ids
             mask += [trained] * len(piece_ids)
+            prompt_len = len(ids) if prompt_len is None else prompt_len
         at = end
-    return ids, mask
+    return ids[:prompt_len + max_completion], mask[:prompt_len + max_completion]
 
 
 def prime_model(out_dir: Path, *, hidden: int, layers: int, intermediate: int, vocab: int, steps: int,
@@ -113,10 +133,10 @@ def prime_model(out_dir: Path, *, hidden: int, layers: int, intermediate: int, v
     from flax import nnx
     from transformers.utils import get_json_schema
 
+    from experiments.bench.chat_tokenizer import build_tokenizer
     from experiments.bench.guess_env import HIGH, LOW, GuessNumber
     from jaxrl.models import load_pretrained, save_pretrained
     from jaxrl.tiny import build_tiny_model
-    from jaxrl.tiny_tokenizer import build_tokenizer
 
     t0 = time.perf_counter()
     tok = build_tokenizer(vocab_size=vocab)
@@ -124,12 +144,8 @@ def prime_model(out_dir: Path, *, hidden: int, layers: int, intermediate: int, v
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(tmp, "qwen3", seed=seed, tokenizer=tok, hidden_size=hidden, num_layers=layers,
                      intermediate_size=intermediate)
-    # TRL renders a tool's schema with its `return` entry (transformers' get_json_schema), jaxrl without it:
-    # the demonstrations show both renderings so that neither side's prompt is new to the model.
-    with_return = get_json_schema(GuessNumber().guess)
-    without_return = {"type": "function",
-                      "function": {k: v for k, v in with_return["function"].items() if k != "return"}}
-    demos = [_render_demo(tok, tools, s) for s in range(LOW, HIGH + 1) for tools in ([with_return], [without_return])]
+    # Both sides render the tool's schema as transformers' get_json_schema writes it.
+    demos = [_render_demo(tok, [get_json_schema(GuessNumber().guess)], s, DEMO_COMPLETION_TOKENS) for s in range(LOW, HIGH + 1)]
     width = max(len(ids) for ids, _ in demos)
     ids_np = np.full((len(demos), width), tok.pad_token_id, np.int32)
     attn_np = np.zeros((len(demos), width), np.int32)
@@ -176,11 +192,13 @@ def prime_model(out_dir: Path, *, hidden: int, layers: int, intermediate: int, v
 
 def primed_model(args) -> tuple[Path, dict]:
     """The primed model directory for these sizes, built once (keyed by sizes and the code it came from)."""
+    from experiments.bench.chat_tokenizer import corpus_key
+
     sizes = dict(hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, vocab=args.vocab,
                  steps=args.prime_steps)
     code = hashlib.sha256((ROOT / "experiments/bench/guess_env.py").read_bytes()
                           + PRIME_VERSION.encode()).hexdigest()[:10]
-    name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{code}"
+    name = "-".join(f"{k}{v}" for k, v in sizes.items()) + f"-{code}-{corpus_key()}"
     out = ASSETS / name
     if (out / "primed.json").is_file():
         return out, json.loads((out / "primed.json").read_text())
@@ -238,8 +256,7 @@ def summarize(rows: list[dict], launch: float, first_step_begin: float, end: flo
     out["startup_s"] = round(first_step_begin - launch, 2)
     out["wall_s"] = round(end - launch, 2)
     out["first_step_s"] = round(rows[0]["step_s"], 3)
-    out["per_episode"] = {k: _mean(rows, k) for k in ("tool_calls", "tool_errors", "model_tokens", "total_tokens",
-                                                  "prompt_tokens")}
+    out["per_episode"] = {k: _mean(rows, k) for k in WORK}
     out["reward_mean"] = _mean(rows, "reward_mean")
     return out
 
@@ -314,7 +331,8 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: 
         rows.append({"step": m["step"], "time": m["time"], **{p: m.get(f"time/{p}") for p in ("step_s", *PHASES)},
                      "tool_calls": m.get("env/guess/tool_calls", 0.0),
                      "tool_errors": m.get("env/guess/tool_errors", 0.0), "model_tokens": m.get("completion/model_tokens"),
-                     "total_tokens": m.get("completion/total_tokens"), "reward_mean": m.get("reward/mean")})
+                     "total_tokens": m.get("completion/total_tokens"), "turns": m.get("completion/turns"),
+                     "capped": m.get("completion/truncated"), "reward_mean": m.get("reward/mean")})
     if not rows:
         raise SystemExit(f"vs_trl: jaxrl wrote no step metrics to {run_dir / 'metrics.jsonl'}")
     # The first step began step_s before its row was logged.
@@ -358,6 +376,19 @@ def ratios(jaxrl: dict, trl: dict) -> dict:
     return out
 
 
+def different_work(sides: dict[str, dict]) -> list[str]:
+    """Each jaxrl side's work per episode (SAME_WORK) that differs from TRL's by more than SAME_WORK_TOLERANCE."""
+    trl = sides["trl"]["per_episode"]
+    out = []
+    for name, side in sides.items():
+        for key in SAME_WORK if name != "trl" else ():
+            a, b = side["per_episode"].get(key), trl.get(key)
+            if a is None or b is None or abs(a - b) > SAME_WORK_TOLERANCE * max(abs(b), 1e-9):
+                out.append(f"{name} {key} per episode {a} against TRL's {b}: more than "
+                           f"{SAME_WORK_TOLERANCE:.0%} apart, so the sides did not do the same work")
+    return out
+
+
 def stream_figures(sync: dict, stream: dict) -> dict:
     """Streaming over sync, both pinned, and what bounds it: the phases alone and overlapped."""
     rollout, learn = sync["rollout_s"], sync["learn_s"]
@@ -376,7 +407,7 @@ def _print_table(sides: dict[str, dict]) -> None:
     print(f"{'':>22}" + "".join(f"{n:>14}" for n in names))
     for k in keys:
         print(f"{k:>22}" + "".join(f"{_fmt(sides[n].get(k)):>14}" for n in names))
-    for k in ("tool_calls", "tool_errors", "model_tokens", "total_tokens", "prompt_tokens"):
+    for k in WORK:
         print(f"{'episode ' + k:>22}" + "".join(f"{_fmt(sides[n]['per_episode'].get(k)):>14}" for n in names))
     print(f"{'reward_mean':>22}" + "".join(f"{_fmt(sides[n].get('reward_mean')):>14}" for n in names))
 
@@ -393,8 +424,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-completion-length", type=int, default=128, help="completion tokens per episode, "
                    "tool results included")
     p.add_argument("--max-tool-calls", type=int, default=4)
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="jaxrl's rollout.max_prompt_tokens (the "
-                   "prompt takes ~217 tokens; TRL pads to the batch's longest)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="jaxrl's rollout.max_prompt_tokens (the "
+                   "prompt takes ~300 tokens; TRL pads to the batch's longest)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=128)
@@ -428,10 +459,11 @@ def main(argv=None) -> dict:
     try:
         tasks = tmp / "tasks.jsonl"
         n_rows = args.steps * args.prompts
-        tasks.write_text("".join(json.dumps({"env": "guess", "seed": args.seed * 100_003 + i}) + "\n"
-                                 for i in range(n_rows)))
+        rows = [{"prompt": [{"role": "user", "content": INSTRUCTIONS}], "seed": args.seed * 100_003 + i}
+                for i in range(n_rows)]  # TRL's dataset format: reset()'s text is appended to the user turn
+        tasks.write_text("".join(json.dumps({"env": "guess", **row}) + "\n" for row in rows))
         trl_tasks = tmp / "trl_tasks.jsonl"  # the same rows without jaxrl's `env` routing field
-        trl_tasks.write_text("".join(json.dumps({"seed": args.seed * 100_003 + i}) + "\n" for i in range(n_rows)))
+        trl_tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
         runs: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # alternating, so that a change in the machine's load hits both sides
             for name, fn in (("trl", lambda: run_trl(args, model_dir, trl_tasks, tmp)),
@@ -466,9 +498,14 @@ def main(argv=None) -> dict:
     }
     idle = {name: s["per_episode"]["tool_calls"] for name, s in sides.items()
             if (s["per_episode"]["tool_calls"] or 0.0) < MIN_TOOL_CALLS}
+    errors = []
     if idle:
-        result["error"] = (f"tool calls per episode below {MIN_TOOL_CALLS} on {', '.join(idle)} ({idle}): that side "
-                           "hardly reaches the tool, so the sides did not do the same work")
+        errors.append(f"tool calls per episode below {MIN_TOOL_CALLS} on {', '.join(idle)} ({idle}): that side "
+                      "hardly reaches the tool, so the sides did not do the same work")
+    if "trl" in sides:
+        errors += different_work(sides)
+    if errors:
+        result["error"] = "; ".join(errors)
     if args.stream:
         result["stream"] = stream_figures(sides["jaxrl_sync_pinned"], sides["jaxrl_stream_pinned"])
     if "trl" in sides:  # last, as promised
@@ -477,7 +514,7 @@ def main(argv=None) -> dict:
             result["ratios"]["jaxrl_async_over_trl_step"] = ratios(sides["jaxrl_async"], sides["trl"])[
                 "jaxrl_over_trl_step"]
     print(json.dumps(result))
-    if idle and not args.tiny:  # the smoke size's briefly primed model may not reach the tool: reported only
+    if errors and not args.tiny:  # the smoke size's briefly primed model may not reach the tool: reported only
         raise SystemExit(1)
     return result
 

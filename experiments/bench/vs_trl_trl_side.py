@@ -60,10 +60,8 @@ def main() -> None:
     from experiments.bench.guess_env import GuessNumber, reward
 
     t_imported = time.time()
-    rows = [json.loads(line) for line in open(args.tasks) if line.strip()]
-    # The prompt is one empty user message: reset()'s text is appended to it, so the model sees exactly
-    # the first user message jaxrl builds from reset()'s text.
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], **r} for r in rows])
+    # Rows in TRL's dataset format (a `prompt` of chat messages and the columns reset() reads).
+    dataset = Dataset.from_list([json.loads(line) for line in open(args.tasks) if line.strip()])
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     # TRL only knows the response formats of chat templates it recognises (`add_response_schema`); the tiny
@@ -124,6 +122,7 @@ def main() -> None:
     tool_calls: list[int] = []
     tool_failures: list[int] = []
     open_tag = tokenizer.convert_tokens_to_ids("<tool_call>")
+    ends = {tokenizer.eos_token_id, tokenizer.pad_token_id}
 
     def counting_tool_loop(*a, **kw):
         out = tool_loop(*a, **kw)
@@ -136,12 +135,17 @@ def main() -> None:
         t0 = time.perf_counter()
         out = generate(prompts)
         t["rollout"] += time.perf_counter() - t0
-        prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
+        prompt_ids, completion_ids, tool_mask, completions = out[0], out[1], out[2], out[3]
         for i, ids in enumerate(completion_ids):
             mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
-            episodes.append({"prompt": len(prompt_ids[i]), "total": len(ids), "model": sum(mask),
+            turns = [m for m in completions[i] if m.get("role") == "assistant"]
+            episodes.append({"prompt": len(prompt_ids[i]), "total": len(ids), "model": sum(mask), "turns": len(turns),
                              # <tool_call> tags the model wrote: calls made + calls TRL could not parse
-                             "tags": sum(1 for tid, m in zip(ids, mask) if m and tid == open_tag)})
+                             "tags": sum(1 for tid, m in zip(ids, mask) if m and tid == open_tag),
+                             # ended at the token budget: its last turn cut, or a call whose result did not fit
+                             # (TRL drops it) before the tool-call limit
+                             "capped": bool(ids) and (ids[-1] not in ends or (
+                                 bool(turns and turns[-1].get("tool_calls")) and len(turns) <= args.max_tool_calls))})
         return out
 
     trainer._tool_call_loop = counting_tool_loop
@@ -175,6 +179,8 @@ def main() -> None:
                 "model_tokens": sum(e["model"] for e in episodes) / n,
                 "total_tokens": sum(e["total"] for e in episodes) / n,
                 "prompt_tokens": sum(e["prompt"] for e in episodes) / n,
+                "turns": sum(e["turns"] for e in episodes) / n,
+                "capped": sum(e["capped"] for e in episodes) / n,
             })
 
         def on_log(self, a, state, control, logs=None, **kw):

@@ -1,0 +1,150 @@
+"""The JAX engine's host plan, without JAX: which slots a tick saves, moves and fills, what the prefix
+pool reuses, and how a decode's output becomes rows' tokens, logprobs and versions."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bridge.engines.scheduler import PrefixIndex, Row, Scheduler, prefill_order
+
+
+def output(plan, sampled: dict[int, list[int]], live: set[int], logp: float = -0.5):
+    """A decode's output for the plan: slot -> tokens sampled (padded with -1), and the slots still live."""
+    steps = max((len(t) for t in sampled.values()), default=1)
+    tokens = np.full((plan.batch, steps), -1, np.int32)
+    for s, t in sampled.items():
+        tokens[s, :len(t)] = t
+    return tokens, np.where(tokens >= 0, logp, 0.0).astype(np.float32), np.array([s in live for s in range(plan.batch)])
+
+
+def test_the_module_imports_no_jax():
+    code = "import sys, bridge.engines.scheduler; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_new_rows_take_the_first_slots_and_the_decode_batch_is_a_power_of_two():
+    s = Scheduler(max_batch=8, max_seq_len=64, pool_rows=4)
+    rows = [Row([1, 2, 3], 4, seed=i) for i in range(3)]
+    s.add(rows)
+    plan = s.schedule(version=0)
+    assert plan.batch == 4 and plan.new == rows
+    assert plan.slot.tolist() == [0, 1, 2] and plan.cached.tolist() == [0, 3, 3]
+    assert plan.leader.tolist() == [0, 0, 0]  # one prompt: the first row prefills it for the others
+    assert len(plan.save_slot) == len(plan.move_from) == 0 and s.rows[:3] == rows
+
+
+def test_output_becomes_tokens_versions_and_ended_rows():
+    s = Scheduler(max_batch=4, max_seq_len=64, pool_rows=4)
+    stop, long = Row([1, 2], 8, seed=0, stop_ids=(9,)), Row([5, 6, 7], 5, seed=1)
+    s.add([stop, long])
+    plan = s.schedule(version=3)
+    assert s.update_from_output(plan, *output(plan, {0: [4, 9], 1: [1, 2]}, live={1}), version=3) == [stop]
+    assert stop.tokens == [4, 9] and stop.finish_reason == "stop" and stop.versions == [3, 3]
+    assert stop.logprobs == [-0.5, -0.5] and long.tokens == []  # a row's lists are filled when it ends
+    plan = s.schedule(version=4)  # new weights: the first token came from logits of version 3
+    assert plan.save_slot.tolist() == [0] and plan.save_row.tolist() == [s.prefix.scratch]
+    assert plan.move_from.tolist() == [1] and plan.move_to.tolist() == [0] and plan.batch == 1
+    assert s.update_from_output(plan, *output(plan, {0: [3, 3, 3]}, live=set()), version=4) == [long]
+    assert long.tokens == [1, 2, 3, 3, 3] and long.versions == [3, 3, 3, 4, 4] and long.finish_reason == "length"
+
+
+def test_live_rows_move_down_into_the_first_slots():
+    s = Scheduler(max_batch=4, max_seq_len=64, pool_rows=0)
+    rows = [Row([i + 1], 9, seed=i) for i in range(4)]
+    s.add(rows)
+    plan = s.schedule(0)
+    s.update_from_output(plan, *output(plan, {0: [1], 1: [1], 2: [1], 3: [1]}, live={3}), 0)
+    plan = s.schedule(0)
+    assert plan.batch == 1 and plan.save_slot.tolist() == [0, 1, 2]
+    assert (plan.move_from.tolist(), plan.move_to.tolist()) == ([3], [0]) and s.rows[0] is rows[3]
+    s.update_from_output(plan, *output(plan, {0: [7, 8]}, live=set()), 0)
+    assert rows[3].tokens == [1, 7, 8]  # the tokens moved with the row
+
+
+def test_a_next_turn_reuses_its_episodes_pool_row_in_place():
+    s = Scheduler(max_batch=2, max_seq_len=64, pool_rows=4, block=4)
+    first = Row(list(range(10, 20)), 6, seed=0)
+    s.add([first])
+    plan = s.schedule(0)
+    pool_row = int(s.keep_row[0])
+    s.update_from_output(plan, *output(plan, {0: [1, 2, 3]}, live=set()), 0)
+    turn = Row(first.prompt + first.tokens + [30, 31], 4, seed=1)
+    s.add([turn])
+    plan = s.schedule(0)
+    assert plan.save_row.tolist() == [pool_row]  # the ended row's sequence goes to the row it claimed
+    assert plan.src.tolist() == [pool_row] and plan.cached.tolist() == [12]  # its prompt and tokens but the last
+    assert int(s.keep_row[0]) == pool_row  # and extends it in place
+    assert s.prefix.stats == {"prompt_tokens": 10 + 15, "cached_tokens": 12}
+
+
+def test_prefix_lookup_takes_the_longest_shared_prefix_past_whole_blocks():
+    index = PrefixIndex(rows=3, block=4)
+    seqs = [np.arange(10), np.r_[np.arange(6), 50, 51], np.arange(100, 120)]
+    for row, seq in enumerate(seqs):
+        index.keep(row, seq)
+    for prompt, want in ((np.r_[np.arange(10), 7], (0, 10)), (np.r_[np.arange(7), 99], (0, 7)),
+                         (np.r_[np.arange(6), 50, 51, 52], (1, 8)), (np.arange(3), (3, 0)),
+                         (np.arange(100, 120), (2, 19))):  # never the whole prompt: its last token is prefilled
+        assert index.lookup(prompt, index.block_hashes(prompt)) == want
+    index.keep(0, None)  # overwritten: no longer found
+    assert index.lookup(np.r_[np.arange(10), 7], index.block_hashes(np.r_[np.arange(10), 7])) == (1, 6)
+
+
+def test_claims_prefer_the_extended_row_then_empty_rows_then_the_least_recently_used():
+    index = PrefixIndex(rows=3, block=4)
+    index.keep(0, np.arange(8))
+    assert index.claim(0) == 0
+    assert index.claim(0) in (1, 2)  # taken: an empty row
+    index.keep(1, np.arange(8, 16))
+    index.keep(2, np.arange(16, 24))
+    index.keep(0, np.arange(8))
+    # Every row holds a sequence: the least recently claimed first (row 2 never was), none once all are claimed.
+    assert [index.claim(index.scratch) for _ in range(4)] == [2, 0, 1, index.scratch]
+
+
+def test_new_weights_forget_the_pool_and_rows_under_way_are_not_kept():
+    s = Scheduler(max_batch=2, max_seq_len=64, pool_rows=2, block=2)
+    row = Row([1, 2, 3, 4], 6, seed=0)
+    s.add([row])
+    plan = s.schedule(0)
+    s.update_from_output(plan, *output(plan, {0: [5]}, live={0}), 0)
+    plan = s.schedule(1)
+    s.update_from_output(plan, *output(plan, {0: [6, 7]}, live=set()), 1)
+    assert row.versions == [0, 0, 1]
+    again = Row([1, 2, 3, 4, 5, 6, 8], 2, seed=1)
+    s.add([again])
+    plan = s.schedule(1)
+    assert plan.save_row.tolist() == [s.prefix.scratch] and plan.cached.tolist() == [0]
+
+
+def test_dropped_rows_free_their_slots_for_waiting_ones():
+    s = Scheduler(max_batch=1, max_seq_len=64, pool_rows=0)
+    gone, waiting = Row([1], 9, seed=0), Row([2], 9, seed=1)
+    s.add([gone, waiting])
+    plan = s.schedule(0)
+    s.update_from_output(plan, *output(plan, {0: [3]}, live={0}), 0)
+    s.drop([gone])
+    plan = s.schedule(0)
+    assert plan.save_slot.tolist() == [0] and plan.new == [waiting] and plan.slot.tolist() == [0]
+    assert gone.finish_reason is None and not s.waiting
+
+
+def test_rows_that_do_not_fit_are_refused():
+    s = Scheduler(max_batch=1, max_seq_len=8, pool_rows=0)
+    with pytest.raises(ValueError, match="within max_seq_len 8 tokens in all; got 6 \\+ 3"):
+        s.add([Row([1] * 6, 3, seed=0)])
+
+
+def test_prefill_order_puts_leaders_with_work_first_in_blocks():
+    prompt_len = np.array([5, 5, 9, 3, 1, 1, 1, 1])
+    cached = np.array([0, 5, 1, 3, 0, 0, 0, 0])
+    leader = np.array([0, 0, 2, 3, 4, 5, 6, 7])
+    order, block_I, steps = prefill_order(prompt_len, cached, leader, real_rows=4, chunk=4, width=16)
+    assert order.tolist() == [0, 2, 1, 3, 4, 5, 6, 7]  # row 1 copies row 0, row 3 is all cached
+    assert steps == 4 and block_I[:4].tolist() == [0, 0, 1, 1]  # blocks of one row: 5 and 8 tokens, 2 chunks each
+    order, block_I, steps = prefill_order(np.tile(prompt_len, 2), np.tile(cached, 2), np.r_[leader, leader + 8],
+                                          real_rows=12, chunk=4, width=16)
+    assert order[:8].tolist() == [0, 2, 4, 5, 6, 7, 8, 10]  # padding (rows 12 on) prefills nothing
+    assert steps == 6 and block_I[:6].tolist() == [0, 0, 1, 2, 3, 3]  # blocks of two: each its longest rest
