@@ -16,7 +16,7 @@ run_pytest() {
 }
 
 bash scripts/setup.sh test || exit 1
-run_pytest .venv/bin/python -m pytest -q --ignore=tests/vllm "$@"
+run_pytest .venv/bin/python -m pytest -q --durations=30 --ignore=tests/vllm "$@"
 main_status=$?
 
 bash scripts/setup_vllm.sh || exit 1
