@@ -37,22 +37,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bridge.engines.base import (Completion, EngineError, PromptTooLong, SamplingParams, SnapshotRefused,
-                                 derive_seed, read_off_loop)
+from bridge.engines.admission import admit
+from bridge.engines.base import Completion, EngineError, PromptTooLong, SamplingParams, derive_seed, read_off_loop
 from bridge.engines.sampler import Shapes, Slots
 from bridge.engines.scheduler import Row
 from jaxrl.compilation import compiles
-from jaxrl.models import CheckpointError, ModelConfig, load_pretrained, params_from_hf_tensors
-from jaxrl.models.lora import LoraError, add_lora, config_from_peft, with_adapters
-from jaxrl.snapshots import SnapshotError, SnapshotReader
+from jaxrl.models import ModelConfig, load_pretrained, params_from_hf_tensors
+from jaxrl.models.lora import add_lora, config_from_peft, with_adapters
 
 log = logging.getLogger(__name__)
-
-# Config fields that fix parameter shapes: a snapshot must agree on all of them.
-SHAPE_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-    "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
-)
 
 
 @dataclasses.dataclass
@@ -221,31 +214,10 @@ class JaxEngine:
     def _read_snapshot(self, path: str, version: int):
         """Snapshot `version`'s weights as new params shaped, typed and placed like the served ones
         (nothing is built or initialised); SnapshotRefused if they cannot be served."""
-        try:
-            snapshot = SnapshotReader(path).load(version)
-            incoming = ModelConfig.from_hf(snapshot.hf_config, source=f"{snapshot.path} manifest")
-        except (SnapshotError, ValueError) as e:
-            raise SnapshotRefused(str(e)) from e
-        differing = [f"{k}: serving {getattr(self.cfg, k)}, snapshot {getattr(incoming, k)}"
-                     for k in SHAPE_FIELDS if getattr(self.cfg, k) != getattr(incoming, k)]
-        if differing:
-            raise SnapshotRefused(f"{snapshot.path}: a different model shape ({'; '.join(differing)})")
-        if (snapshot.adapter_config is None) != (self.lora is None):
-            raise SnapshotRefused(
-                f"{snapshot.path}: holds {'LoRA adapters' if snapshot.adapter_config else 'whole weights'}, but this "
-                f"engine serves {'adapters' if self.lora else 'whole weights'}; start the bridge "
-                f"{'with' if snapshot.adapter_config else 'without'} the run's lora launch setting")
-        try:
-            if self.lora is not None:
-                theirs = config_from_peft(snapshot.adapter_config, f"{snapshot.path} adapter_config")
-                if (theirs.rank, theirs.alpha, theirs.targets) != (self.lora.rank, self.lora.alpha, self.lora.targets):
-                    raise LoraError(f"{snapshot.path}: adapters of rank {theirs.rank}, alpha {theirs.alpha} on "
-                                    f"{list(theirs.targets)}; this engine serves rank {self.lora.rank}, alpha "
-                                    f"{self.lora.alpha} on {list(self.lora.targets)}")
-                return with_adapters(self.cfg, self.lora, snapshot.tensors, self.params, str(snapshot.path))
-            return params_from_hf_tensors(self.cfg, snapshot.tensors, self.params, str(snapshot.path))
-        except (CheckpointError, LoraError) as e:
-            raise SnapshotRefused(str(e)) from e
+        snapshot = admit(path, version, self.cfg, self.lora)
+        if self.lora is not None:
+            return with_adapters(self.cfg, self.lora, snapshot.tensors, self.params, str(snapshot.path))
+        return params_from_hf_tensors(self.cfg, snapshot.tensors, self.params, str(snapshot.path))
 
     async def close(self) -> None:
         if self._worker is not None:

@@ -40,8 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.engines.base import (Completion, EngineError, PromptTooLong, SamplingParams, SnapshotRefused,
-                                 read_off_loop)
+from bridge.engines.base import Completion, EngineError, PromptTooLong, SamplingParams, SnapshotRefused, read_off_loop
 
 # For CPU (tests, laptops); also set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the engine.
 # Without kv_cache_memory_bytes vLLM reserves ~12 GiB of KV cache; dtype "auto" is bf16 on CPU.
@@ -51,37 +50,6 @@ CPU_ENGINE_KWARGS = {
     "dtype": "float32",
     "kv_cache_memory_bytes": 64 << 20,
 }
-
-# Config keys that fix the tensors' shapes: a snapshot must agree on all of them.
-_SHAPE_KEYS = (
-    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
-)
-
-
-def _shape_config(hf: dict) -> dict:
-    """The shape keys of an HF config dict, with transformers' defaults filled in."""
-    out = {k: hf.get(k) for k in _SHAPE_KEYS}
-    heads = out["num_attention_heads"]
-    if out["num_key_value_heads"] is None:
-        out["num_key_value_heads"] = heads
-    if out["head_dim"] is None and heads:
-        out["head_dim"] = out["hidden_size"] // heads
-    out["tie_word_embeddings"] = bool(out["tie_word_embeddings"])
-    return out
-
-
-def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} from the model directory's safetensors headers (no data read)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
 
 def _to_torch(x: np.ndarray):
     import torch
@@ -158,14 +126,7 @@ class VLLMEngine:
                 f"engine_kwargs logprobs_mode={mode!r}: the vllm engine needs 'processed_logprobs' "
                 f"(log_softmax(logits / temperature), what the learner recomputes)"
             )
-        self._served_config = _shape_config(json.loads((self.model_dir / "config.json").read_text()))
-        self._served_shapes = _checkpoint_shapes(self.model_dir)
-        # What every snapshot must carry: not the recomputed rotary tables, nor a tied head.
-        self._required = {
-            name for name in self._served_shapes
-            if not name.endswith("rotary_emb.inv_freq")
-            and not (self._served_config["tie_word_embeddings"] and name == "lm_head.weight")
-        }
+        self._hf_config = json.loads((self.model_dir / "config.json").read_text())
         self.llm = vllm.LLM(model=str(self.model_dir), **kwargs)
         self.llm.update_weight_version(str(policy_version))
         self._max_model_len = self.llm.llm_engine.model_config.max_model_len
@@ -193,7 +154,7 @@ class VLLMEngine:
                 f"the truncated distribution, not log_softmax(logits / temperature) over the whole "
                 f"vocabulary that the learner recomputes; use top_p=1, top_k=0 or the jax engine"
             )
-        vocab, max_len = self._served_config["vocab_size"], self._max_model_len
+        vocab, max_len = self._hf_config.get("vocab_size"), self._max_model_len
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -340,38 +301,17 @@ class VLLMEngine:
         self._submit(swap)
         await asyncio.wrap_future(swap.future)
 
-    def _read_snapshot(self, path: str, version: int) -> list:
-        from jaxrl.snapshots import SnapshotError, SnapshotReader
+    def _read_snapshot(self, path: str, version: int) -> list | Path:
+        from bridge.engines.admission import admit
+        from jaxrl.models import ModelConfig
 
-        try:
-            snapshot = SnapshotReader(path).load(version)
-        except SnapshotError as e:
+        try:  # parsed here, not at start: vLLM also serves models that take no jaxrl snapshots
+            served = ModelConfig.from_hf(self._hf_config, str(self.model_dir / "config.json"))
+        except ValueError as e:
             raise SnapshotRefused(str(e)) from e
-        where = f"snapshot {snapshot.path}"
-        if (snapshot.adapter_config is None) != (self._adapters is None):
-            raise SnapshotRefused(
-                f"{where}: holds {'LoRA adapters' if snapshot.adapter_config else 'whole weights'}, but this engine "
-                f"serves {'adapters' if self._adapters else 'whole weights'}; start the bridge "
-                f"{'with' if snapshot.adapter_config else 'without'} the run's lora launch setting")
-        theirs = _shape_config(snapshot.hf_config)
-        differ = [k for k in _SHAPE_KEYS if theirs[k] != self._served_config[k]]
-        if differ:
-            details = ", ".join(
-                f"{k}={theirs[k]!r} (serving {self._served_config[k]!r})" for k in differ
-            )
-            raise SnapshotRefused(f"{where}: model shape differs from the served model: {details}")
+        snapshot = admit(path, version, served, None if self._adapters is None else self._adapters.lora)
         if self._adapters is not None:
             return self._adapters.write(snapshot, version)
-        shapes = {name: tuple(x.shape) for name, x in snapshot.tensors.items()}
-        served = self._served_shapes
-        missing = sorted(self._required - set(shapes))
-        unknown = sorted(set(shapes) - set(served))
-        wrong = sorted(n for n in set(shapes) & set(served) if shapes[n] != served[n])
-        if missing or unknown or wrong:
-            raise SnapshotRefused(
-                f"{where}: tensors do not fit the served model (missing {missing[:5]}, unknown "
-                f"{unknown[:5]}, wrong shape {wrong[:5]})"
-            )
         return [(name, _to_torch(x)) for name, x in snapshot.tensors.items()]
 
     def _swap(self, swap: _Swap) -> None:
@@ -390,7 +330,7 @@ class VLLMEngine:
             else:
                 # One call with the full list: vLLM fuses q/k/v and gate/up, so each group arrives whole.
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": swap.weights})
-                if self._served_config["tie_word_embeddings"]:
+                if self._hf_config.get("tie_word_embeddings"):
                     self.llm.apply_model(_repack_tied_lm_head)
             # Cached prefixes and running requests hold KV computed with the old weights: the
             # running ones are preempted and recompute it (prompt and tokens so far) at the next step.
@@ -448,18 +388,6 @@ class _AdapterDir:
         return self._save({name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, "base")
 
     def write(self, snapshot, version: int) -> Path:
-        from jaxrl.models.lora import LoraError, check_adapter_tensors, config_from_peft
-
-        where = f"snapshot {snapshot.path}"
-        try:
-            theirs = config_from_peft(snapshot.adapter_config, f"{where} adapter_config")
-            if (theirs.rank, theirs.alpha, theirs.targets) != (self.lora.rank, self.lora.alpha, self.lora.targets):
-                raise LoraError(f"{where}: adapters of rank {theirs.rank}, alpha {theirs.alpha} on "
-                                f"{list(theirs.targets)}; this engine serves rank {self.lora.rank}, alpha "
-                                f"{self.lora.alpha} on {list(self.lora.targets)}")
-            check_adapter_tensors(self.model_cfg, self.lora, snapshot.tensors, where)
-        except LoraError as e:
-            raise SnapshotRefused(str(e)) from e
         return self._save(snapshot.tensors, str(version))
 
     def _save(self, tensors: dict, name: str) -> Path:

@@ -57,6 +57,31 @@ def hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple, bool]]:
         yield "lm_head.weight", ("lm_head",), True
 
 
+def projection_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
+    """(in, out) features of the projection `proj` (q_proj, ..., down_proj) of every layer."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}[proj]
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape in HF's (out, in) layout} of every parameter, from the config alone."""
+    shapes = {}
+    for name, path, _ in hf_names(cfg):
+        if path[0] in ("embed_tokens", "lm_head"):
+            shapes[name] = (cfg.vocab_size, cfg.hidden_size)
+        elif path[-1] == "kernel":
+            shapes[name] = projection_shape(cfg, path[3])[::-1]
+        elif path[-1] == "bias":
+            shapes[name] = projection_shape(cfg, path[3])[1:]
+        elif path[-2] in ("q_norm", "k_norm"):
+            shapes[name] = (cfg.head_dim,)
+        else:
+            shapes[name] = (cfg.hidden_size,)
+    return shapes
+
+
 def _lookup(state, path):
     for key in path:
         state = state[key]

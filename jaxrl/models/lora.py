@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoder import Decoder, Linear, matmul_2d
+from jaxrl.models.hf import projection_shape
 from jaxrl.options import option
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -179,7 +180,7 @@ def adapter_shapes(model_cfg: ModelConfig, cfg: LoraConfig) -> dict[str, tuple[i
     """{PEFT name: shape} of every adapter factor of `cfg` on this model."""
     shapes = {}
     for name, path in peft_names(model_cfg, cfg):
-        d_in, d_out = _projection_shape(model_cfg, path[3])
+        d_in, d_out = projection_shape(model_cfg, path[3])
         shapes[name] = (cfg.rank, d_in) if path[-1] == "a" else (d_out, cfg.rank)
     return shapes
 
@@ -194,13 +195,6 @@ def check_adapter_tensors(model_cfg: ModelConfig, cfg: LoraConfig, tensors: Mapp
     for name, shape in want.items():
         if tuple(tensors[name].shape) != shape:
             raise LoraError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
-
-
-def _projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}[target]
 
 
 def merged_tensors(model_cfg: ModelConfig, cfg: LoraConfig, base: Mapping[str, np.ndarray],
