@@ -3,10 +3,10 @@
 XLA:CPU allocates an execution's temporaries with malloc (a train step's: one block of up to
 several GB) and frees them when the call returns. glibc serves a block that large with mmap,
 from a worker thread's arena, and gives it back with munmap, so every call faults every page in
-again: at the 8 x 8 workload's learner shape, 460k page faults and 0.7-2.5 s of kernel time per
-step, as long as the step's own arithmetic. With one arena, no mmap and no trimming, a freed
-block stays in the heap and the next call gets it back without a fault. The price: the process
-keeps its peak heap, which the next step needs again anyway.
+again, which at a real workload's learner shape took as long as the step's own arithmetic
+(docs/benchmarks.md). With one arena, no mmap and no trimming, a freed block stays in the heap and
+the next call gets it back without a fault. The price: the process keeps its peak heap, which the
+next step needs again anyway.
 
 glibc reads these settings (`GLIBC_TUNABLES`) only when a process starts, so a program applies
 them by starting itself again, same PID and arguments (`restart_tuned`); its children inherit

@@ -17,12 +17,13 @@ file would read back silently). On an object store (`gs://`, `s3://`), where the
 The bytes go through TensorStore directly, in Orbax's layout: each tensor a zarr3 array in one
 OCDBT database (uncompressed, one chunk per shard: its bytes as they lie in memory),
 `weights/_METADATA` the tree metadata, `manifest/metadata` the JSON, `_CHECKPOINT_METADATA` the
-step's. Orbax's own save and restore (CheckpointManager, the pytree handler) cost ~100 ms and
-~25 ms of threads, event loops and metadata passes per snapshot whatever its size; this costs a
-few ms. With several processes each writes its shards into `weights/ocdbt.process_<i>`, and the
-primary merges those databases into the snapshot's (Orbax's scheme) between barriers.
+step's. Orbax's own save and restore (CheckpointManager, the pytree handler) spend threads, event
+loops and metadata passes on every snapshot whatever its size, a fixed cost many times that of the
+writes and reads here (docs/benchmarks.md). With several processes each writes its shards into
+`weights/ocdbt.process_<i>`, and the primary merges those databases into the snapshot's (Orbax's
+scheme) between barriers.
 
-Speed (measured by experiments/bench/snapshots.py on a 2-core CPU machine):
+Speed (choices measured with experiments/bench/snapshots.py; figures in docs/benchmarks.md):
 - zarr3 without compression: zstd costs more CPU than the disk time it saves.
 - the cast and transposes run as one small XLA program per tensor, and the checksums are NumPy
   sums over each process's own shards, read as uint32 words (no conversion pass); one XLA
@@ -61,8 +62,8 @@ from jaxrl.models.lora import LoraConfig, adapter_config, adapter_tensors
 from jaxrl.snapshot_store import DirectoryStore, ObjectStore, copy_keys, open_store
 
 FORMAT = "jaxrl-weights-v2"  # v2: checksums of 2-byte dtypes sum column pairs as uint32 words
-# With Orbax's default (2 GiB) a 512 MB snapshot took ~1.5x as long to publish; 16-128 MB were
-# measured and 64 MB was best.
+# Far below Orbax's default (2 GiB), so that a snapshot's data files are written at once; 64 MB
+# was the best of the sizes measured (docs/benchmarks.md).
 DATA_FILE_BYTES = 64 << 20
 # Pieces smaller than this are written as key-value pairs, larger ones through the zarr driver.
 _SMALL_BYTES = 1 << 20
@@ -94,7 +95,7 @@ def _to_serving(x: jax.Array, transposed: bool, dtype) -> jax.Array:
 def serving_tensors(cfg: ModelConfig, params: nnx.State, dtype) -> dict[str, jax.Array]:
     """`to_hf_tensors(cfg, params, dtype)`, one small program per tensor.
 
-    XLA:CPU ran a single program of all the transposes 2-3x slower than one per tensor.
+    XLA:CPU ran a single program of all the transposes slower than one per tensor.
     """
     return {
         name: _to_serving(functools.reduce(operator.getitem, path, params)[...], transposed, dtype)
@@ -257,7 +258,7 @@ def _read_arrays(base: dict, tensors: dict[str, dict]) -> dict[str, np.ndarray]:
     `_SMALL_BYTES` are read as plain key-value pairs, without opening an array (the mirror of
     `_write_arrays`; read-only arrays over the bytes read). Larger ones, and every array of a
     snapshot whose manifest has no `chunk` (written through Orbax by earlier versions), are read
-    through TensorStore's zarr driver, which reads big pieces ~3x faster than a key-value read.
+    through TensorStore's zarr driver, which reads big pieces faster than a key-value read.
     """
     # A fresh context per snapshot: no cache can serve another snapshot's bytes.
     context = ts.Context(ts.Context.Spec({"file_io_mode": {"mode": "memmap"}}))

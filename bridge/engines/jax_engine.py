@@ -16,13 +16,12 @@ token records the policy version that sampled it (`Completion.token_versions`).
 With `lora` (PEFT's adapter_config of the run's adapters) the engine serves the base model with
 adapters applied unmerged, `x W + s (x A) B`, the learner's own computation: they start at zero
 (the base model) and a snapshot replaces only them, so the base is loaded once and never copied.
-Merging instead (W + s B A into a kept copy of the base, then the plain programs) was measured by
-experiments/bench/lora.py at Qwen3-0.6B's shape on 2 CPU cores: a merge rewrites every targeted
-weight, 4.4 s per version against 0.84 s to read, verify and place the adapters, and needs a second
-copy of those weights, while decoding unmerged took 0.95x the plain model's time (noise: rank 16 is
-2% of a projection's work there). At the tiny CPU default's width (128, where rank 16 is a quarter
-of a projection's work) unmerged decoding costs 1.26-1.45x. In bfloat16 a merge also rounds away
-updates smaller than the weights' last bit, which the learner's unmerged model keeps.
+Merging instead (W + s B A into a kept copy of the base, then the plain programs) would rewrite
+every targeted weight at each version, several times the work of placing the adapters, and keep a
+second copy of those weights; decoding unmerged costs next to nothing where the rank is small beside
+a projection's width, and shows only at the tiny CPU default's width (experiments/bench/lora.py;
+figures in docs/benchmarks.md). In bfloat16 a merge also rounds away updates smaller than the
+weights' last bit, which the learner's unmerged model keeps.
 """
 
 from __future__ import annotations

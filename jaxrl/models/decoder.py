@@ -43,8 +43,8 @@ class KVCache(NamedTuple):
     # One buffer per layer, heads before slots: a decode step's attention reads each head's keys
     # in place as one contiguous matrix (one stacked L-layer buffer made XLA CPU copy each layer's
     # slice every step; slots before heads made it transpose the whole cache). Keys are stored
-    # transposed (head dim before slots): q . k is then a plain matmul, which XLA CPU ran 2.5x
-    # faster than the same product against slot-major keys.
+    # transposed (head dim before slots): q . k is then a plain matmul, which XLA CPU ran
+    # faster than the same product against slot-major keys (docs/benchmarks.md).
     k_BxKxHxS: tuple[jax.Array, ...]
     v_BxKxSxH: tuple[jax.Array, ...]
     length_B: jax.Array  # int32
