@@ -53,9 +53,8 @@ def test_shipped_configs_load(path):
      r"sft.train_all out$"),
     ({"model": {"dir": "m", "tiny": {}}, "sft": {"steps": 5}, "learner": {"lora": {}},
       "bridge": {"addresses": ["127.0.0.1:9"]}},
-     r"^config: learner.lora with a warm start of every weight \(sft.train_all, true for a model.tiny model\) "
-     r"restarts the run's bridges on the warm-started model, which bridges at bridge.addresses cannot be: leave "
-     r"bridge.addresses empty, or set sft.train_all: false$"),
+     r"^config: sft.train_all \(true for a model.tiny model\) restarts the bridges on the warm-started model, "
+     r"which bridge.addresses cannot: leave them empty, or set sft.train_all: false$"),
 ])
 def test_cross_field_errors(extra, message):
     with pytest.raises(ConfigError, match=message):

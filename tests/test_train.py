@@ -536,7 +536,7 @@ def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_pat
     (["learner.lora.rank=32", "bridge.engine=vllm", "bridge.engine_kwargs={max_lora_rank: 16}"],
      "bridge.engine_kwargs.max_lora_rank=16 is below learner.lora.rank=32"),
     (["learner.lora.rank=4", "sft.steps=2", "sft.train_all=true", "bridge.addresses=[127.0.0.1:9]"],
-     "which bridges at bridge.addresses cannot be: leave bridge.addresses empty, or set sft.train_all: false"),
+     "which bridge.addresses cannot: leave them empty, or set sft.train_all: false"),
 ])
 def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path, overrides, message):
     config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run")

@@ -150,9 +150,9 @@ class VLLMEngine:
         """Refuses here, with a message that says what to change, what vLLM would refuse."""
         if params.temperature > 0 and (params.top_p < 1 or params.top_k > 0):
             raise ValueError(
-                f"vllm engine: top_p={params.top_p}, top_k={params.top_k}: vLLM reports logprobs of "
-                f"the truncated distribution, not log_softmax(logits / temperature) over the whole "
-                f"vocabulary that the learner recomputes; use top_p=1, top_k=0 or the jax engine"
+                f"vllm engine: top_p={params.top_p}, top_k={params.top_k}: vLLM's logprobs would be of the "
+                "truncated distribution, not the whole one the learner recomputes; use top_p=1, top_k=0 or the "
+                "jax engine"
             )
         vocab, max_len = self._hf_config.get("vocab_size"), self._max_model_len
         for i, prompt in enumerate(prompts):

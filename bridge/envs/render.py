@@ -60,8 +60,8 @@ def check_templates(spec: EnvSpec, mcp: bool, step_schema: dict[str, Any], reset
             template = getattr(spec, key)
             if template is not None and "metadata" in template_fields(template, key):
                 raise EnvConfigError(f"environment {spec.name!r}: {key} uses metadata, which this server does not "
-                                     "send (openenv-core 0.2 / 0.3 servers leave it out of observations): serve it "
-                                     "with openenv >= 0.10, or use other fields")
+                                     "send (openenv-core 0.2 / 0.3): serve it with openenv >= 0.10, or use other "
+                                     "fields")
         if spec.observation_field == "metadata":
             raise EnvConfigError(f"environment {spec.name!r}: observation_field metadata: this server does not send "
                                  "it (openenv-core 0.2 / 0.3): serve it with openenv >= 0.10")

@@ -224,8 +224,8 @@ def _check_generated(trained: list[tuple[int, float, int, int]], generations: li
                                      f"generated that token with {g.logprobs[start]:.6g}; pass Generation.logprobs "
                                      "as returned")
             raise RolloutFnError(f"{what}: turn {turn} trains on token {token} at position {pos}, which the handle "
-                                 "did not generate there (re-tokenised text?); train only on Generation.ids as "
-                                 "returned (Turn.model), and give everything else loss mask 0")
+                                 "did not generate there (re-tokenised text?); train only on Generation.ids, loss "
+                                 "mask 0 elsewhere")
         versions += g.token_versions[start:start + n]
         i += n
     return versions

@@ -399,9 +399,8 @@ class TrainConfig:
             raise ValueError(f"sft.train_all={str(self.sft.train_all).lower()} with sft.steps=0: there is no warm "
                              "start to train; set sft.steps, or leave sft.train_all out")
         if self.full_warm_start and self.bridge.addresses:
-            raise ValueError("learner.lora with a warm start of every weight (sft.train_all, true for a model.tiny "
-                             "model) restarts the run's bridges on the warm-started model, which bridges at "
-                             "bridge.addresses cannot be: leave bridge.addresses empty, or set sft.train_all: false")
+            raise ValueError("sft.train_all (true for a model.tiny model) restarts the bridges on the warm-started "
+                             "model, which bridge.addresses cannot: leave them empty, or set sft.train_all: false")
 
     @property
     def full_warm_start(self) -> bool:

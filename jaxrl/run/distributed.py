@@ -57,10 +57,9 @@ def initialize(cfg: DistributedConfig) -> int:
                                    initialization_timeout=cfg.timeout_s)
     except (RuntimeError, ValueError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise StartupError(f"distributed: jax.distributed.initialize failed ({first}); every process needs the same "
-                           "distributed.coordinator (host:port of process 0) and num_processes, and its own "
-                           "process_id (flags --coordinator, --num-processes, --process-id), unless SLURM, Open MPI "
-                           "or a TPU pod provides them") from None
+        raise StartupError(f"distributed: jax.distributed.initialize failed ({first}); give every process the same "
+                           "--coordinator (process 0's host:port) and --num-processes, and its own --process-id"
+                           ) from None
     return jax.process_count()
 
 
@@ -75,9 +74,8 @@ def share_of(mesh: jax.sharding.Mesh, cfg: TrainConfig) -> Share:
     for axis in BATCH_AXES:
         shards *= mesh.shape[axis]
     if shards % n or rows % shards:
-        raise StartupError(f"mesh: its batch axes (data x fsdp = {shards}) must split a step's {rows} rows "
-                           f"(rollout.groups_per_step x learner.group_size) evenly over the {n} processes; set "
-                           f"mesh.data or mesh.fsdp to a multiple of {n} that divides {rows} (mesh.tp within a host)")
+        raise StartupError(f"mesh: data x fsdp = {shards} must split a step's {rows} rows evenly over {n} processes; "
+                           f"set mesh.data or mesh.fsdp to a multiple of {n} that divides {rows}")
     indices = batch_sharding(mesh, 1).addressable_devices_indices_map((rows,)).values()
     mine = sorted({row for (index,) in indices for row in range(*index.indices(rows))})
     lo, hi = mine[0], mine[-1] + 1

@@ -57,8 +57,7 @@ class SignalWatch:
         if self.unscored_steps >= self.max_unscored_steps:
             raise NothingScored(
                 f"step {step}: no reward function scored any episode for {self.unscored_steps} steps in a row (all "
-                f"returned None): check rewards[] (fn, and the task fields the functions read) against the "
-                f"environments; rollout.max_unscored_steps={self.max_unscored_steps}")
+                "returned None): check rewards[] and the task fields they read against the environments")
         totals = [[self.weights.total(t.rewards) for t in g] for g in groups]
         learning = sum(len({x for x in g if x is not None}) > 1 for g in totals)
         if not learning and self.quiet_since is None:

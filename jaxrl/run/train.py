@@ -173,9 +173,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     base_to_come = cfg.full_warm_start and start_step is None
     served = model_dir if base_to_come else lora_base(cfg, run)
     if not (served / "config.json").is_file():
-        raise StartupError(f"--resume: {served} is missing, and this config trains LoRA adapters over it (the "
-                           "warm-started model of sft.train_all, true for a model.tiny model); resume with the "
-                           "sft.train_all the run started with")
+        raise StartupError(f"--resume: {served}, the base of this config's LoRA adapters, is missing; resume with "
+                           "the sft.train_all the run started with (true for a model.tiny model)")
     logs = _record(run, cfg, start_step)
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     with GracefulStop() as stop, contextlib.ExitStack() as stack:
