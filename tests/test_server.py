@@ -256,7 +256,7 @@ def test_snapshots_load_refuse_and_gate_min_policy_version(bridge, snapshots):
     with pytest.raises(BridgeRequestError) as e:
         client.load_snapshot(snapshots / "other-shape", SNAPSHOT_VERSION + 1)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "intermediate_size: serving 128, snapshot 96" in e.value.details
+    assert "intermediate_size 96 (serving 128)" in e.value.details
     assert f"still serving version {before}" in e.value.details
     with pytest.raises(BridgeRequestError) as e:
         client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION + 3)

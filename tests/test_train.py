@@ -66,7 +66,7 @@ def test_a_distillation_run_scores_every_episode_with_its_teacher(model_dir, tmp
                           learner={"group_size": 4, "optimizer": {"learning_rate": 1e-3},
                                    "loss": {"loss_type": "dapo", "distill_weight": 1.0, "task_weight": 0.0}})
     summary = summary_of(jaxrl("train", config))
-    assert summary["steps"] == 3 and summary["compiles_after_step_1"] == 0
+    assert summary["steps"] == 3 and summary["programs_after_first_step"] == 0
     rows = [r for r in read_metrics(run_dir) if "distill_reverse_kl" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert abs(rows[0]["distill_reverse_kl"]) < 1e-4 and rows[0]["advantage_mean"] == pytest.approx(0, abs=1e-4)
