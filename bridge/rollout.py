@@ -2,9 +2,10 @@
 
 An episode generates a turn, hands it to its environment hook (if any), appends what the hook
 returns (tool results, observations: loss mask 0, no logprobs) and generates again, until the
-model stops without the hook asking for more, the hook says done, `max_turns`, or the token
-budget. An answer that does not fit the budget ends the episode unappended ("length"), as TRL's
-GRPOTrainer drops it: no model turn could follow it, and the learner would cut it at the budget.
+model stops without the hook asking for more, the hook says done, `params.max_turns`, or the
+token budget (`params.max_total_tokens`). An answer that does not fit the budget ends the episode
+unappended ("length"), as TRL's GRPOTrainer drops it: no model turn could follow it, and the
+learner would cut it at the budget.
 Without a hook an episode is one turn, rewarded by the reward functions alone.
 """
 
@@ -82,8 +83,6 @@ async def run_episode(
     params: SamplingParams,
     hook: EpisodeHook | None = None,
     env: str = "",
-    max_turns: int = 1,
-    max_total_tokens: int | None = None,
     retry_on: tuple[type[BaseException], ...] = (),
 ) -> Trajectory:
     """One episode; failures of the environment end it with finish_reason 'error', never raise.
@@ -94,7 +93,7 @@ async def run_episode(
     """
     start = time.perf_counter()
     traj = Trajectory(group_id, index, list(prompt_ids), env=env)
-    budget = max_total_tokens or params.max_tokens
+    budget = params.max_total_tokens or params.max_tokens
     try:
         if hook is not None:
             t0 = time.perf_counter()
@@ -127,7 +126,7 @@ async def run_episode(
                 traj.finish_reason = "length"
                 break
             traj.append(result.append_ids, [], False, ENV_VERSION)
-            if traj.num_turns >= max_turns:
+            if traj.num_turns >= params.max_turns:
                 traj.finish_reason = "max_turns"
                 break
             if len(traj.completion_ids) >= budget:

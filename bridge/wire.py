@@ -11,6 +11,8 @@ and the trainer receives `TrajectoryData` (numpy arrays).
 SamplingParams on the wire has no `n` (the request's `group_size` is the number of samples per
 prompt) and proto3 scalars have no "unset": `top_p = 0` (never valid) reads as 1.0, no top-p.
 Every other field is taken as sent, so a request must set `max_tokens`; `temperature = 0` is greedy.
+Its episode limits travel in the request (`max_turns`, `max_total_tokens`: 0 reads as one turn,
+and as `max_tokens` in all).
 
 Seeds travel per group: a request built with a seeded SamplingParams seeds each group that has
 no seed of its own with derive_seed(sampling seed, group id). A group's episodes then sample the
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -212,10 +213,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
 
 
-def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
-    """Engine SamplingParams, unseeded; raises WireError (bad bytes) or ValueError (bad values)."""
-    if not math.isfinite(msg.temperature):  # NaN passes every comparison SamplingParams makes
-        raise ValueError(f"sampling params: temperature={msg.temperature} must be a finite number >= 0")
+def sampling_from_proto(msg: pb.SamplingParams, n: int = 1, max_turns: int = 0,
+                        max_total_tokens: int = 0) -> SamplingParams:
+    """Engine SamplingParams, unseeded, with a request's episode limits; raises WireError (bad bytes)
+    or ValueError (bad values)."""
     return SamplingParams(
         n=n,
         temperature=float(msg.temperature),
@@ -224,6 +225,8 @@ def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
         max_tokens=int(msg.max_tokens),
         stop_token_ids=tuple(int(t) for t in decode_ids(msg.stop_token_ids, "sampling.stop_token_ids")),
         stop=tuple(msg.stop),
+        max_turns=max_turns or 1,
+        max_total_tokens=max_total_tokens or None,
     )
 
 
@@ -287,8 +290,6 @@ def rollout_request(
     group_size: int,
     sampling: SamplingParams,
     min_policy_version: int = 0,
-    max_turns: int = 0,
-    max_total_tokens: int = 0,
     policy: str = "",
 ) -> pb.RolloutRequest:
     """The request; with `sampling.seed`, each group without a seed gets derive_seed(sampling.seed,
@@ -303,8 +304,8 @@ def rollout_request(
         group_size=group_size,
         sampling=sampling_to_proto(sampling),
         min_policy_version=min_policy_version,
-        max_turns=max_turns,
-        max_total_tokens=max_total_tokens,
+        max_turns=sampling.max_turns,
+        max_total_tokens=sampling.max_total_tokens or 0,
         policy=policy,
     )
 

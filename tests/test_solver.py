@@ -56,8 +56,8 @@ def test_the_solver_wins_and_its_replies_replay_through_the_rollout_loop(tok, sp
         await runtime.start()
         demo = await solver_episode(runtime, "g", 0, spec.name, task)
         engine = ReplayEngine([ids for m, ids in segments(demo) if m == 1])
-        replay = await run_episode(engine, "g", 0, [], SamplingParams(max_tokens=64), runtime.hook(spec.name, task),
-                                   env=spec.name, max_turns=64, max_total_tokens=4096)
+        params = SamplingParams(max_tokens=64, max_turns=64, max_total_tokens=4096)
+        replay = await run_episode(engine, "g", 0, [], params, runtime.hook(spec.name, task), env=spec.name)
         await runtime.aclose()
         return demo, replay
 

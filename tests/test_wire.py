@@ -110,7 +110,7 @@ def test_unset_top_p_reads_as_no_top_p_and_bad_values_raise():
 def test_rollout_request_names_plain_prompts_and_keeps_tasks():
     request = wire.rollout_request(
         [[1, 2], np.array([3, 4, 5]), wire.PromptGroup([6], group_id="q", env="calc", task={"x": 1})],
-        group_size=3, sampling=SamplingParams(max_tokens=4), min_policy_version=2, max_turns=5,
+        group_size=3, sampling=SamplingParams(max_tokens=4, max_turns=5), min_policy_version=2,
     )
     assert request.protocol_version == wire.PROTOCOL_VERSION
     groups = [wire.group_from_proto(g) for g in request.groups]

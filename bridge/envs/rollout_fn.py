@@ -94,9 +94,9 @@ class GenerationHandle:
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, params: SamplingParams,
-                 template_kwargs: Mapping[str, Any] | None = None, max_total_tokens: int | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
-        self.max_total_tokens = max_total_tokens
+        self.max_total_tokens = params.max_total_tokens
         self._engine = engine
         self._params = params
         self._template_kwargs = dict(template_kwargs or {})
@@ -232,13 +232,13 @@ def _check_generated(trained: list[tuple[int, float, int, int]], generations: li
 
 
 async def run_rollout_fn(fn: Any, fn_path: str, engine: Engine, tokenizer: Any, group_id: str, index: int, env: str,
-                         task: dict[str, Any], params: SamplingParams, template_kwargs: Mapping[str, Any] | None = None,
-                         max_total_tokens: int | None = None) -> Trajectory:
+                         task: dict[str, Any], params: SamplingParams,
+                         template_kwargs: Mapping[str, Any] | None = None) -> Trajectory:
     """One episode of rollout function `fn`, as a Trajectory. What it raises ends the episode with
     finish_reason 'error' (as an environment failure would); what it returns wrong too, its error
     starting with "RolloutFnError: " or "RewardError: ", which stops the run (a bug in the function)."""
     start = time.perf_counter()
-    handle = GenerationHandle(engine, tokenizer, params, template_kwargs, max_total_tokens)
+    handle = GenerationHandle(engine, tokenizer, params, template_kwargs)
     what = f"rollout_fn {fn_path!r} (environment {env!r}, episode {group_id}/{index})"
     traj = Trajectory(group_id, index, [], env=env)
     try:

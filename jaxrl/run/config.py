@@ -425,14 +425,14 @@ class TrainConfig:
         return None if self.longest_episode_s is None else self.longest_episode_s + 60.0
 
     def sampling_params(self, stop_ids: tuple[int, ...], evaluation: bool = False) -> SamplingParams:
-        """How training episodes sample, or held-out ones (`eval.temperature`, no top-p); seeded by the
-        run seed, so the same run samples the same episodes."""
+        """How training episodes sample and how long they run, or held-out ones (`eval.temperature`, no
+        top-p); seeded by the run seed, so the same run samples the same episodes."""
         r = self.rollout
+        common = dict(max_tokens=r.max_tokens, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+                      stop_token_ids=stop_ids, seed=self.seed)
         if evaluation:
-            return SamplingParams(temperature=self.eval.temperature, max_tokens=r.max_tokens,
-                                  stop_token_ids=stop_ids, seed=self.seed)
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop_token_ids=stop_ids, seed=self.seed)
+            return SamplingParams(temperature=self.eval.temperature, **common)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, **common)
 
     @property
     def streamed_groups(self) -> int:

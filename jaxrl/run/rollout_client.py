@@ -119,12 +119,10 @@ class RolloutClient:
     def _stream(self, bridge: Bridge, client: BridgeClient, groups: list[PromptGroup], group_size: int,
                 params: SamplingParams, min_version: int, policy: str) -> tuple[list[TrajectoryData], Exception | None]:
         """The trajectories `bridge` streamed, and the BridgeUnavailable that cut them short, if one did."""
-        r = self.cfg.rollout
         received: list[TrajectoryData] = []
         try:
-            for t in client.rollout(groups, group_size, params, min_policy_version=min_version, max_turns=r.max_turns,
-                                    max_total_tokens=r.max_total_tokens, timeout_s=self.cfg.rollout_timeout_s,
-                                    policy=policy):
+            for t in client.rollout(groups, group_size, params, min_policy_version=min_version,
+                                    timeout_s=self.cfg.rollout_timeout_s, policy=policy):
                 received.append(t)
                 with self._lock:
                     self.outstanding[bridge.index] -= 1
