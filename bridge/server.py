@@ -43,7 +43,7 @@ from bridge.envs.solver import solver_episode
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
 from jaxrl.snapshot_store import check_location, is_url
-from bridge.rollout import EpisodeHook, Trajectory, run_episode
+from bridge.rollout import EpisodeHook, run_episode
 
 if TYPE_CHECKING:
     from bridge.envs.runtime import EnvRuntime
@@ -249,7 +249,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{what}={value} is over this bridge's limit of {limit} ({wire.Limits.flag(limit_name)})")
 
-    async def _episode(self, group: wire.PromptGroup, index: int, params, policy: str = "") -> Trajectory:
+    async def _episode(self, group: wire.PromptGroup, index: int, params, policy: str = "") -> wire.TrajectoryData:
         self.counters["episodes_in_flight"] += 1
         prompt = [int(t) for t in group.prompt_ids]
         spec = self.envs.specs.get(group.env) if self.envs is not None else None
@@ -264,7 +264,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                         if inspect.isawaitable(hook):
                             hook = await hook
                     except Exception as e:  # an environment that cannot start costs this episode
-                        traj = Trajectory(group.group_id, index, prompt, env=group.env)
+                        traj = wire.TrajectoryData(group.group_id, index, group.prompt_ids, env=group.env)
                         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
                         return traj
                 try:
@@ -284,7 +284,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                     return traj
                 except TimeoutError:  # raised by the timeout above only: run_episode catches the rest
                     self.counters["episodes_timed_out"] += 1
-                    traj = Trajectory(group.group_id, index, prompt, env=group.env)
+                    traj = wire.TrajectoryData(group.group_id, index, group.prompt_ids, env=group.env)
                     traj.finish_reason = "error"
                     traj.error = f"episode took longer than episode_timeout_s={spec.episode_timeout_s:g} s"
                     return traj
@@ -300,7 +300,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                                 "(retry %d)", group.group_id, index, group.env, lost, wait, attempt + 1)
                     await asyncio.sleep(wait)
             self.counters["episodes_dropped"] += 1
-            traj = Trajectory(group.group_id, index, prompt, env=group.env)
+            traj = wire.TrajectoryData(group.group_id, index, group.prompt_ids, env=group.env)
             traj.finish_reason = "error"
             budget = f"retry_budget_s={spec.retry_budget_s:g}" if spec is not None else "no environment spec"
             traj.error = (f"dropped after {attempt} retries over {time.monotonic() - first_lost:.0f} s "
@@ -310,17 +310,17 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         finally:
             self.counters["episodes_in_flight"] -= 1
 
-    async def _scored(self, episode) -> Trajectory:
+    async def _scored(self, episode) -> wire.TrajectoryData:
         """The episode, with the teacher's logprobs of its model tokens when the bridge serves one."""
         traj = await episode
-        if self.teacher is None or not traj.completion_ids or traj.finish_reason == "error":
+        if self.teacher is None or not len(traj.completion_ids) or traj.finish_reason == "error":
             return traj
         try:
             logp = await self.teacher.score(traj.prompt_ids, traj.completion_ids)
         except Exception as e:  # this episode cannot be distilled; the others go on
             traj.finish_reason, traj.error = "error", f"teacher: {type(e).__name__}: {e}"
             return traj
-        traj.teacher_logprobs = (logp * np.asarray(traj.loss_mask, np.float32)).tolist()
+        traj.teacher_logprobs = logp * traj.loss_mask.astype(np.float32)
         return traj
 
     # -- RPCs ---------------------------------------------------------------------------------

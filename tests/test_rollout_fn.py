@@ -96,7 +96,7 @@ def test_a_two_turn_episode_keeps_the_generated_tokens_and_masks_the_request():
          {"role": "user", "content": "Revise it."}], tokenize=False, add_generation_prompt=True).split(
         "first answer" + TOK.eos_token)[1]
     assert t.rewards == {"revision": 1.0, "answer": 0.0} and t.metrics["critiques"] == 1.0
-    assert t.sampler_logprobs == [-0.5 if m else 0.0 for m in t.loss_mask]
+    assert t.sampler_logprobs.tolist() == [-0.5 if m else 0.0 for m in t.loss_mask]
     assert set(t.token_versions) == {0, -1}
 
 
