@@ -163,8 +163,6 @@ class BridgeClient:
         group_size: int,
         sampling: SamplingParams,
         min_policy_version: int = 0,
-        max_turns: int = 0,
-        max_total_tokens: int = 0,
         timeout_s: float | None = None,
         policy: str = "",
     ) -> Iterator[TrajectoryData]:
@@ -174,8 +172,7 @@ class BridgeClient:
         sequences are groups "0", "1", ... Closing the iterator early cancels the rest on the bridge.
         `policy="solver"` has each environment's own solver play instead of the model.
         """
-        request = wire.rollout_request(groups, group_size, sampling, min_policy_version, max_turns,
-                                       max_total_tokens, policy)
+        request = wire.rollout_request(groups, group_size, sampling, min_policy_version, policy)
         expected = len(request.groups) * group_size
         return self._stream(request, expected, timeout_s)
 

@@ -2,9 +2,10 @@
 
 An episode generates a turn, hands it to its environment hook (if any), appends what the hook
 returns (tool results, observations: loss mask 0, no logprobs) and generates again, until the
-model stops without the hook asking for more, the hook says done, `max_turns`, or the token
-budget. An answer that does not fit the budget ends the episode unappended ("length"), as TRL's
-GRPOTrainer drops it: no model turn could follow it, and the learner would cut it at the budget.
+model stops without the hook asking for more, the hook says done, `params.max_turns`, or the
+token budget (`params.max_total_tokens`). An answer that does not fit the budget ends the episode
+unappended ("length"), as TRL's GRPOTrainer drops it: no model turn could follow it, and the
+learner would cut it at the budget.
 Without a hook an episode is one turn, rewarded by the reward functions alone.
 """
 
@@ -14,9 +15,10 @@ import dataclasses
 import time
 from typing import Protocol
 
-from bridge.engines.base import Engine, PromptTooLong, SamplingParams, derive_seed
+import numpy as np
 
-ENV_VERSION = -1  # token_versions entry of tokens the environment wrote
+from bridge.engines.base import Engine, PromptTooLong, SamplingParams, derive_seed
+from bridge.wire import ENV_VERSION, TrajectoryData
 
 
 @dataclasses.dataclass
@@ -37,41 +39,11 @@ class EpisodeHook(Protocol):
     async def turn(self, completion_ids: list[int]) -> TurnResult:
         """Runs the model's turn (e.g. its tool calls) against the environment."""
 
-    async def finish(self, trajectory: Trajectory) -> dict[str, float]:
+    async def finish(self, trajectory: TrajectoryData) -> dict[str, float]:
         """After an episode that did not fail: its rewards by name."""
 
     async def close(self) -> None:
         """Releases the session (called however the episode ended; may be called twice)."""
-
-
-@dataclasses.dataclass
-class Trajectory:
-    group_id: str
-    index_in_group: int
-    prompt_ids: list[int]
-    completion_ids: list[int] = dataclasses.field(default_factory=list)
-    sampler_logprobs: list[float] = dataclasses.field(default_factory=list)
-    loss_mask: list[int] = dataclasses.field(default_factory=list)
-    token_versions: list[int] = dataclasses.field(default_factory=list)
-    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
-    finish_reason: str = ""
-    env: str = ""
-    error: str = ""
-    num_turns: int = 0
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. tool_calls, tool_errors
-    generate_s: float = 0.0
-    env_s: float = 0.0
-    total_s: float = 0.0
-    teacher_logprobs: list[float] = dataclasses.field(default_factory=list)  # with a distillation teacher
-
-    def append(self, ids, logprobs, trained: bool, version: int | list[int]) -> None:
-        """`version`: the weights' version of every token, or of each (new weights may arrive while a
-        completion is sampled); environment tokens get ENV_VERSION."""
-        self.completion_ids += ids
-        self.sampler_logprobs += logprobs if trained else [0.0] * len(ids)
-        self.loss_mask += [int(trained)] * len(ids)
-        versions = version if isinstance(version, list) else [version] * len(ids)
-        self.token_versions += versions if trained else [ENV_VERSION] * len(ids)
 
 
 async def run_episode(
@@ -82,10 +54,8 @@ async def run_episode(
     params: SamplingParams,
     hook: EpisodeHook | None = None,
     env: str = "",
-    max_turns: int = 1,
-    max_total_tokens: int | None = None,
     retry_on: tuple[type[BaseException], ...] = (),
-) -> Trajectory:
+) -> TrajectoryData:
     """One episode; failures of the environment end it with finish_reason 'error', never raise.
 
     Except `retry_on` exceptions (a lost environment session): those propagate, the hook closed,
@@ -93,12 +63,12 @@ async def run_episode(
     derive_seed(params.seed, k): every turn its own stream, the same ones when replayed.
     """
     start = time.perf_counter()
-    traj = Trajectory(group_id, index, list(prompt_ids), env=env)
-    budget = max_total_tokens or params.max_tokens
+    traj = TrajectoryData(group_id, index, np.asarray(prompt_ids, np.int32), env=env)
+    budget = params.max_total_tokens or params.max_tokens
     try:
         if hook is not None:
             t0 = time.perf_counter()
-            traj.prompt_ids += await hook.start()
+            traj.prompt_ids = np.concatenate([traj.prompt_ids, np.asarray(await hook.start(), np.int32)])
             traj.env_s += time.perf_counter() - t0
         while True:
             remaining = budget - len(traj.completion_ids)
@@ -106,7 +76,8 @@ async def run_episode(
                 params, n=1, max_tokens=min(params.max_tokens, remaining),
                 seed=None if params.seed is None else derive_seed(params.seed, traj.num_turns))
             t0 = time.perf_counter()
-            [[completion]] = await engine.generate([traj.prompt_ids + traj.completion_ids], turn_params)
+            context = np.concatenate([traj.prompt_ids, traj.completion_ids]).tolist()
+            [[completion]] = await engine.generate([context], turn_params)
             traj.generate_s += time.perf_counter() - t0
             traj.append(completion.token_ids, completion.logprobs, True, completion.token_versions)
             traj.num_turns += 1
@@ -127,7 +98,7 @@ async def run_episode(
                 traj.finish_reason = "length"
                 break
             traj.append(result.append_ids, [], False, ENV_VERSION)
-            if traj.num_turns >= max_turns:
+            if traj.num_turns >= params.max_turns:
                 traj.finish_reason = "max_turns"
                 break
             if len(traj.completion_ids) >= budget:

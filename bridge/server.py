@@ -43,7 +43,7 @@ from bridge.envs.solver import solver_episode
 from bridge.proto import bridge_pb2 as pb
 from bridge.proto import bridge_pb2_grpc as pb_grpc
 from jaxrl.snapshot_store import check_location, is_url
-from bridge.rollout import EpisodeHook, Trajectory, run_episode
+from bridge.rollout import EpisodeHook, run_episode
 
 if TYPE_CHECKING:
     from bridge.envs.runtime import EnvRuntime
@@ -175,11 +175,6 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no groups")
         if request.group_size < 1:
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"group_size={request.group_size} must be >= 1")
-        if request.max_turns < 0:
-            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, f"max_turns={request.max_turns} must be >= 0")
-        if request.max_total_tokens < 0:
-            raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"max_total_tokens={request.max_total_tokens} must be >= 0")
         self._check_limit("group_size", request.group_size, "max_group_size")
         self._check_limit("groups", len(request.groups), "max_groups")
         self._check_limit("max_total_tokens", request.max_total_tokens, "max_episode_tokens")
@@ -188,7 +183,8 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         if not request.HasField("sampling"):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, "rollout request has no sampling params")
         try:
-            params = wire.sampling_from_proto(request.sampling)
+            params = wire.sampling_from_proto(request.sampling, max_turns=request.max_turns,
+                                              max_total_tokens=request.max_total_tokens)
             groups = [wire.group_from_proto(g) for g in request.groups]
         except ValueError as e:  # WireError included
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -253,8 +249,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             raise _Invalid(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{what}={value} is over this bridge's limit of {limit} ({wire.Limits.flag(limit_name)})")
 
-    async def _episode(self, group: wire.PromptGroup, index: int, params, max_turns: int,
-                       max_total_tokens: int | None, policy: str = "") -> Trajectory:
+    async def _episode(self, group: wire.PromptGroup, index: int, params, policy: str = "") -> wire.TrajectoryData:
         self.counters["episodes_in_flight"] += 1
         prompt = [int(t) for t in group.prompt_ids]
         spec = self.envs.specs.get(group.env) if self.envs is not None else None
@@ -269,7 +264,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                         if inspect.isawaitable(hook):
                             hook = await hook
                     except Exception as e:  # an environment that cannot start costs this episode
-                        traj = Trajectory(group.group_id, index, prompt, env=group.env)
+                        traj = wire.TrajectoryData(group.group_id, index, group.prompt_ids, env=group.env)
                         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
                         return traj
                 try:
@@ -280,18 +275,16 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                         elif custom is not None:
                             traj = await run_rollout_fn(
                                 custom.fn, custom.spec.rollout_fn, self.engine, self.envs.tokenizer, group.group_id,
-                                index, group.env, group.task or {}, params, self.envs.template_kwargs,
-                                max_total_tokens)
+                                index, group.env, group.task or {}, params, self.envs.template_kwargs)
                         else:
                             traj = await run_episode(
                                 self.engine, group.group_id, index, prompt, params, hook=hook, env=group.env,
-                                max_turns=max_turns, max_total_tokens=max_total_tokens, retry_on=RETRYABLE,
-                            )
+                                retry_on=RETRYABLE)
                     traj.metrics["retries"] = float(attempt)
                     return traj
                 except TimeoutError:  # raised by the timeout above only: run_episode catches the rest
                     self.counters["episodes_timed_out"] += 1
-                    traj = Trajectory(group.group_id, index, prompt, env=group.env)
+                    traj = wire.TrajectoryData(group.group_id, index, group.prompt_ids, env=group.env)
                     traj.finish_reason = "error"
                     traj.error = f"episode took longer than episode_timeout_s={spec.episode_timeout_s:g} s"
                     return traj
@@ -307,7 +300,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                                 "(retry %d)", group.group_id, index, group.env, lost, wait, attempt + 1)
                     await asyncio.sleep(wait)
             self.counters["episodes_dropped"] += 1
-            traj = Trajectory(group.group_id, index, prompt, env=group.env)
+            traj = wire.TrajectoryData(group.group_id, index, group.prompt_ids, env=group.env)
             traj.finish_reason = "error"
             budget = f"retry_budget_s={spec.retry_budget_s:g}" if spec is not None else "no environment spec"
             traj.error = (f"dropped after {attempt} retries over {time.monotonic() - first_lost:.0f} s "
@@ -317,17 +310,17 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         finally:
             self.counters["episodes_in_flight"] -= 1
 
-    async def _scored(self, episode) -> Trajectory:
+    async def _scored(self, episode) -> wire.TrajectoryData:
         """The episode, with the teacher's logprobs of its model tokens when the bridge serves one."""
         traj = await episode
-        if self.teacher is None or not traj.completion_ids or traj.finish_reason == "error":
+        if self.teacher is None or not len(traj.completion_ids) or traj.finish_reason == "error":
             return traj
         try:
             logp = await self.teacher.score(traj.prompt_ids, traj.completion_ids)
         except Exception as e:  # this episode cannot be distilled; the others go on
             traj.finish_reason, traj.error = "error", f"teacher: {type(e).__name__}: {e}"
             return traj
-        traj.teacher_logprobs = (logp * np.asarray(traj.loss_mask, np.float32)).tolist()
+        traj.teacher_logprobs = logp * traj.loss_mask.astype(np.float32)
         return traj
 
     # -- RPCs ---------------------------------------------------------------------------------
@@ -341,15 +334,13 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         episodes = len(groups) * request.group_size
         self._admitted += episodes  # no await since the check in _parse_rollout: nothing came between
         self.counters["rollouts"] += 1
-        max_turns = max(request.max_turns, 1)
-        max_total = request.max_total_tokens or None
         tasks = []
         for group in groups:
             for j in range(request.group_size):
                 # The episode's identity, not its place in this request: see PromptGroup.seed.
                 seed = None if group.seed is None else derive_seed(group.seed, j)
                 tasks.append(asyncio.create_task(self._scored(self._episode(
-                    group, j, dataclasses.replace(params, seed=seed), max_turns, max_total, request.policy))))
+                    group, j, dataclasses.replace(params, seed=seed), request.policy))))
         finished = False
         try:
             for next_done in asyncio.as_completed(tasks):

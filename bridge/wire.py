@@ -5,12 +5,13 @@ uint8, token versions int64. Decoding checks every byte length (a buffer that is
 number of items, or per-token arrays of different lengths, is a `WireError`, never a misread) and
 the protocol version of the message.
 
-Two trajectory types: the bridge builds `bridge.rollout.Trajectory` (lists, as episodes grow)
-and the trainer receives `TrajectoryData` (numpy arrays).
+One trajectory type, `TrajectoryData` (numpy arrays), from the bridge's episode to the trainer.
 
 SamplingParams on the wire has no `n` (the request's `group_size` is the number of samples per
 prompt) and proto3 scalars have no "unset": `top_p = 0` (never valid) reads as 1.0, no top-p.
 Every other field is taken as sent, so a request must set `max_tokens`; `temperature = 0` is greedy.
+Its episode limits travel in the request (`max_turns`, `max_total_tokens`: 0 reads as one turn,
+and as `max_tokens` in all).
 
 Seeds travel per group: a request built with a seeded SamplingParams seeds each group that has
 no seed of its own with derive_seed(sampling seed, group id). A group's episodes then sample the
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -29,7 +29,6 @@ import numpy as np
 
 from bridge.engines.base import SamplingParams, derive_seed
 from bridge.proto import bridge_pb2 as pb
-from bridge.rollout import Trajectory
 
 PROTOCOL_VERSION = 2  # 2: seeds per group (PromptGroup.seed), none per request
 
@@ -212,10 +211,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
 
 
-def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
-    """Engine SamplingParams, unseeded; raises WireError (bad bytes) or ValueError (bad values)."""
-    if not math.isfinite(msg.temperature):  # NaN passes every comparison SamplingParams makes
-        raise ValueError(f"sampling params: temperature={msg.temperature} must be a finite number >= 0")
+def sampling_from_proto(msg: pb.SamplingParams, n: int = 1, max_turns: int = 0,
+                        max_total_tokens: int = 0) -> SamplingParams:
+    """Engine SamplingParams, unseeded, with a request's episode limits; raises WireError (bad bytes)
+    or ValueError (bad values)."""
     return SamplingParams(
         n=n,
         temperature=float(msg.temperature),
@@ -224,6 +223,8 @@ def sampling_from_proto(msg: pb.SamplingParams, n: int = 1) -> SamplingParams:
         max_tokens=int(msg.max_tokens),
         stop_token_ids=tuple(int(t) for t in decode_ids(msg.stop_token_ids, "sampling.stop_token_ids")),
         stop=tuple(msg.stop),
+        max_turns=max_turns or 1,
+        max_total_tokens=max_total_tokens or None,
     )
 
 
@@ -287,8 +288,6 @@ def rollout_request(
     group_size: int,
     sampling: SamplingParams,
     min_policy_version: int = 0,
-    max_turns: int = 0,
-    max_total_tokens: int = 0,
     policy: str = "",
 ) -> pb.RolloutRequest:
     """The request; with `sampling.seed`, each group without a seed gets derive_seed(sampling.seed,
@@ -303,8 +302,8 @@ def rollout_request(
         group_size=group_size,
         sampling=sampling_to_proto(sampling),
         min_policy_version=min_policy_version,
-        max_turns=max_turns,
-        max_total_tokens=max_total_tokens,
+        max_turns=sampling.max_turns,
+        max_total_tokens=sampling.max_total_tokens or 0,
         policy=policy,
     )
 
@@ -312,20 +311,27 @@ def rollout_request(
 # ---------------------------------------------------------------------------------------------
 # Trajectories
 
+ENV_VERSION = -1  # token_versions entry of tokens the environment wrote
+
+
+def _empty(dtype):
+    return dataclasses.field(default_factory=lambda: np.zeros(0, dtype))
+
 
 @dataclasses.dataclass
 class TrajectoryData:
-    """A trajectory as the trainer receives it: numpy arrays, one entry per completion token."""
+    """An episode as the bridge builds it and the trainer receives it: numpy arrays, one entry per
+    completion token."""
 
     group_id: str
     index_in_group: int
     prompt_ids: np.ndarray  # int32
-    completion_ids: np.ndarray  # int32: model tokens and environment/tool tokens, in order
-    sampler_logprobs: np.ndarray  # float32; 0 where loss_mask is 0
-    loss_mask: np.ndarray  # uint8; 1 on tokens the model generated
-    token_versions: np.ndarray  # int64; policy version of each token, -1 for environment tokens
-    rewards: dict[str, float]
-    finish_reason: str  # stop | length | env_done | max_turns | error
+    completion_ids: np.ndarray = _empty(np.int32)  # model tokens and environment/tool tokens, in order
+    sampler_logprobs: np.ndarray = _empty(np.float32)  # 0 where loss_mask is 0
+    loss_mask: np.ndarray = _empty(np.uint8)  # 1 on tokens the model generated
+    token_versions: np.ndarray = _empty(np.int64)  # policy version of each token, ENV_VERSION for the environment's
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    finish_reason: str = ""  # stop | length | env_done | max_turns | error
     env: str = ""
     error: str = ""
     num_turns: int = 0
@@ -335,7 +341,19 @@ class TrajectoryData:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     # The distillation teacher's logprob of each completion token (0 where loss_mask is 0); empty
     # from a bridge without a teacher.
-    teacher_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
+    teacher_logprobs: np.ndarray = _empty(np.float32)
+
+    def append(self, ids, logprobs, trained: bool, version: int | list[int]) -> None:
+        """`version`: the weights' version of every token, or of each (new weights may arrive while a
+        completion is sampled); environment tokens get ENV_VERSION."""
+        n = len(ids)
+        versions = version if isinstance(version, list) else [version] * n
+        self.completion_ids = np.concatenate([self.completion_ids, np.asarray(ids, np.int32)])
+        self.sampler_logprobs = np.concatenate(
+            [self.sampler_logprobs, np.asarray(logprobs, np.float32) if trained else np.zeros(n, np.float32)])
+        self.loss_mask = np.concatenate([self.loss_mask, np.full(n, int(trained), np.uint8)])
+        self.token_versions = np.concatenate(
+            [self.token_versions, np.asarray(versions, np.int64) if trained else np.full(n, ENV_VERSION, np.int64)])
 
     @property
     def num_completion_tokens(self) -> int:
@@ -348,7 +366,7 @@ class TrajectoryData:
         return int(trained.min()) if len(trained) else -1
 
 
-def trajectory_to_proto(traj: Trajectory) -> pb.Trajectory:
+def trajectory_to_proto(traj: TrajectoryData) -> pb.Trajectory:
     return pb.Trajectory(
         protocol_version=PROTOCOL_VERSION,
         group_id=traj.group_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -34,8 +35,8 @@ def run(engine, runtime, env, task, max_turns=8, budget=2048):
     async def go():
         await runtime.start()
         hook = runtime.hook(env, task)
-        return await run_episode(engine, "g", 0, [], PARAMS, hook, env=env, max_turns=max_turns,
-                                 max_total_tokens=budget)
+        params = dataclasses.replace(PARAMS, max_turns=max_turns, max_total_tokens=budget)
+        return await run_episode(engine, "g", 0, [], params, hook, env=env)
 
     return asyncio.run(go())
 

@@ -30,6 +30,12 @@ def config(**extra) -> TrainConfig:
     return from_dict(TrainConfig, base)
 
 
+def rollout_client(addresses: list[str], cfg: TrainConfig, **kw) -> RolloutClient:
+    """The client a run makes of `cfg`: its bridge settings, request deadline and stream width."""
+    return RolloutClient(addresses, cfg.bridge, TOKEN, timeout_s=cfg.rollout_timeout_s,
+                         streamed_groups=cfg.streamed_groups, **kw)
+
+
 def traj(group, i, prompt, completion, mask, rewards, finish="stop", version=0, env="coin", **metrics):
     return TrajectoryData(group, i, np.array(prompt, np.int32), np.array(completion, np.int32),
                           np.where(np.array(mask, bool), -0.5, 0.0).astype(np.float32), np.array(mask, np.uint8),
@@ -146,7 +152,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(bridges):
     # Every Coin group has zero variance (the reward is fixed by the task): all dropped, refilled
     # up to max_refills, then the step trains on padding.
     cfg = config(rollout={"dynamic_sampling": True, "max_refills": 2})
-    client = RolloutClient([bridges[0][0]], cfg, TOKEN)
+    client = rollout_client([bridges[0][0]], cfg)
     try:
         result = Collector(cfg, client, TaskSource(cfg), (0,)).collect(0, 0)
     finally:
@@ -159,7 +165,7 @@ def test_stream_takes_groups_as_they_complete_and_never_trains_a_stale_token(bri
     cfg = config(rollout={"mode": "stream", "in_flight_groups": 3, "max_staleness": 1},
                  learner={"loss": {"is_level": "token"}})
     engine = bridges[0][1]
-    client = RolloutClient([bridges[0][0]], cfg, TOKEN)
+    client = rollout_client([bridges[0][0]], cfg)
     collector = Collector(cfg, client, TaskSource(cfg), (0,))
     try:
         first = collector.collect(0, 0)
@@ -183,7 +189,7 @@ def test_stream_with_dynamic_sampling_over_two_bridges_looks_at_as_many_groups_a
     # Every Coin group has zero variance: a step looks at (max_refills + 1) x its groups, then pads.
     cfg = config(rollout={"mode": "stream", "dynamic_sampling": True, "max_refills": 2},
                  learner={"loss": {"is_level": "token"}})
-    client = RolloutClient([b for b, _ in bridges], cfg, TOKEN)
+    client = rollout_client([b for b, _ in bridges], cfg)
     collector = Collector(cfg, client, TaskSource(cfg), (0,))
     calls = [engine.calls for _, engine in bridges]
     try:

@@ -74,9 +74,10 @@ def bundled_bridge(tmp_path_factory):
 def test_64_concurrent_episodes_per_bundled_environment(bundled_bridge, env, max_turns):
     bridge, _ = bundled_bridge
     tok = build_tokenizer()
-    params = SamplingParams(temperature=1.0, max_tokens=24, stop_token_ids=(tok.eos_token_id,), seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=24, stop_token_ids=(tok.eos_token_id,), seed=0,
+                            max_turns=max_turns, max_total_tokens=512)
     start = time.perf_counter()
-    trajs = list(bridge.client.rollout(groups_for(env, 16), 4, params, max_turns=max_turns, max_total_tokens=512))
+    trajs = list(bridge.client.rollout(groups_for(env, 16), 4, params))
     wall = time.perf_counter() - start
     assert len(trajs) == 64
     assert all(t.finish_reason != "error" for t in trajs), [t.error for t in trajs if t.error][:3]
@@ -170,9 +171,8 @@ def test_mcp_environment_tools_are_listed_and_called():
     with custom_server("calculator") as (_, url):
         runtime = runtime_from_dict({"envs": [{"name": "calc", "url": url}]}, tok)
         with bridge_thread(ScriptedEngine(tok, calculator_policy), runtime) as client:
-            params = SamplingParams(max_tokens=64)
-            trajs = list(client.rollout([PromptGroup(np.zeros(0, np.int32), "g", "calc", {"seed": 3})], 4, params,
-                                        max_turns=5, max_total_tokens=1024))
+            params = SamplingParams(max_tokens=64, max_turns=5, max_total_tokens=1024)
+            trajs = list(client.rollout([PromptGroup(np.zeros(0, np.int32), "g", "calc", {"seed": 3})], 4, params))
     assert runtime.connectors["calc"].mode == "mcp"
     for t in trajs:
         assert t.finish_reason == "env_done" and t.rewards == {"env": 1.0}, (t.error, t.rewards)
@@ -194,7 +194,7 @@ def test_test_only_text_environment_through_the_url_path():
         runtime = runtime_from_dict({"envs": [{"name": "rev", "url": url}]}, tok)
         with bridge_thread(ScriptedEngine(tok, reverse_policy), runtime) as client:
             trajs = list(client.rollout([PromptGroup(np.zeros(0, np.int32), "g", "rev", {"seed": 1})], 8,
-                                        SamplingParams(max_tokens=16), max_turns=2, max_total_tokens=64))
+                                        SamplingParams(max_tokens=16, max_turns=2, max_total_tokens=64)))
     assert runtime.connectors["rev"].mode == "text" and runtime.connectors["rev"].text_field == "answer"
     assert all(t.rewards == {"env": 1.0} for t in trajs)
 
@@ -221,8 +221,8 @@ def test_server_killed_mid_rollout_episodes_are_replayed_on_fresh_sessions():
             result = {}
 
             def rollout():
-                result["trajs"] = list(client.rollout(groups_for("guess", 8), 4, SamplingParams(max_tokens=64),
-                                                      max_turns=10, max_total_tokens=2048))
+                result["trajs"] = list(client.rollout(groups_for("guess", 8), 4, SamplingParams(
+                    max_tokens=64, max_turns=10, max_total_tokens=2048)))
 
             thread = threading.Thread(target=rollout)
             thread.start()
@@ -256,8 +256,8 @@ def test_over_capacity_backs_off_instead_of_failing():
     with EnvServerProcess.start("guess_number", max_concurrent_envs=2) as server:
         runtime = fault_runtime(tok, server.url)
         with bridge_thread(ScriptedEngine(tok, guess_number_policy), runtime) as client:
-            trajs = list(client.rollout(groups_for("guess", 4), 4, SamplingParams(max_tokens=64),
-                                        max_turns=10, max_total_tokens=2048))
+            trajs = list(client.rollout(groups_for("guess", 4), 4,
+                                        SamplingParams(max_tokens=64, max_turns=10, max_total_tokens=2048)))
             stats = client.stats()
     assert len(trajs) == 16 and all(t.rewards == {"env": 1.0} for t in trajs)
     assert stats["env.guess.capacity_waits"] > 0 and stats["episodes_retried"] == 0
@@ -269,17 +269,17 @@ def test_frozen_server_times_out_opens_the_breaker_and_recovers():
         runtime = fault_runtime(tok, server.url, step_timeout_s=1.0, connect_timeout_s=1.0)
         endpoint = runtime.connectors["guess"].endpoint
         with bridge_thread(ScriptedEngine(tok, guess_number_policy), runtime) as client:
-            params = SamplingParams(max_tokens=64)
+            params = SamplingParams(max_tokens=64, max_turns=10, max_total_tokens=2048)
             os.kill(server.pid, signal.SIGSTOP)  # fault: the server hangs
             try:
                 start = time.perf_counter()
-                frozen = list(client.rollout(groups_for("guess", 2), 2, params, max_turns=10, max_total_tokens=2048))
+                frozen = list(client.rollout(groups_for("guess", 2), 2, params))
                 waited = time.perf_counter() - start
                 assert endpoint.metrics["breaker_opens"] >= 1
             finally:
                 os.kill(server.pid, signal.SIGCONT)
             time.sleep(1.5)  # the cooldown: the breaker half-opens and the next session closes it
-            after = list(client.rollout(groups_for("guess", 2), 2, params, max_turns=10, max_total_tokens=2048))
+            after = list(client.rollout(groups_for("guess", 2), 2, params))
             stats = client.stats()
     print(f"frozen server: {len(frozen)} episodes dropped after {waited:.1f} s; breaker opened "
           f"{endpoint.metrics['breaker_opens']:.0f}x, then {len(after)} episodes succeeded")
@@ -297,8 +297,8 @@ def test_episode_timeout_ends_a_slow_episode_as_an_error():
         "action_class": "bridge.envs.bundled.guess_number:GuessNumberAction", "episode_timeout_s": 1.0}]}, tok)
     with bridge_thread(ScriptedEngine(tok, guess_number_policy, delay_s=0.4), runtime) as client:
         start = time.perf_counter()
-        trajs = list(client.rollout(groups_for("guess", 2), 2, SamplingParams(max_tokens=64), max_turns=10,
-                                    max_total_tokens=2048))
+        trajs = list(client.rollout(groups_for("guess", 2), 2,
+                                    SamplingParams(max_tokens=64, max_turns=10, max_total_tokens=2048)))
         stats = client.stats()
     assert time.perf_counter() - start < 10
     assert all(t.finish_reason == "error" and "episode_timeout_s=1" in t.error for t in trajs)

@@ -60,7 +60,7 @@ def config(envs=(ECHO,), **extra) -> TrainConfig:
 def run(tok, policy, cfg, engine_cls=ScriptedEngine):
     envs = {"envs": [e.to_dict() for e in cfg.envs], "rewards": [r.__dict__ for r in cfg.rewards]}
     with in_process_bridge(engine_cls(tok, policy), envs, tok) as address:
-        client = RolloutClient([address], cfg, TOKEN)
+        client = RolloutClient([address], cfg.bridge, TOKEN, timeout_s=cfg.rollout_timeout_s)
         try:
             return evaluate(client, TaskSource(cfg).held_out(), cfg, 0, (tok.eos_token_id,))
         finally:

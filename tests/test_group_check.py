@@ -5,6 +5,7 @@ and groups of the bundled environments, pass quietly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -32,12 +33,13 @@ def play_groups(tok, spec, task, groups=("g0",), size=4):
     """`size` episodes of `task` in each group of `groups`, on one runtime (as one bridge runs them)."""
     runtime = EnvRuntime([spec], tok, get_parser())
     engine = scripted(tok, ["7"] * size * len(groups))
+    params = dataclasses.replace(PARAMS, max_turns=1, max_total_tokens=512)
 
     async def go():
         await runtime.start()
         try:
-            return await asyncio.gather(*(run_episode(engine, g, j, [], PARAMS, runtime.hook(spec.name, dict(task), g),
-                                                      env=spec.name, max_turns=1, max_total_tokens=512)
+            return await asyncio.gather(*(run_episode(engine, g, j, [], params, runtime.hook(spec.name, dict(task), g),
+                                                      env=spec.name)
                                           for g in groups for j in range(size)))
         finally:
             await runtime.aclose()

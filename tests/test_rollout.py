@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 
+import numpy as np
 import pytest
 
 from bridge.engines.base import Completion, SamplingParams, derive_seed
@@ -47,37 +48,39 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
 def test_single_turn_episode_is_the_engine_completion(engine):
     traj = asyncio.run(run_episode(engine, "g", 0, [1, 2, 3], PARAMS))
     [[direct]] = asyncio.run(engine.generate([[1, 2, 3]], dataclasses.replace(PARAMS, seed=derive_seed(0, 0))))
-    assert traj.completion_ids == direct.token_ids
-    assert traj.sampler_logprobs == direct.logprobs
-    assert traj.loss_mask == [1] * len(direct.token_ids)
+    assert traj.completion_ids.tolist() == direct.token_ids
+    np.testing.assert_array_equal(traj.sampler_logprobs, np.float32(direct.logprobs))
+    assert traj.loss_mask.tolist() == [1] * len(direct.token_ids)
     assert traj.finish_reason == direct.finish_reason and traj.num_turns == 1
 
 
 def test_tool_tokens_are_context_with_mask_zero(engine):
     hook = ToolHook(done_after=3)
-    traj = asyncio.run(run_episode(engine, "g", 1, [1, 2], PARAMS, hook, env="tools", max_turns=5, max_total_tokens=100))
-    assert traj.prompt_ids == [1, 2, 3, 3]  # the hook's start tokens extend the prompt
+    params = dataclasses.replace(PARAMS, max_turns=5, max_total_tokens=100)
+    traj = asyncio.run(run_episode(engine, "g", 1, [1, 2], params, hook, env="tools"))
+    assert traj.prompt_ids.tolist() == [1, 2, 3, 3]  # the hook's start tokens extend the prompt
     assert traj.finish_reason == "env_done" and traj.num_turns == 3 and hook.closed
     assert traj.rewards == {"env": 3.0}
     pos = 0
     for i, turn in enumerate(hook.turns):
         # Each turn the hook saw is exactly the engine's tokens, kept as produced.
-        assert traj.completion_ids[pos:pos + len(turn)] == turn
-        assert traj.loss_mask[pos:pos + len(turn)] == [1] * len(turn)
+        assert traj.completion_ids[pos:pos + len(turn)].tolist() == turn
+        assert traj.loss_mask[pos:pos + len(turn)].tolist() == [1] * len(turn)
         assert ENV_VERSION not in traj.token_versions[pos:pos + len(turn)]
         pos += len(turn)
         if i < 2:
-            assert traj.completion_ids[pos:pos + 3] == TOOL_RESULT
-            assert traj.loss_mask[pos:pos + 3] == [0, 0, 0]
-            assert traj.token_versions[pos:pos + 3] == [ENV_VERSION] * 3
-            assert traj.sampler_logprobs[pos:pos + 3] == [0.0] * 3
+            assert traj.completion_ids[pos:pos + 3].tolist() == TOOL_RESULT
+            assert traj.loss_mask[pos:pos + 3].tolist() == [0, 0, 0]
+            assert traj.token_versions[pos:pos + 3].tolist() == [ENV_VERSION] * 3
+            assert traj.sampler_logprobs[pos:pos + 3].tolist() == [0.0] * 3
             pos += 3
     assert pos == len(traj.completion_ids) == len(traj.loss_mask) == len(traj.sampler_logprobs)
 
 
 def test_each_turn_samples_with_a_seed_of_its_own(engine):
     hook = ToolHook(done_after=3)
-    asyncio.run(run_episode(engine, "g", 0, [1, 2], PARAMS, hook, max_turns=5, max_total_tokens=100))
+    params = dataclasses.replace(PARAMS, max_turns=5, max_total_tokens=100)
+    asyncio.run(run_episode(engine, "g", 0, [1, 2], params, hook))
     seeds = [derive_seed(PARAMS.seed, k) for k in range(3)]  # turn k's: distinct streams
     assert len(set(seeds)) == 3
     context = [1, 2, 3, 3]
@@ -88,17 +91,20 @@ def test_each_turn_samples_with_a_seed_of_its_own(engine):
 
 
 def test_episodes_end_at_max_turns_and_at_the_token_budget(engine):
-    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, ToolHook(), max_turns=2, max_total_tokens=100))
+    params = dataclasses.replace(PARAMS, max_turns=2, max_total_tokens=100)
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], params, ToolHook()))
     assert traj.finish_reason == "max_turns" and traj.num_turns == 2
-    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, ToolHook(), max_turns=50, max_total_tokens=12))
+    params = dataclasses.replace(PARAMS, max_turns=50, max_total_tokens=12)
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], params, ToolHook()))
     assert traj.finish_reason == "length"
     # Turns of 5 and 4 tokens around one answer: the second answer does not fit and is not appended.
-    assert traj.loss_mask == [1] * 5 + [0] * 3 + [1] * 4 and traj.num_turns == 2
+    assert traj.loss_mask.tolist() == [1] * 5 + [0] * 3 + [1] * 4 and traj.num_turns == 2
 
 
 def test_a_failing_environment_ends_the_episode_with_an_error(engine):
     hook = ToolHook(fail_on=2)
-    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, hook, max_turns=5, max_total_tokens=100))
+    params = dataclasses.replace(PARAMS, max_turns=5, max_total_tokens=100)
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], params, hook))
     assert traj.finish_reason == "error"
     assert "ConnectionError: environment went away" in traj.error
     assert hook.closed and traj.num_turns == 2
@@ -114,10 +120,10 @@ class _SwappedMidCompletion:
 
 
 def test_each_token_keeps_the_version_that_sampled_it():
-    traj = asyncio.run(run_episode(_SwappedMidCompletion(), "g", 0, [1, 2], SamplingParams(max_tokens=3),
-                                   ToolHook(done_after=2), max_turns=2, max_total_tokens=32))
-    assert traj.token_versions == [4, 4, 5] + [ENV_VERSION] * len(TOOL_RESULT) + [4, 4, 5]
-    assert traj.loss_mask == [1, 1, 1] + [0] * len(TOOL_RESULT) + [1, 1, 1]
+    params = SamplingParams(max_tokens=3, max_turns=2, max_total_tokens=32)
+    traj = asyncio.run(run_episode(_SwappedMidCompletion(), "g", 0, [1, 2], params, ToolHook(done_after=2)))
+    assert traj.token_versions.tolist() == [4, 4, 5] + [ENV_VERSION] * len(TOOL_RESULT) + [4, 4, 5]
+    assert traj.loss_mask.tolist() == [1, 1, 1] + [0] * len(TOOL_RESULT) + [1, 1, 1]
 
 
 def test_a_first_prompt_the_engine_cannot_hold_names_the_keys_that_size_it(engine):
@@ -126,7 +132,8 @@ def test_a_first_prompt_the_engine_cannot_hold_names_the_keys_that_size_it(engin
             return [3] * engine.shapes.max_seq_len
 
     hook = LongObservation()
-    traj = asyncio.run(run_episode(engine, "g", 0, [1], PARAMS, hook, env="snake", max_turns=5, max_total_tokens=100))
+    params = dataclasses.replace(PARAMS, max_turns=5, max_total_tokens=100)
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], params, hook, env="snake"))
     assert traj.finish_reason == "error" and hook.closed
     assert traj.error == (
         f"the first prompt of environment 'snake' has {engine.shapes.max_seq_len + 1} tokens, but the bridge holds "

@@ -11,15 +11,13 @@ import time
 import pytest
 
 from bridge.wire import SamplingParams
-from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.supervision import BridgesDown
-from scripted_engine import TOKEN
-from test_collection import bridges, config  # noqa: F401 (bridges: two in-process bridges, a fixture)
+from test_collection import bridges, config, rollout_client  # noqa: F401 (bridges: two in-process bridges, a fixture)
 
 
 def test_requests_are_spread_over_bridges_and_returned_in_task_order(bridges):
     cfg = config(rollout={"groups_per_step": 6})
-    client = RolloutClient([a for a, _ in bridges], cfg, TOKEN)
+    client = rollout_client([a for a, _ in bridges], cfg)
     try:
         calls = [e.calls for _, e in bridges]
         tasks = [("coin", {"seed": s}) for s in range(6)]
@@ -34,7 +32,7 @@ def test_requests_are_spread_over_bridges_and_returned_in_task_order(bridges):
 
 def test_groups_go_to_the_least_loaded_bridge(bridges):
     cfg = config()
-    client = RolloutClient([a for a, _ in bridges], cfg, TOKEN)
+    client = rollout_client([a for a, _ in bridges], cfg)
     slow = bridges[0][1]
     params, tasks = SamplingParams(max_tokens=8), [("coin", {"seed": s}) for s in range(4)]
     slow.delay_s = 1.0
@@ -66,7 +64,7 @@ def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(brid
         other.bind(("127.0.0.1", 0))
         if kind == "stopped":
             other.listen()
-        client = RolloutClient([bridges[0][0], f"127.0.0.1:{other.getsockname()[1]}"], cfg, TOKEN)
+        client = rollout_client([bridges[0][0], f"127.0.0.1:{other.getsockname()[1]}"], cfg)
         try:
             t0 = time.monotonic()
             groups = client.request([("coin", {"seed": s}) for s in range(6)], [f"g{i}" for i in range(6)], 2,
@@ -88,7 +86,7 @@ def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them():
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{dead.getsockname()[1]}"
-        client = RolloutClient([address], cfg, TOKEN)
+        client = rollout_client([address], cfg)
         try:
             t0 = time.monotonic()
             with pytest.raises(BridgesDown) as e:
@@ -112,7 +110,7 @@ def test_a_request_stops_as_soon_as_the_run_cannot_go_on(bridges):
         if given_up.is_set():
             raise EnvServerDown("environment server 'coin' exited 4 times")
 
-    client = RolloutClient([bridges[0][0]], config(), TOKEN, check=check)
+    client = rollout_client([bridges[0][0]], config(), check=check)
     slow = bridges[0][1]
     slow.delay_s = 60.0
     try:
@@ -135,7 +133,7 @@ def test_a_request_stops_as_soon_as_the_run_cannot_go_on(bridges):
 def test_a_request_under_way_when_the_client_closes_ends_instead_of_waiting_forever(bridges):
     """close() cancels the streams its pool has not started; a request waiting on one must end (a
     thread left waiting keeps the process from exiting: stream mode's suppliers at a run's end)."""
-    client = RolloutClient([bridges[0][0]], config(), TOKEN)
+    client = rollout_client([bridges[0][0]], config())
     release = threading.Event()
     busy = [client.pool.submit(release.wait) for _ in range(client.pool._max_workers)]  # every thread taken
     try:

@@ -5,6 +5,7 @@ real gRPC bridge next to a tool environment."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import numpy as np
@@ -79,8 +80,8 @@ def sync_function(task, handle):
 
 def run(fn, path="test_rollout_fn:fn", max_total_tokens=None):
     engine = ScriptedEngine(TOK, policy)
-    return asyncio.run(run_rollout_fn(fn, path, engine, TOK, "g", 0, "crit", {"seed": 3}, PARAMS, {},
-                                      max_total_tokens))
+    params = dataclasses.replace(PARAMS, max_total_tokens=max_total_tokens)
+    return asyncio.run(run_rollout_fn(fn, path, engine, TOK, "g", 0, "crit", {"seed": 3}, params, {}))
 
 
 def test_a_two_turn_episode_keeps_the_generated_tokens_and_masks_the_request():
@@ -95,7 +96,7 @@ def test_a_two_turn_episode_keeps_the_generated_tokens_and_masks_the_request():
          {"role": "user", "content": "Revise it."}], tokenize=False, add_generation_prompt=True).split(
         "first answer" + TOK.eos_token)[1]
     assert t.rewards == {"revision": 1.0, "answer": 0.0} and t.metrics["critiques"] == 1.0
-    assert t.sampler_logprobs == [-0.5 if m else 0.0 for m in t.loss_mask]
+    assert t.sampler_logprobs.tolist() == [-0.5 if m else 0.0 for m in t.loss_mask]
     assert set(t.token_versions) == {0, -1}
 
 
@@ -178,7 +179,7 @@ def test_groups_of_a_rollout_fn_and_a_tool_environment_through_a_bridge():
     with in_process_bridge(engine, envs, TOK) as address, BridgeClient(address, token=TOKEN) as client:
         groups = [PromptGroup(np.zeros(0, np.int32), f"c{i}", "crit", {"seed": i}) for i in range(2)]
         groups.append(PromptGroup(np.zeros(0, np.int32), "k", "coin", {"seed": 0}))
-        trajs = list(client.rollout(groups, 3, PARAMS, max_turns=2, max_total_tokens=64))
+        trajs = list(client.rollout(groups, 3, dataclasses.replace(PARAMS, max_turns=2, max_total_tokens=64)))
     crit = [t for t in trajs if t.env == "crit"]
     assert len(crit) == 6 and {t.group_id for t in crit} == {"c0", "c1"}
     assert all(t.rewards == {"revision": 1.0, "answer": 0.0} and t.finish_reason == "stop" for t in crit)

@@ -133,7 +133,7 @@ def test_a_trl_dataset_environment_factory_and_reward_function_work_unchanged(to
     SEEN_BY_REWARD.clear()
     traj = run(ScriptedEngine(tok, lambda prompt: next(replies)), runtime, env, task)
     assert traj.finish_reason == "stop", traj.error
-    assert traj.prompt_ids == trl_first_prompt_ids(tok, Vault, row)
+    assert traj.prompt_ids.tolist() == trl_first_prompt_ids(tok, Vault, row)
     assert "Open the vault. The lock has 4 digits.<|im_end|>" in tok.decode(traj.prompt_ids)
     assert traj.rewards == {"env": 1.0, "opened_quickly": 0.5}  # get_reward() is the environment's own
     [seen] = SEEN_BY_REWARD
@@ -145,4 +145,4 @@ def test_a_trl_dataset_environment_factory_and_reward_function_work_unchanged(to
     assert seen["completions"][0][3:] == [{"role": "tool", "name": "try_code", "content": "open"},
                                           {"role": "assistant", "content": "Opened."}]
     assert seen["level"] == ["easy"] and seen["code"] == [4321] and "prompt" not in seen
-    assert seen["completion_ids"] == [traj.completion_ids]
+    assert seen["completion_ids"] == [traj.completion_ids.tolist()]

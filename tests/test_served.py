@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -30,12 +31,13 @@ def test_a_one_session_server_queues_episodes_and_says_so_in_metrics(tok, catalo
     def play(spec, n=3):
         runtime = EnvRuntime([spec], tok, get_parser())
         engine = ScriptedEngine(tok, lambda prompt: tool_call("nim", {"take": 3}), delay_s=0.05)
+        params = dataclasses.replace(PARAMS, max_turns=4, max_total_tokens=2048)
 
         async def go():
             await runtime.start()
             try:
-                return await asyncio.gather(*(run_episode(engine, f"g{i}", 0, [], PARAMS, runtime.hook("nim", {}),
-                                                          env="nim", max_turns=4, max_total_tokens=2048)
+                return await asyncio.gather(*(run_episode(engine, f"g{i}", 0, [], params, runtime.hook("nim", {}),
+                                                          env="nim")
                                               for i in range(n)))
             finally:
                 await runtime.aclose()  # its sessions stay open for reuse until then, holding the server's slot

@@ -398,7 +398,7 @@ def test_requests_over_the_limits_are_refused_naming_the_flag(snapshots):
             (lambda: client.rollout([[1]] * 4, 1, _params()), "groups=4 is over this bridge's limit of 3 (--max-groups)"),
             (lambda: client.rollout([[1]], 1, _params(max_tokens=17)), "sampling.max_tokens=17 is over this "
                                                                        "bridge's limit of 16 (--max-episode-tokens)"),
-            (lambda: client.rollout([[1]], 1, _params(), max_total_tokens=17), "max_total_tokens=17 is over"),
+            (lambda: client.rollout([[1]], 1, _params(max_total_tokens=17)), "max_total_tokens=17 is over"),
             (lambda: client.rollout([[1]] * 2, 4, _params()), "groups x group_size=8 is over this bridge's limit "
                                                               "of 6 (--max-episodes-in-flight)"),
         ]:
@@ -557,12 +557,12 @@ def test_episode_hook_factory_runs_multi_turn_episodes(model_dir, snapshots):
         hooks.append(ScriptedToolHook(group))
         return hooks[-1]
 
-    params = _params(temperature=1.0, max_tokens=2, seed=40)
+    params = _params(temperature=1.0, max_tokens=2, seed=40, max_turns=4, max_total_tokens=10)
     with running(JaxEngine(model_dir), wire.ServerSpec(snapshot_roots=[snapshots]), episode_hook_factory=factory) as b:
         assert b.client.load_snapshot(snapshots / "policy", SNAPSHOT_VERSION).version == SNAPSHOT_VERSION
         groups = [wire.PromptGroup([5], group_id="a", env="tools", task={"target": 3}), wire.PromptGroup([7]),
                   wire.PromptGroup([9], group_id="b", env="broken")]
-        stream = b.client.rollout(groups, 1, params, max_turns=4, max_total_tokens=10)
+        stream = b.client.rollout(groups, 1, params)
         trajs = {t.group_id: t for t in stream}
         # Replay episode "a" turn by turn, token in / token out (turn k with derive_seed(episode seed,
         # k)), and group "1".

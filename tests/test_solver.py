@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from bridge.engines.base import Completion, SamplingParams
@@ -56,8 +57,8 @@ def test_the_solver_wins_and_its_replies_replay_through_the_rollout_loop(tok, sp
         await runtime.start()
         demo = await solver_episode(runtime, "g", 0, spec.name, task)
         engine = ReplayEngine([ids for m, ids in segments(demo) if m == 1])
-        replay = await run_episode(engine, "g", 0, [], SamplingParams(max_tokens=64), runtime.hook(spec.name, task),
-                                   env=spec.name, max_turns=64, max_total_tokens=4096)
+        params = SamplingParams(max_tokens=64, max_turns=64, max_total_tokens=4096)
+        replay = await run_episode(engine, "g", 0, [], params, runtime.hook(spec.name, task), env=spec.name)
         await runtime.aclose()
         return demo, replay
 
@@ -71,8 +72,8 @@ def test_the_solver_wins_and_its_replies_replay_through_the_rollout_loop(tok, sp
     if spec.name.startswith("guess"):
         assert tok.decode(model_turns[0]).startswith("<tool_call>\n{")
     assert replay.rewards == {"env": 1.0}
-    assert (replay.prompt_ids, replay.completion_ids, replay.loss_mask) == (
-        demo.prompt_ids, demo.completion_ids, demo.loss_mask)
+    for field in ("prompt_ids", "completion_ids", "loss_mask"):
+        np.testing.assert_array_equal(getattr(replay, field), getattr(demo, field))
 
 
 def test_a_failing_solver_ends_its_episode_as_an_error(tok):

@@ -47,7 +47,7 @@ def config(envs, **sft) -> TrainConfig:
 def play(tok, cfg, envs=None):
     envs = envs or {"envs": [e.to_dict() for e in cfg.envs]}
     with in_process_bridge(ScriptedEngine(tok, lambda p: "unused"), envs, tok) as address:
-        client = RolloutClient([address], cfg, TOKEN)
+        client = RolloutClient([address], cfg.bridge, TOKEN, timeout_s=cfg.rollout_timeout_s)
         try:
             return demonstrations(client, TaskSource(cfg), cfg)
         finally:

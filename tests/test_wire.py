@@ -6,11 +6,11 @@ import pytest
 from bridge import wire
 from bridge.engines.base import SamplingParams, derive_seed
 from bridge.proto import bridge_pb2 as pb
-from bridge.rollout import Trajectory
 
 
 def _trajectory():
-    traj = Trajectory("g7", 2, [11, 12, 13], env="calc", num_turns=2, generate_s=0.5, env_s=0.25, total_s=1.0)
+    traj = wire.TrajectoryData("g7", 2, np.array([11, 12, 13], np.int32), env="calc", num_turns=2, generate_s=0.5,
+                               env_s=0.25, total_s=1.0)
     traj.append([5, 6, 7], [-0.5, -1.25, -2.0], True, 3)
     traj.append([40, 41], [], False, -1)
     traj.append([8], [-0.125], True, 4)
@@ -110,7 +110,7 @@ def test_unset_top_p_reads_as_no_top_p_and_bad_values_raise():
 def test_rollout_request_names_plain_prompts_and_keeps_tasks():
     request = wire.rollout_request(
         [[1, 2], np.array([3, 4, 5]), wire.PromptGroup([6], group_id="q", env="calc", task={"x": 1})],
-        group_size=3, sampling=SamplingParams(max_tokens=4), min_policy_version=2, max_turns=5,
+        group_size=3, sampling=SamplingParams(max_tokens=4, max_turns=5), min_policy_version=2,
     )
     assert request.protocol_version == wire.PROTOCOL_VERSION
     groups = [wire.group_from_proto(g) for g in request.groups]

@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import hashlib
+import math
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -52,19 +53,28 @@ class SamplingParams:
     # The same seed and prompts sample the same completions (the jax engine: completion r of a
     # call, prompt-major, with derive_seed(seed, r)); None: the engine draws one.
     seed: int | None = None
+    # An episode's limits, here so that they travel from the config to the episode loop with the
+    # turn's: model turns, and tokens of all turns with the environment's (None: max_tokens).
+    # An engine samples one turn and reads neither.
+    max_turns: int = 1
+    max_total_tokens: int | None = None
 
     def __post_init__(self):
         problems = []
         if self.n < 1:
             problems.append(f"n={self.n} must be >= 1")
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # NaN included
+            problems.append(f"temperature={self.temperature} must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             problems.append(f"top_k={self.top_k} must be >= 0")
         if self.max_tokens < 1:
             problems.append(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.max_turns < 1:
+            problems.append(f"max_turns={self.max_turns} must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            problems.append(f"max_total_tokens={self.max_total_tokens} must be >= 1 (None: max_tokens)")
         if problems:
             raise ValueError("sampling params: " + "; ".join(problems))
 

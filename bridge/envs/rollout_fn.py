@@ -10,7 +10,7 @@ bridge serves, from token ids or chat messages, and returns the token ids and lo
 produced (never re-tokenised). What the function returns is checked (`check_episode`): lengths of
 ids, logprobs and loss masks, finite rewards, and that every trained token (loss mask 1) is one
 the handle generated, with its logprob; a wrong episode ends as an error naming the function. The
-episode then takes the path of every other episode (a `bridge.rollout.Trajectory`): group
+episode then takes the path of every other episode (a `bridge.wire.TrajectoryData`): group
 sampling, sync and async mode, several environments, filters and metrics apply unchanged.
 
 The bridge imports the function's module: it must be importable in the bridge process (the
@@ -26,10 +26,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from bridge.engines.base import Engine, SamplingParams, derive_seed
 from bridge.envs.render import answer_ids, prompt_ids
 from bridge.envs.spec import EnvConfigError, EnvSpec, RolloutFnError, import_object, reward_value
-from bridge.rollout import ENV_VERSION, Trajectory
+from bridge.wire import ENV_VERSION, TrajectoryData
 
 LOGPROB_TOLERANCE = 1e-4  # float32 on the wire, float64 in Python: the same number, rounded
 
@@ -94,9 +96,9 @@ class GenerationHandle:
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, params: SamplingParams,
-                 template_kwargs: Mapping[str, Any] | None = None, max_total_tokens: int | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
-        self.max_total_tokens = max_total_tokens
+        self.max_total_tokens = params.max_total_tokens
         self._engine = engine
         self._params = params
         self._template_kwargs = dict(template_kwargs or {})
@@ -232,25 +234,28 @@ def _check_generated(trained: list[tuple[int, float, int, int]], generations: li
 
 
 async def run_rollout_fn(fn: Any, fn_path: str, engine: Engine, tokenizer: Any, group_id: str, index: int, env: str,
-                         task: dict[str, Any], params: SamplingParams, template_kwargs: Mapping[str, Any] | None = None,
-                         max_total_tokens: int | None = None) -> Trajectory:
-    """One episode of rollout function `fn`, as a Trajectory. What it raises ends the episode with
+                         task: dict[str, Any], params: SamplingParams,
+                         template_kwargs: Mapping[str, Any] | None = None) -> TrajectoryData:
+    """One episode of rollout function `fn`, as a trajectory. What it raises ends the episode with
     finish_reason 'error' (as an environment failure would); what it returns wrong too, its error
     starting with "RolloutFnError: " or "RewardError: ", which stops the run (a bug in the function)."""
     start = time.perf_counter()
-    handle = GenerationHandle(engine, tokenizer, params, template_kwargs, max_total_tokens)
+    handle = GenerationHandle(engine, tokenizer, params, template_kwargs)
     what = f"rollout_fn {fn_path!r} (environment {env!r}, episode {group_id}/{index})"
-    traj = Trajectory(group_id, index, [], env=env)
+    traj = TrajectoryData(group_id, index, np.zeros(0, np.int32), env=env)
     try:
         episode = await fn(dict(task), handle)
         versions = iter(check_episode(episode, handle, what))
     except Exception as e:
         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
     else:
-        traj.prompt_ids = [int(t) for t in episode.prompt_ids]
-        for turn in episode.turns:
-            for m, tok, lp in zip(turn.loss_mask, turn.ids, turn.logprobs):
-                traj.append([int(tok)], [float(lp)], bool(m), next(versions) if m else ENV_VERSION)
+        traj.prompt_ids = np.asarray([int(t) for t in episode.prompt_ids], np.int32)
+        trained = [bool(m) for turn in episode.turns for m in turn.loss_mask]
+        logprobs = [float(lp) for turn in episode.turns for lp in turn.logprobs]
+        traj.completion_ids = np.asarray([int(t) for turn in episode.turns for t in turn.ids], np.int32)
+        traj.sampler_logprobs = np.where(trained, logprobs, 0.0).astype(np.float32)
+        traj.loss_mask = np.asarray(trained, np.uint8)
+        traj.token_versions = np.asarray([next(versions) if m else ENV_VERSION for m in trained], np.int64)
         traj.num_turns = sum(any(t.loss_mask) for t in episode.turns)
         traj.rewards = {k: float(v) for k, v in episode.rewards.items() if v is not None}
         traj.metrics.update({k: float(v) for k, v in episode.metrics.items()})

@@ -43,14 +43,14 @@ class RewardFunctions:
         if isinstance(task.get("prompt"), list):
             completion = hook.conversation
         else:
-            completion = self.tokenizer.decode(trajectory.completion_ids, skip_special_tokens=True)
+            completion = self.tokenizer.decode(trajectory.completion_ids.tolist(), skip_special_tokens=True)
             if isinstance(task.get("prompt"), str):
                 prompt = prompt[-1]["content"]
         fields = {k: [v] for k, v in task.items() if k not in _CALL_ARGUMENTS}
         for key, fn in self.fns.items():
             what = (f"reward function {key!r} ({self.specs[key].fn}) for episode "
                     f"{trajectory.group_id}/{trajectory.index_in_group} of {env!r}")
-            value = fn(prompts=[prompt], completions=[completion], completion_ids=[list(trajectory.completion_ids)],
+            value = fn(prompts=[prompt], completions=[completion], completion_ids=[trajectory.completion_ids.tolist()],
                        environments=[episode.handle], env=[env], **fields)
             if inspect.isawaitable(value):
                 value = await value

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from bridge.envs.bundled import BUNDLED
-from bridge.rollout import ENV_VERSION, Trajectory
+from bridge.wire import ENV_VERSION, TrajectoryData
 
 MAX_SOLVER_TURNS = 64  # a solver that has not finished by then is broken, not slow
 
@@ -38,7 +40,7 @@ def reply_text(action: Any, connector: Any) -> str:
 
 
 async def solver_episode(runtime: Any, group_id: str, index: int, env: str, task: dict[str, Any],
-                         retry_on: tuple[type[BaseException], ...] = ()) -> Trajectory:
+                         retry_on: tuple[type[BaseException], ...] = ()) -> TrajectoryData:
     """One episode of `env` on `task` with its solver as the policy; failures end it as 'error'.
 
     Like `run_episode`, `retry_on` exceptions (a lost session) propagate for the caller to replay.
@@ -46,9 +48,9 @@ async def solver_episode(runtime: Any, group_id: str, index: int, env: str, task
     solve = BUNDLED[runtime.specs[env].solver].solve
     tok = runtime.tokenizer
     hook = runtime.hook(env, task)
-    traj = Trajectory(group_id, index, [], env=env)
+    traj = TrajectoryData(group_id, index, np.zeros(0, np.int32), env=env)
     try:
-        traj.prompt_ids = await hook.start()
+        traj.prompt_ids = np.asarray(await hook.start(), np.int32)
         while True:
             if traj.num_turns >= MAX_SOLVER_TURNS:
                 raise RuntimeError(f"the solver did not end the episode within {MAX_SOLVER_TURNS} turns")

@@ -205,7 +205,8 @@ def start_bridge(cfg: TrainConfig, workdir: str | Path | None = None) -> Iterato
         started = start_services(cfg, model_dir, work / "logs", stack, token, work / "snapshots",
                                  use_persistent_cache(cfg.compilation_cache))
         tokenizer = load_tokenizer(model_dir)
-        client = RolloutClient(started.addresses, cfg, token, started.bridges)
+        client = RolloutClient(started.addresses, cfg.bridge, token, started.bridges, timeout_s=cfg.rollout_timeout_s,
+                               streamed_groups=cfg.streamed_groups)
         bridge = Bridge(cfg, client, tokenizer, work / "snapshots")
         stack.callback(bridge.close)
         yield bridge

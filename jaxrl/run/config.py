@@ -167,8 +167,8 @@ class RolloutConfig:
     def __post_init__(self):
         if self.max_prompt_tokens < 1:
             raise ValueError(f"rollout.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
-        if self.groups_per_step < 1 or self.max_tokens < 1 or self.max_turns < 1:
-            raise ValueError("rollout: groups_per_step, max_tokens and max_turns must be >= 1")
+        if self.groups_per_step < 1:
+            raise ValueError(f"rollout.groups_per_step={self.groups_per_step} must be >= 1")
         if self.max_total_tokens < self.max_tokens:
             raise ValueError(f"rollout: max_total_tokens >= max_tokens (got {self.max_total_tokens} < "
                              f"{self.max_tokens})")
@@ -183,6 +183,13 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1] (1: no top-p)")
         if self.in_flight_groups < 0:
             raise ValueError(f"rollout.in_flight_groups={self.in_flight_groups} must be >= 0 (0: two steps' worth)")
+        self.sampling()  # SamplingParams checks the rest (max_tokens, max_turns, ...): bad ones stop the load
+
+    def sampling(self, **settings) -> SamplingParams:
+        """Each turn's sampling settings and the episode's limits, as they travel to the bridge's
+        episodes; `settings` replace or add some (evaluation's temperature, the stop ids, the seed)."""
+        return SamplingParams(**{"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                                 "max_turns": self.max_turns, "max_total_tokens": self.max_total_tokens, **settings})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,14 +432,12 @@ class TrainConfig:
         return None if self.longest_episode_s is None else self.longest_episode_s + 60.0
 
     def sampling_params(self, stop_ids: tuple[int, ...], evaluation: bool = False) -> SamplingParams:
-        """How training episodes sample, or held-out ones (`eval.temperature`, no top-p); seeded by the
-        run seed, so the same run samples the same episodes."""
-        r = self.rollout
+        """How training episodes sample and how long they run, or held-out ones (`eval.temperature`, no
+        top-p); seeded by the run seed, so the same run samples the same episodes."""
         if evaluation:
-            return SamplingParams(temperature=self.eval.temperature, max_tokens=r.max_tokens,
-                                  stop_token_ids=stop_ids, seed=self.seed)
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop_token_ids=stop_ids, seed=self.seed)
+            return self.rollout.sampling(temperature=self.eval.temperature, top_p=1.0, stop_token_ids=stop_ids,
+                                         seed=self.seed)
+        return self.rollout.sampling(stop_token_ids=stop_ids, seed=self.seed)
 
     @property
     def streamed_groups(self) -> int:

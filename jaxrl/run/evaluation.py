@@ -97,7 +97,8 @@ def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | 
     with contextlib.ExitStack() as stack:
         root = snapshot[0] if snapshot is not None else None
         started = start_services(cfg, model_dir, logs, stack, token, root, bridge_env)
-        client = RolloutClient(started.addresses, cfg, token, started.bridges)
+        client = RolloutClient(started.addresses, cfg.bridge, token, started.bridges, timeout_s=cfg.rollout_timeout_s,
+                               streamed_groups=cfg.streamed_groups)
         stack.callback(client.close)
         version = 0
         if snapshot is not None:

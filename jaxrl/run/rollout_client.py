@@ -16,7 +16,7 @@ import numpy as np
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
 from bridge.wire import PromptGroup, SamplingParams, TrajectoryData
-from jaxrl.run.config import TrainConfig
+from jaxrl.run.config import BridgeConfig
 from jaxrl.run.processes import BridgeProcesses
 from jaxrl.run.supervision import Bridge, Bridges, BridgesDown
 from jaxrl.run.tasks import Task
@@ -36,16 +36,18 @@ class RolloutClient:
     alive, requests wait for one (see `Bridges.wait_for_one`). `started`: the bridges the run
     started itself, restarted when they die. `check`: raises when the run cannot go on (an environment
     server left down); called every CHECK_EVERY_S while a request waits, so that it stops then
-    rather than when the bridges' episode replays run out.
+    rather than when the bridges' episode replays run out. `timeout_s`: a request's deadline (None:
+    none); `streamed_groups`: stream mode's groups under way at once.
     """
 
-    def __init__(self, addresses: list[str], cfg: TrainConfig, token: str, started: BridgeProcesses | None = None,
-                 check: Callable[[], None] = lambda: None):
+    def __init__(self, addresses: list[str], cfg: BridgeConfig, token: str, started: BridgeProcesses | None = None,
+                 check: Callable[[], None] = lambda: None, timeout_s: float | None = None, streamed_groups: int = 0):
         self.cfg = cfg
         self.check = check
-        self.bridges = Bridges(addresses, cfg.bridge, token, started)
+        self.timeout_s = timeout_s
+        self.bridges = Bridges(addresses, cfg, token, started)
         # A thread per request under way: a step's or an evaluation's per bridge, and stream mode's groups.
-        self.pool = concurrent.futures.ThreadPoolExecutor(8 * len(addresses) + cfg.streamed_groups,
+        self.pool = concurrent.futures.ThreadPoolExecutor(8 * len(addresses) + streamed_groups,
                                                           thread_name_prefix="rollout")
         self.outstanding = [0] * len(addresses)  # by bridge: episodes requested and not received yet, its load
         self.re_requested = 0  # groups requested again after their bridge died
@@ -119,12 +121,10 @@ class RolloutClient:
     def _stream(self, bridge: Bridge, client: BridgeClient, groups: list[PromptGroup], group_size: int,
                 params: SamplingParams, min_version: int, policy: str) -> tuple[list[TrajectoryData], Exception | None]:
         """The trajectories `bridge` streamed, and the BridgeUnavailable that cut them short, if one did."""
-        r = self.cfg.rollout
         received: list[TrajectoryData] = []
         try:
-            for t in client.rollout(groups, group_size, params, min_policy_version=min_version, max_turns=r.max_turns,
-                                    max_total_tokens=r.max_total_tokens, timeout_s=self.cfg.rollout_timeout_s,
-                                    policy=policy):
+            for t in client.rollout(groups, group_size, params, min_policy_version=min_version,
+                                    timeout_s=self.timeout_s, policy=policy):
                 received.append(t)
                 with self._lock:
                     self.outstanding[bridge.index] -= 1
@@ -140,7 +140,7 @@ class RolloutClient:
         passed and the bridge still answers (then the request is at fault, and `error` is raised)."""
         if error.code is not None and error.code.name == "DEADLINE_EXCEEDED" and bridge.client is client:
             try:
-                client.health(timeout_s=self.cfg.bridge.health_timeout_s)
+                client.health(timeout_s=self.cfg.health_timeout_s)
             except BridgeError:
                 pass
             else:
@@ -170,7 +170,7 @@ class RolloutClient:
         """Has every living bridge serve snapshot `version`; the others get it (or a newer one)
         before they serve again."""
         self.bridges.serve(path, version)
-        self._each(lambda c: c.load_snapshot(path, version, timeout_s=self.cfg.bridge.start_timeout_s),
+        self._each(lambda c: c.load_snapshot(path, version, timeout_s=self.cfg.start_timeout_s),
                    f"LoadSnapshot({version})")
 
     def metrics(self) -> dict[str, float]:

@@ -279,8 +279,9 @@ def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share,
         tokenizer = load_tokenizer(model_dir)
         if jax.process_index() == 0:
             tokenizer.save_pretrained(run.tokenizer)
-        client = RolloutClient(started.result().addresses, cfg, token, started.result().bridges,
-                               check=started.result().env_servers.check)
+        client = RolloutClient(started.result().addresses, cfg.bridge, token, started.result().bridges,
+                               check=started.result().env_servers.check, timeout_s=cfg.rollout_timeout_s,
+                               streamed_groups=cfg.streamed_groups)
     stack.callback(client.close)
     return _Job(cfg, run, ckpt, client, tasks, tokenizer, started.result().env_servers, share, out)
 
