@@ -109,7 +109,9 @@ def test_status_of_a_queued_and_a_running_run(tmp_path):
     (tmp_path / "base.yaml").write_text("lr: 1\nsteps: 40\n")
     out = tmp_path / "out"
     (tmp_path / "s.yaml").write_text(f"base: base.yaml\nout_dir: {out}\ngrid: {{lr: [1, 2]}}\n")
-    driver = ("import sys; from jaxrl.run.sweep import run_sweep; from jaxrl.run.typed_config import apply_overrides, "
+    # SIGINT handled as in a terminal's foreground, even when the tests run as a background job.
+    driver = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "from jaxrl.run.sweep import run_sweep; from jaxrl.run.typed_config import apply_overrides, "
               "read_yaml; sys.exit(run_sweep(sys.argv[1], lambda b, o: apply_overrides(read_yaml(b), o), False, "
               "[sys.executable, sys.argv[2]]))")
     proc = subprocess.Popen([sys.executable, "-c", driver, str(tmp_path / "s.yaml"), str(tmp_path / "train.py")],

@@ -209,8 +209,11 @@ signal.signal(signal.SIGINT, stop)
 time.sleep(60)
 """
 
+# A shell starts a background job with SIGINT ignored, and Python then leaves it ignored: Ctrl-C as a
+# terminal's foreground sweep gets it, whoever started the tests.
 SWEEP_DRIVER = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from jaxrl.run.sweep import run_sweep
 from jaxrl.run.typed_config import apply_overrides, read_yaml
 sys.exit(run_sweep(sys.argv[1], lambda base, o: apply_overrides(read_yaml(base), o), False,
