@@ -616,6 +616,28 @@ def build_teacher(launch: wire.BridgeLaunch, vocab_size: int | None) -> Teacher:
         raise StartupError(f"the teacher cannot load {launch.teacher}: {type(e).__name__}: {e}") from e
 
 
+def load_reward_models(envs: EnvRuntime, engine: Engine, launch: wire.BridgeLaunch) -> None:
+    """The reward models of `envs` (classifiers and judges: `bridge.envs.scoring`), over sequences as
+    long as the engine's; a judge with its own directory gets a JAX engine of its own (StartupError)."""
+    max_seq_len = launch.engine_kwargs.get("max_seq_len", 2048)
+
+    def judge_engine(model_dir: str) -> Engine:
+        return build_engine("jax", model_dir, launch.dtype, 8, launch.seed,
+                            {"max_seq_len": max_seq_len, "warm_up": True})
+
+    for spec in envs.rewards.model_specs:
+        if not (Path(spec.model or launch.model) / "config.json").is_file():
+            raise StartupError(f"reward model {spec.key!r}: {spec.model} is not a model directory (no config.json)")
+    try:
+        envs.rewards.load_models(engine, max_seq_len, envs.template_kwargs, judge_engine)
+    except StartupError:
+        raise
+    except Exception as e:
+        raise StartupError(f"the reward models cannot load: {type(e).__name__}: {e}") from e
+    log.info("reward models: %s", ", ".join(f"{s.key} ({s.kind}, {s.model or 'the policy'})"
+                                             for s in envs.rewards.model_specs))
+
+
 class WarmingUp:
     """`engine` serving at once while its `warm_up` (the JAX engine's: every program compiled, tens
     of seconds on a cold cache) runs on a thread of its own: what needs no engine (health, stats,
@@ -700,6 +722,8 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         log.info("%s engine on model %s%s", launch.engine, launch.model, " (LoRA adapters over it)" * bool(launch.lora))
         teacher = None if launch.teacher is None else build_teacher(launch, vocab_size)
+        if envs is not None and envs.rewards.model_specs:
+            load_reward_models(envs, engine, launch)
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
                     parent_pid=parent_pid, vocab_size=vocab_size, teacher=teacher)
 
