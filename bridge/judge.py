@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bridge.engines.base import Engine, SamplingParams
+from bridge.engines.base import Engine, PromptTooLong, SamplingParams
 from bridge.envs.render import prompt_ids
 from bridge.envs.spec import JUDGE_FIELDS, MAX_ABS_REWARD, RewardError, RewardSpec
 
@@ -93,7 +93,12 @@ class Judge:
         """The judge's score of the episode; None where its answer holds none."""
         ids = prompt_ids(self.tokenizer, [{"role": "user", "content": self.rubric(prompt, conversation, task)}],
                          None, self.template_kwargs)
-        [[completion]] = await self.engine.generate([ids], self.params)
+        try:
+            [[completion]] = await self.engine.generate([ids], self.params)
+        except PromptTooLong as e:  # not the episode's prompt: say which sequence and which key sizes it
+            raise ValueError(f"judge {self.spec.key!r}: its rubric filled with the episode has {e.tokens} tokens, but "
+                             f"its engine holds {e.limit} per sequence: raise bridge.engine_kwargs.max_seq_len, or "
+                             "show the judge less ({completion} rather than {conversation})") from None
         answer = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         value = parse_answer(answer, self.spec.verdicts)
         self.stats["episodes"] += 1

@@ -81,3 +81,14 @@ def test_a_rubric_naming_a_field_the_task_lacks_says_which(tok):
     with pytest.raises(RewardError, match=r"judge 'judge': its template names 'target', which this task does not "
                                           r"have \(it has seed; always: prompt, completion, conversation\)"):
         asyncio.run(j.score(PROMPT, CONVERSATION, {"seed": 3}))
+
+
+def test_a_rubric_longer_than_the_engine_holds_names_the_judge_and_the_key(tok, tmp_path):
+    from bridge.engines.jax_engine import JaxEngine
+    from jaxrl.tiny import build_tiny_model
+
+    engine = JaxEngine(build_tiny_model(tmp_path / "m", tokenizer=tok), max_seq_len=32, max_batch=1, tokenizer=tok)
+    j = Judge(RewardSpec(kind="judge", judge="policy", template="{conversation}"), engine, tok, {})
+    with pytest.raises(ValueError, match=r"^judge 'judge': its rubric filled with the episode has \d+ tokens, but its "
+                                         r"engine holds 32 per sequence: raise bridge.engine_kwargs.max_seq_len"):
+        asyncio.run(j.score(PROMPT, CONVERSATION, {}))
