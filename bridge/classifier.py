@@ -4,7 +4,8 @@ scores each finished episode's conversation, rendered by its own tokenizer's cha
 The checkpoint loads into jaxrl's decoder with its score head (`jaxrl.models.load_classifier`); the
 episodes that finish together go through it in one call of `rows` sequences, padded to a power-of-two
 length up to `max_seq_len` (every such program compiled before the bridge serves: nothing compiles
-mid-run). The score is read at a sequence's last token, as transformers reads it.
+mid-run). The score is read at a sequence's last token that is not the checkpoint's padding token, as
+transformers reads it (a template that ends turns with that token is read before it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from bridge.engines.base import read_off_loop
+from bridge.envs.render import prompt_ids
 from jaxrl.compilation import bucket
 from jaxrl.models import load_classifier, load_tokenizer
 
@@ -43,6 +45,7 @@ class RewardClassifier:
             raise ValueError(f"reward model {model_dir}: its tokenizer has no chat template to render conversations "
                              "with (tokenizer_config.json's chat_template)")
         self.template_kwargs = dict(template_kwargs or {})
+        self.pad_id = model.cfg.pad_token_id
         self.graphdef, self.params = nnx.split(model)
         self.head_DxL = head_DxL
         self.max_seq_len = bucket(max_seq_len, MIN_BUCKET)
@@ -60,28 +63,29 @@ class RewardClassifier:
         log.info("reward model %s: %d rows of up to %d tokens per call, %d programs compiled in %.1f s", model_dir,
                  rows, self.max_seq_len, len(lengths), time.perf_counter() - start)
 
-    def _last_token_scores(self, params, head_DxL, tokens_BxS, lengths_B):
+    def _last_token_scores(self, params, head_DxL, tokens_BxS, lengths_B, read_B):
         model = nnx.merge(self.graphdef, params)
         mask_BxS = jnp.arange(tokens_BxS.shape[1]) < lengths_B[:, None]
         positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
         h_BxSxD, _ = model.hidden(tokens_BxS, positions, mask_BxS)  # right padding: causal slots ignore it
-        last_BxD = jnp.take_along_axis(h_BxSxD, jnp.maximum(lengths_B - 1, 0)[:, None, None], axis=1)[:, 0]
-        return (last_BxD.astype(jnp.float32) @ head_DxL)[:, 0]
+        read_BxD = jnp.take_along_axis(h_BxSxD, read_B[:, None, None], axis=1)[:, 0]
+        return (read_BxD.astype(jnp.float32) @ head_DxL)[:, 0]
 
     def _run(self, sequences: list[list[int]]) -> list[float]:
         """The score of each sequence (at most `rows`, each at most `max_seq_len` tokens)."""
         length = bucket(max(len(s) for s in sequences), MIN_BUCKET)
         tokens = np.zeros((self.rows, length), np.int32)
-        lengths = np.zeros(self.rows, np.int32)
+        lengths, read = np.zeros(self.rows, np.int32), np.zeros(self.rows, np.int32)
         for i, seq in enumerate(sequences):
             tokens[i, :len(seq)], lengths[i] = seq, len(seq)
-        scores = np.asarray(self._scores(self.params, self.head_DxL, tokens, lengths))
+            # transformers: the last token that is not padding (none such: the first)
+            read[i] = max((j for j, t in enumerate(seq) if t != self.pad_id), default=0)
+        scores = np.asarray(self._scores(self.params, self.head_DxL, tokens, lengths, read))
         return [float(scores[i]) for i in range(len(sequences))]
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """`messages` as the classifier reads them: its chat template's tokens (no generation prompt)."""
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, **self.template_kwargs)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return prompt_ids(self.tokenizer, messages, None, self.template_kwargs, add_generation_prompt=False)
 
     async def score(self, messages: list[dict[str, Any]]) -> float:
         """The classifier's score of the conversation `messages`."""

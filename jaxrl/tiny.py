@@ -63,8 +63,8 @@ def build_tiny_classifier(out_dir: str | Path, seed: int = 0, tokenizer=None, **
 
     out_dir = Path(out_dir)
     tokenizer = tokenizer or build_tokenizer()
-    cfg = tiny_config(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, **overrides)
+    cfg = tiny_config(**{"vocab_size": len(tokenizer), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+                         "pad_token_id": tokenizer.pad_token_id, **overrides})
     head = np.random.default_rng(seed).normal(0.0, 0.5, (cfg.hidden_size, 1)).astype(np.float32)
     save_classifier(Decoder(cfg, nnx.Rngs(seed)), head, out_dir)
     tokenizer.save_pretrained(out_dir)

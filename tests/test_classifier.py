@@ -14,6 +14,7 @@ from bridge.classifier import RewardClassifier
 from jaxrl.compilation import compiles
 from jaxrl.models import Decoder, save_classifier
 from jaxrl.tiny import build_tiny_classifier, tiny_config
+from jaxrl.tiny_tokenizer import build_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Repeat: red fox"}, {"role": "assistant", "content": "red fox"}],
@@ -32,7 +33,18 @@ def model_dir(tmp_path_factory):
     return build_tiny_classifier(tmp_path_factory.mktemp("classifier") / "rm", seed=2)
 
 
-def test_scores_equal_transformers_on_the_conversation_its_chat_template_renders(model_dir):
+@pytest.fixture(scope="module")
+def newline_padded_dir(tmp_path_factory):
+    """A checkpoint whose padding token is the newline that ends every turn of the chat template."""
+    tok = build_tokenizer()
+    [newline] = tok.encode("\n", add_special_tokens=False)
+    return build_tiny_classifier(tmp_path_factory.mktemp("classifier") / "nl", seed=2, tokenizer=tok,
+                                 pad_token_id=newline)
+
+
+@pytest.mark.parametrize("padding", ["endoftext", "newline"])
+def test_scores_equal_transformers_on_the_conversation_its_chat_template_renders(padding, request):
+    model_dir = request.getfixturevalue({"endoftext": "model_dir", "newline": "newline_padded_dir"}[padding])
     classifier = RewardClassifier(model_dir, max_seq_len=200, rows=4)
     before = compiles()
 
@@ -46,6 +58,7 @@ def test_scores_equal_transformers_on_the_conversation_its_chat_template_renders
     for conversation, score in zip(CONVERSATIONS, scores):
         ids = classifier.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
         assert classifier.render(conversation) == list(ids)
+        assert (ids[-1] == classifier.pad_id) == (padding == "newline")  # read before the turn's last token
         with torch.no_grad():
             expected = reference(torch.tensor([ids])).logits[0, 0].item()
         assert score == pytest.approx(expected, abs=1e-4)
