@@ -618,22 +618,17 @@ def build_teacher(launch: wire.BridgeLaunch, vocab_size: int | None) -> Teacher:
 
 def load_reward_models(envs: EnvRuntime, engine: Engine, launch: wire.BridgeLaunch) -> None:
     """The reward models of `envs` (classifiers and judges: `bridge.envs.scoring`), over sequences as
-    long as the engine's; a judge with its own directory gets a JAX engine of its own (StartupError)."""
-    max_seq_len = launch.engine_kwargs.get("max_seq_len", 2048)
+    long as the engine's; a judge with its own directory gets a JAX engine of its own. EnvConfigError
+    naming the reward whose directory cannot load as its kind needs."""
+    kwargs = launch.engine_kwargs
+    max_seq_len = kwargs.get("max_seq_len") or kwargs.get("max_model_len") or 2048  # jax's, vLLM's
 
     def judge_engine(model_dir: str) -> Engine:
-        return build_engine("jax", model_dir, launch.dtype, 8, launch.seed,
+        # As many rows as the policy's engine: the episodes that finish together are judged in one batch.
+        return build_engine("jax", model_dir, launch.dtype, launch.max_batch or 8, launch.seed,
                             {"max_seq_len": max_seq_len, "warm_up": True})
 
-    for spec in envs.rewards.model_specs:
-        if not (Path(spec.model or launch.model) / "config.json").is_file():
-            raise StartupError(f"reward model {spec.key!r}: {spec.model} is not a model directory (no config.json)")
-    try:
-        envs.rewards.load_models(engine, max_seq_len, envs.template_kwargs, judge_engine)
-    except StartupError:
-        raise
-    except Exception as e:
-        raise StartupError(f"the reward models cannot load: {type(e).__name__}: {e}") from e
+    envs.rewards.load_models(engine, max_seq_len, envs.template_kwargs, judge_engine)  # EnvConfigError naming it
     log.info("reward models: %s", ", ".join(f"{s.key} ({s.kind}, {s.model or 'the policy'})"
                                              for s in envs.rewards.model_specs))
 

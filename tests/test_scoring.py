@@ -193,3 +193,16 @@ def test_a_reward_model_the_bridge_did_not_load_is_an_error_that_says_so(tok):
     traj = run(ScriptedEngine(tok, lambda prompt: "done"), runtime, "counter", {})
     assert traj.finish_reason == "error"
     assert "reward model 'judge' is not loaded: a bridge loads its reward models with its engine" in traj.error
+
+
+def test_a_reward_model_directory_of_the_wrong_kind_is_refused_naming_the_reward(tok, tmp_path):
+    from bridge.envs.spec import EnvConfigError
+    from jaxrl.tiny import build_tiny_model
+
+    policy_dir = build_tiny_model(tmp_path / "policy", tokenizer=tok)
+    runtime = EnvRuntime([EnvSpec("counter", env_class="episodes:Counter")], tok, get_parser(),
+                         [RewardSpec(model=str(policy_dir), kind="classifier", name="rm")])
+    with pytest.raises(EnvConfigError, match=rf"^reward model 'rm' \(classifier, {policy_dir}\) cannot load: "
+                                             r"ModelConfigError: .*architectures \['Qwen3ForCausalLM'\] is not "
+                                             r"'Qwen3ForSequenceClassification'$"):
+        runtime.rewards.load_models(ScriptedEngine(tok, str), 64, {}, judge_engine=None)

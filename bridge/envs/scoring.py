@@ -48,16 +48,20 @@ class RewardFunctions:
         from bridge.classifier import RewardClassifier
         from bridge.judge import Judge
 
-        for spec in self.model_specs:
-            if spec.kind == "classifier":
-                self.models[spec.key] = RewardClassifier(spec.model, max_seq_len, template_kwargs=template_kwargs)
-            elif spec.judge == "policy":
-                self.models[spec.key] = Judge(spec, engine, self.tokenizer, template_kwargs)
-            else:
-                from jaxrl.models import load_tokenizer
+        from jaxrl.models import load_tokenizer
 
-                self.models[spec.key] = Judge(spec, judge_engine(spec.model), load_tokenizer(spec.model),
-                                              template_kwargs)
+        for spec in self.model_specs:
+            try:
+                if spec.kind == "classifier":
+                    self.models[spec.key] = RewardClassifier(spec.model, max_seq_len, template_kwargs=template_kwargs)
+                elif spec.judge == "policy":
+                    self.models[spec.key] = Judge(spec, engine, self.tokenizer, template_kwargs)
+                else:
+                    self.models[spec.key] = Judge(spec, judge_engine(spec.model), load_tokenizer(spec.model),
+                                                  template_kwargs)
+            except Exception as e:  # a directory that is not what its kind needs: say which reward
+                raise EnvConfigError(f"reward model {spec.key!r} ({spec.kind}, {spec.model or 'the policy'}) cannot "
+                                     f"load: {type(e).__name__}: {e}") from e
 
     async def score(self, hook: EnvEpisodeHook, trajectory) -> dict[str, float]:
         """The rewards of `hook`'s finished episode. Reward functions are called as TRL calls them:
