@@ -105,9 +105,9 @@ async def run_episode(
                 traj.finish_reason = "length"
                 break
         if hook is not None:
-            t0 = time.perf_counter()
+            t0, rewarded = time.perf_counter(), traj.reward_s
             traj.rewards.update(await hook.finish(traj))
-            traj.env_s += time.perf_counter() - t0
+            traj.env_s += time.perf_counter() - t0 - (traj.reward_s - rewarded)  # reward models: their own phase
     except retry_on:
         raise
     except PromptTooLong as e:

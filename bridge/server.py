@@ -616,6 +616,23 @@ def build_teacher(launch: wire.BridgeLaunch, vocab_size: int | None) -> Teacher:
         raise StartupError(f"the teacher cannot load {launch.teacher}: {type(e).__name__}: {e}") from e
 
 
+def load_reward_models(envs: EnvRuntime, engine: Engine, launch: wire.BridgeLaunch) -> None:
+    """The reward models of `envs` (classifiers and judges: `bridge.envs.scoring`), over sequences as
+    long as the engine's; a judge with its own directory gets a JAX engine of its own. EnvConfigError
+    naming the reward whose directory cannot load as its kind needs."""
+    kwargs = launch.engine_kwargs
+    max_seq_len = kwargs.get("max_seq_len") or kwargs.get("max_model_len") or 2048  # jax's, vLLM's
+
+    def judge_engine(model_dir: str) -> Engine:
+        # As many rows as the policy's engine: the episodes that finish together are judged in one batch.
+        return build_engine("jax", model_dir, launch.dtype, launch.max_batch or 8, launch.seed,
+                            {"max_seq_len": max_seq_len, "warm_up": True})
+
+    envs.rewards.load_models(engine, max_seq_len, envs.template_kwargs, judge_engine)  # EnvConfigError naming it
+    log.info("reward models: %s", ", ".join(f"{s.key} ({s.kind}, {s.model or 'the policy'})"
+                                             for s in envs.rewards.model_specs))
+
+
 class WarmingUp:
     """`engine` serving at once while its `warm_up` (the JAX engine's: every program compiled, tens
     of seconds on a cold cache) runs on a thread of its own: what needs no engine (health, stats,
@@ -700,6 +717,8 @@ def run_bridge(launch: wire.BridgeLaunch, *, token: str, tls: tuple[bytes, bytes
         vocab_size = json.loads((Path(launch.model) / "config.json").read_text()).get("vocab_size")
         log.info("%s engine on model %s%s", launch.engine, launch.model, " (LoRA adapters over it)" * bool(launch.lora))
         teacher = None if launch.teacher is None else build_teacher(launch, vocab_size)
+        if envs is not None and envs.rewards.model_specs:
+            load_reward_models(envs, engine, launch)
         await serve(engine, launch.server, token=token, tls=tls, envs=envs, on_listening=announce,
                     parent_pid=parent_pid, vocab_size=vocab_size, teacher=teacher)
 

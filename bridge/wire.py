@@ -337,6 +337,7 @@ class TrajectoryData:
     num_turns: int = 0
     generate_s: float = 0.0
     env_s: float = 0.0
+    reward_s: float = 0.0  # the reward models' share (classifiers, judges): neither generate_s nor env_s
     total_s: float = 0.0
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     # The distillation teacher's logprob of each completion token (0 where loss_mask is 0); empty
@@ -379,7 +380,7 @@ def trajectory_to_proto(traj: TrajectoryData) -> pb.Trajectory:
         rewards=dict(traj.rewards),
         finish_reason=traj.finish_reason,
         env=traj.env,
-        timings=pb.Timings(generate_s=traj.generate_s, env_s=traj.env_s, total_s=traj.total_s),
+        timings=pb.Timings(generate_s=traj.generate_s, env_s=traj.env_s, reward_s=traj.reward_s, total_s=traj.total_s),
         error=traj.error,
         num_turns=traj.num_turns,
         metrics=dict(traj.metrics),
@@ -408,6 +409,7 @@ def trajectory_from_proto(msg: pb.Trajectory) -> TrajectoryData:
         num_turns=msg.num_turns,
         generate_s=msg.timings.generate_s,
         env_s=msg.timings.env_s,
+        reward_s=msg.timings.reward_s,
         total_s=msg.timings.total_s,
         metrics=dict(msg.metrics),
         teacher_logprobs=decode_array(msg.teacher_logprobs, LOGPROBS, f"{what} teacher_logprobs",

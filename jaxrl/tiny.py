@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from flax import nnx
 
-from jaxrl.models import Decoder, ModelConfig, RopeScaling, save_pretrained
+from jaxrl.models import Decoder, ModelConfig, RopeScaling, save_classifier, save_pretrained
 
 
 def tiny_config(family: str = "qwen3", tied: bool = True, vocab_size: int = 512, **overrides) -> ModelConfig:
@@ -51,5 +52,20 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
         **overrides,
     )
     save_pretrained(Decoder(cfg, nnx.Rngs(seed)), out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_classifier(out_dir: str | Path, seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """Writes a random tiny reward model (a sequence-classification checkpoint with one score, and the
+    tiny tokenizer's files) as a Hugging Face directory."""
+    from jaxrl.tiny_tokenizer import build_tokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = tokenizer or build_tokenizer()
+    cfg = tiny_config(**{"vocab_size": len(tokenizer), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+                         "pad_token_id": tokenizer.pad_token_id, **overrides})
+    head = np.random.default_rng(seed).normal(0.0, 0.5, (cfg.hidden_size, 1)).astype(np.float32)
+    save_classifier(Decoder(cfg, nnx.Rngs(seed)), head, out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -18,9 +18,11 @@ from jaxrl.models import (
     Decoder,
     ModelConfigError,
     from_hf_tensors,
+    load_classifier,
     load_pretrained,
     load_tokenizer,
     params_from_hf_tensors,
+    save_classifier,
     save_pretrained,
     to_hf_tensors,
 )
@@ -181,3 +183,30 @@ def test_load_tokenizer_is_autotokenizers_without_importing_torch(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "NoSuchTokenizer"}))
     fallback = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert type(load_tokenizer(tmp_path)) is type(fallback)
+
+
+def test_a_classification_checkpoint_loads_only_as_a_classifier(tmp_path):
+    cfg = tiny_config("qwen3", tied=True, vocab_size=300)
+    model = Decoder(cfg, nnx.Rngs(0))
+    head = np.arange(cfg.hidden_size, dtype=np.float32)[:, None]
+    save_classifier(model, head, tmp_path / "rm")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    np.testing.assert_array_equal(hf.score.weight.detach().numpy(), head.T)
+
+    again, again_head = load_classifier(tmp_path / "rm")
+    np.testing.assert_array_equal(again_head, head)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ModelConfigError, match=r"architectures \['Qwen3ForSequenceClassification'\] is not "
+                                               r"'Qwen3ForCausalLM'"):
+        load_pretrained(tmp_path / "rm")  # never a policy without its LM head
+
+    save_pretrained(model, tmp_path / "lm")
+    with pytest.raises(ModelConfigError, match=r"architectures \['Qwen3ForCausalLM'\] is not "
+                                               r"'Qwen3ForSequenceClassification'"):
+        load_classifier(tmp_path / "lm")
+    config = json.loads((tmp_path / "lm" / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForSequenceClassification"]
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"no 'score.weight' tensor; a sequence-classification checkpoint"):
+        load_classifier(tmp_path / "lm")

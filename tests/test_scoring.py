@@ -3,6 +3,7 @@ number (or None) per completion."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
@@ -146,3 +147,62 @@ def test_a_trl_dataset_environment_factory_and_reward_function_work_unchanged(to
                                           {"role": "assistant", "content": "Opened."}]
     assert seen["level"] == ["easy"] and seen["code"] == [4321] and "prompt" not in seen
     assert seen["completion_ids"] == [traj.completion_ids.tolist()]
+
+
+# -- reward models: a classifier and a judge on the same path, their time a phase of its own --------
+
+
+def test_reward_models_score_the_conversation_the_reward_functions_see(tok, tmp_path):
+    from bridge.classifier import RewardClassifier
+    from jaxrl.tiny import build_tiny_classifier
+
+    classifier_dir = build_tiny_classifier(tmp_path / "rm", seed=5)
+    row = {"prompt": [{"role": "user", "content": "Open the vault. "}], "code": 12, "level": "easy"}
+    judged = []
+
+    def policy(prompt):  # the model's turns, then the judges' answers (their rubrics are the whole prompt)
+        if prompt.count("Rate") == 1:
+            judged.append(prompt)
+            return "Fair: 0.25" if "verdict" not in prompt else "nothing to say"
+        return tool_call("try_code", {"code": 12}) if "<tool_response>" not in prompt else "Opened."
+
+    runtime = EnvRuntime([EnvSpec("vault", env_class="test_scoring:Vault")], tok, get_parser(), [
+        RewardSpec("test_scoring:opened_quickly"),
+        RewardSpec(model=str(classifier_dir), kind="classifier", name="rm"),
+        RewardSpec(kind="judge", judge="policy", template="Rate this ({level}): {completion}", name="judge"),
+        RewardSpec(kind="judge", judge="policy", template="Rate this verdict: {conversation}", name="strict",
+                   verdicts={"yes": 1, "no": 0})])
+    engine = ScriptedEngine(tok, policy)
+    runtime.rewards.load_models(engine, 256, {}, judge_engine=None)
+    SEEN_BY_REWARD.clear()
+    traj = run(engine, runtime, "vault", dict(row))
+    assert traj.finish_reason == "stop", traj.error
+    [seen] = SEEN_BY_REWARD
+    outside = RewardClassifier(classifier_dir, 256)
+    expected = asyncio.run(outside.score(seen["prompts"][0] + seen["completions"][0]))
+    assert traj.rewards == {"env": 1.0, "opened_quickly": 1.0, "rm": pytest.approx(expected, abs=1e-5),
+                            "judge": 0.25}  # "strict" answered no verdict: it does not apply
+    assert traj.metrics["judge_malformed"] == 1.0
+    assert len(judged) == 2 and "Rate this (easy): assistant: \n" in judged[0]
+    assert traj.reward_s > 0 and traj.total_s >= traj.generate_s + traj.env_s + traj.reward_s
+
+
+def test_a_reward_model_the_bridge_did_not_load_is_an_error_that_says_so(tok):
+    runtime = EnvRuntime([EnvSpec("counter", env_class="episodes:Counter")], tok, get_parser(),
+                         [RewardSpec(kind="judge", judge="policy", template="{completion}")])
+    traj = run(ScriptedEngine(tok, lambda prompt: "done"), runtime, "counter", {})
+    assert traj.finish_reason == "error"
+    assert "reward model 'judge' is not loaded: a bridge loads its reward models with its engine" in traj.error
+
+
+def test_a_reward_model_directory_of_the_wrong_kind_is_refused_naming_the_reward(tok, tmp_path):
+    from bridge.envs.spec import EnvConfigError
+    from jaxrl.tiny import build_tiny_model
+
+    policy_dir = build_tiny_model(tmp_path / "policy", tokenizer=tok)
+    runtime = EnvRuntime([EnvSpec("counter", env_class="episodes:Counter")], tok, get_parser(),
+                         [RewardSpec(model=str(policy_dir), kind="classifier", name="rm")])
+    with pytest.raises(EnvConfigError, match=rf"^reward model 'rm' \(classifier, {policy_dir}\) cannot load: "
+                                             r"ModelConfigError: .*architectures \['Qwen3ForCausalLM'\] is not "
+                                             r"'Qwen3ForSequenceClassification'$"):
+        runtime.rewards.load_models(ScriptedEngine(tok, str), 64, {}, judge_engine=None)

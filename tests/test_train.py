@@ -3,6 +3,7 @@ sweeps, and bad configs that fail in one line before any heavy work."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -777,3 +778,100 @@ def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_di
     last = max(r["step"] for r in read_metrics(run_dir))
     assert (run_dir / "checkpoints" / str(last)).is_dir()  # the steps taken are kept
     assert not [c for c in children if not gone(c)]
+
+
+def primed_judge(out_dir: Path, tokenizer) -> Path:
+    """A tiny judge that answers every rubric "7": no layer writes to the residual stream (o_proj and
+    down_proj are zero), so each position's final state is its own token's embedding, normed; the LM
+    head maps the generation prompt's last token to "7" and "7" to the end of the turn."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl.models import Decoder, save_pretrained
+    from jaxrl.tiny import tiny_config
+
+    cfg = tiny_config(tied=False, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    model = Decoder(cfg, nnx.Rngs(4))
+    for layer in model.layers:
+        layer.self_attn.o_proj.kernel[...] = 0.0 * layer.self_attn.o_proj.kernel[...]
+        layer.mlp.down_proj.kernel[...] = 0.0 * layer.mlp.down_proj.kernel[...]
+    embed, norm = np.asarray(model.embed_tokens[...]), np.asarray(model.norm.weight[...])
+
+    def state(token):
+        x = embed[token]
+        return x / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps) * norm
+
+    last = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)[-1]
+    [seven] = tokenizer.encode("7", add_special_tokens=False)
+    head = np.zeros((cfg.hidden_size, cfg.vocab_size), np.float32)
+    head[:, seven], head[:, tokenizer.eos_token_id] = 10 * state(last), 10 * state(seven)
+    model.lm_head[...] = head
+    save_pretrained(model, out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int) -> str:
+    """The model's greedy answer to `rubric` as one user message: full forward passes, no engine."""
+    import numpy as np
+
+    from bridge.envs.render import prompt_ids
+    from jaxrl.models import load_pretrained
+
+    model = load_pretrained(model_dir)
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": rubric}], None, {})
+    answer = []
+    for _ in range(max_tokens):
+        tokens = np.asarray([ids + answer])
+        logits, _ = model(tokens, np.arange(tokens.shape[1])[None], np.ones_like(tokens))
+        answer.append(int(np.argmax(logits[0, -1])))
+        if answer[-1] == tokenizer.eos_token_id:
+            break
+    return tokenizer.decode(answer, skip_special_tokens=True)
+
+
+def test_a_run_with_a_classifier_and_judges_rewards_them_as_the_models_do_outside_it(model_dir, tmp_path):
+    from bridge.classifier import RewardClassifier
+    from bridge.envs.spec import RewardSpec
+    from bridge.judge import Judge, parse_answer
+    from jaxrl.models import load_tokenizer
+    from jaxrl.tiny import build_tiny_classifier
+
+    tok = load_tokenizer(model_dir)
+    classifier_dir = build_tiny_classifier(tmp_path / "rm", seed=6)
+    judge_dir = primed_judge(tmp_path / "judge", tok)
+    # TRL-format tasks (a `prompt` of chat messages): reward functions see the conversation reward models read.
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": "Reply. "}], "target": w}) + "\n"
+                             for w in ("red", "blue", "green", "gold")))
+    rubric = "Task: {prompt} ({target})\nReply:\n{completion}\nScore 0-9:"
+    run_dir, recorded = tmp_path / "run", tmp_path / "conversations.jsonl"
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, run_dir, eval={"episodes": 0}, log={"progress": False, "samples_per_step": 2},
+        envs=[{"name": "reply", "env_class": "tests.workers.trl_env:Reply"}], data={"train_file": str(tasks)},
+        bridge={"engine_kwargs": {"max_seq_len": 256}},
+        rewards=[{"fn": "env"}, {"fn": "tests.workers.rewards:record_conversation"},
+                 {"model": str(classifier_dir), "kind": "classifier", "name": "rm", "weight": 0.5},
+                 {"model": str(judge_dir), "kind": "judge", "template": rubric, "max_tokens": 4, "name": "judge"},
+                 {"kind": "judge", "judge": "policy", "template": "Is this right? {conversation}",
+                  "verdicts": {"yes": 1, "no": 0}, "name": "self_judge", "max_tokens": 8}])
+    summary = summary_of(jaxrl("train", config, env={**os.environ, "JAXRL_TEST_CONVERSATIONS": str(recorded)}))
+    assert summary["steps"] == 3 and summary["programs_after_first_step"] == 0
+
+    metrics = read_metrics(run_dir)
+    assert all(r["time/reward_model_s"] > 0 for r in metrics if "time/reward_model_s" in r)
+    assert sum(r.get("env/reply/judge_malformed", 0) for r in metrics) > 0  # the untrained policy judges in prose
+    episodes = {tok.decode(r["completion_ids"]): r for r in map(json.loads, recorded.read_text().splitlines())}
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6
+    outside = RewardClassifier(classifier_dir, 256)
+    judge = Judge(RewardSpec(model=str(judge_dir), kind="judge", template=rubric), None, tok, {})
+    for sample in samples:
+        episode = episodes[sample["completion"]]
+        conversation = episode["prompt"] + episode["completion"]
+        assert sample["rewards"]["rm"] == pytest.approx(asyncio.run(outside.score(conversation)), abs=1e-4)
+        answer = greedy_answer(judge_dir, tok, judge.rubric(episode["prompt"], episode["completion"], episode["task"]),
+                               4)
+        assert answer == "7" and sample["rewards"]["judge"] == parse_answer(answer, None) == 7.0

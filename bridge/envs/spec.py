@@ -197,19 +197,88 @@ class EnvSpec:
         return dataclasses.replace(self, bundled=None, url=url)
 
 
+REWARD_MODEL_KINDS = ("classifier", "judge")
+# What a judge's rubric may name besides the task's fields (see `bridge.judge`).
+JUDGE_FIELDS = ("prompt", "completion", "conversation")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
     """A reward function `fn(prompts, completions, completion_ids, environments, **task_fields) ->
-    list[float | None]` (as TRL calls them), or `env`."""
+    list[float | None]` (as TRL calls them), `env`, or a reward model the bridge serves (`kind`:
+    a sequence-classification `model`, or a generative judge: its own `model` or `judge: policy`)."""
 
-    fn: str = dataclasses.field(metadata={"help": "'module:function', or 'env' for the environment's own reward"})
+    fn: str | None = dataclasses.field(
+        default=None, metadata={"help": "'module:function', or 'env' for the environment's own reward; null for a "
+                                        "reward model"})
     weight: float = dataclasses.field(default=1.0, metadata={"help": "weight in the summed reward"})
-    name: str | None = dataclasses.field(default=None, metadata={"help": "metric name (default: the function's)"})
+    name: str | None = dataclasses.field(
+        default=None, metadata={"help": "metric name (default: the function's, or the reward model's kind)"})
+    model: str | None = dataclasses.field(
+        default=None, metadata={"help": "a reward model's Hugging Face directory (safetensors, tokenizer with a chat "
+                                        "template), loaded by the bridge; with kind"})
+    kind: Literal["classifier", "judge"] | None = dataclasses.field(
+        default=None, metadata={"help": "classifier: a *ForSequenceClassification checkpoint scores the conversation "
+                                        "(its chat template; one score); judge: a generative model answers `template` "
+                                        "and its answer is parsed (a number, or a word of `verdicts`)"})
+    judge: Literal["policy"] | None = dataclasses.field(
+        default=None, metadata={"help": "judges: 'policy' to judge with the policy's own engine (its current "
+                                        "weights) instead of a model directory"})
+    template: str | None = dataclasses.field(
+        default=None, metadata={"help": "judges: the rubric, sent as the user message; {prompt} (the task as the "
+                                        "model saw it), {completion} (the model's turns and the answers), "
+                                        "{conversation} (both) and task fields by name, e.g. {answer}"})
+    verdicts: dict[str, float] | None = dataclasses.field(
+        default=None, metadata={"help": "judges: the reward of each verdict word, e.g. {yes: 1, no: 0} (the last "
+                                        "such word of the answer counts); null: the answer's last number is the "
+                                        "reward. An answer without one is a None reward, counted (judge_malformed)"})
+    max_tokens: int = dataclasses.field(
+        default=32, metadata={"help": "judges: most tokens of an answer (greedy)"})
+
+    def __post_init__(self):
+        what = f"reward {self.key!r}"
+        sources = [k for k in ("fn", "model", "judge") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            raise EnvConfigError(f"{what}: set exactly one of fn (a function or 'env'), model (a reward model's "
+                                 f"directory, with kind) or judge: policy (got {', '.join(sources) or 'none'})")
+        if self.fn is not None:
+            extra = [k for k in ("kind", "template", "verdicts") if getattr(self, k) is not None]
+            if extra:
+                raise EnvConfigError(f"{what}: a reward function (fn) takes no {', '.join(extra)} (reward models "
+                                     "do); leave them out")
+            return
+        if self.kind not in REWARD_MODEL_KINDS:
+            raise EnvConfigError(f"{what}: kind {self.kind!r} is not one of {', '.join(REWARD_MODEL_KINDS)}; a reward "
+                                 "model needs one")
+        if self.kind == "classifier":
+            extra = [k for k in ("judge", "template", "verdicts") if getattr(self, k) is not None]
+            if extra:
+                raise EnvConfigError(f"{what}: a classifier takes no {', '.join(extra)} (judges do: kind: judge); "
+                                     "it scores the conversation itself")
+            return
+        if not self.template:
+            raise EnvConfigError(f"{what}: a judge needs a template (the rubric, with {{completion}} or "
+                                 "{conversation} where the trajectory goes)")
+        fields = template_fields(self.template, f"{what}: template")
+        if not set(fields) & {"completion", "conversation"}:
+            raise EnvConfigError(f"{what}: template {self.template!r} shows the judge no trajectory; put "
+                                 "{completion} or {conversation} in it")
+        if self.verdicts is not None:
+            bad = {k: v for k, v in self.verdicts.items()
+                   if not (isinstance(k, str) and k.strip() and isinstance(v, numbers.Real) and not isinstance(v, bool)
+                           and math.isfinite(v))}
+            if not self.verdicts or bad:
+                raise EnvConfigError(f"{what}: verdicts must map words to finite numbers, e.g. {{yes: 1, no: 0}}; got "
+                                     f"{self.verdicts!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise EnvConfigError(f"{what}: max_tokens={self.max_tokens!r} must be >= 1")
 
     @property
     def key(self) -> str:
         if self.name:
             return self.name
+        if self.fn is None:
+            return self.kind or "reward_model"
         return ENV_REWARD if self.fn == ENV_REWARD else self.fn.rsplit(":", 1)[-1]
 
     @classmethod

@@ -82,8 +82,10 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Builds a config from a Hugging Face config dict; `source` names it in errors."""
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json", classifier: bool = False) -> ModelConfig:
+        """Builds a config from a Hugging Face config dict; `source` names it in errors. `classifier`:
+        the decoder of a sequence-classification checkpoint (`*ForSequenceClassification`), asked for
+        by name so that one is never loaded as a policy whose LM head is missing."""
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
             raise ModelConfigError(
@@ -91,6 +93,8 @@ class ModelConfig:
                 f"not supported; jaxrl loads {sorted(FAMILIES)}"
             )
         arch, qkv_bias, qk_norm = FAMILIES[model_type]
+        if classifier:
+            arch = arch.replace("ForCausalLM", "ForSequenceClassification")
         archs = hf.get("architectures") or [arch]
         if arch not in archs:
             raise ModelConfigError(f"{source}: architectures {archs} is not {arch!r}")

@@ -20,10 +20,11 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import FAMILIES, ModelConfig
 from jaxrl.models.decoder import Decoder
 
 SINGLE_FILE = "model.safetensors"
+SCORE_HEAD = "score.weight"  # a sequence-classification checkpoint's head: (num_labels, hidden), no bias
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -237,6 +238,44 @@ def load_pretrained(path: str | Path, param_dtype: str | None = None, dtype: str
     overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = cfg.replace(**overrides)
     return from_hf_tensors(cfg, read_safetensors(path), source=str(path))
+
+
+def load_classifier(path: str | Path, dtype: str | None = None) -> tuple[Decoder, jax.Array]:
+    """A Hugging Face sequence-classification directory (transformers' `*ForSequenceClassification`:
+    the decoder's tensors under `model.`, a bias-free `score` linear head) as the decoder and the
+    head's (D, num_labels) weight: the scores are `hidden(tokens)[last token] @ head`, read at a
+    sequence's last real token as transformers reads them at its last non-pad one."""
+    hf_config = read_config(path)
+    cfg = ModelConfig.from_hf(hf_config, source=str(Path(path) / "config.json"), classifier=True)
+    # No LM head: a tied decoder expects none (the classifier never reads logits over the vocabulary).
+    cfg = cfg.replace(tie_word_embeddings=True, **({"param_dtype": dtype, "dtype": dtype} if dtype else {}))
+    tensors = read_safetensors(path)
+    head = tensors.pop(SCORE_HEAD, None)
+    if head is None:
+        raise CheckpointError(f"{path}: no {SCORE_HEAD!r} tensor; a sequence-classification checkpoint "
+                              "(*ForSequenceClassification) carries its score head there")
+    if head.ndim != 2 or head.shape[1] != cfg.hidden_size:
+        raise CheckpointError(f"{path}: {SCORE_HEAD!r} has shape {tuple(head.shape)}, expected (num_labels, "
+                              f"{cfg.hidden_size})")
+    return from_hf_tensors(cfg, tensors, source=str(path)), jnp.asarray(head, jnp.float32).T
+
+
+def save_classifier(model: Decoder, head_DxL: jax.Array, path: str | Path) -> None:
+    """Writes `model` with the score head `head_DxL` as a sequence-classification directory that
+    transformers (`AutoModelForSequenceClassification`) and `load_classifier` load."""
+    cfg = model.cfg
+    if not cfg.tie_word_embeddings:
+        raise ValueError("a classifier's decoder has no LM head: build it with tie_word_embeddings=True")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    labels = head_DxL.shape[1]
+    config = {**cfg.to_hf(), "architectures": [FAMILIES[cfg.model_type][0].replace("ForCausalLM",
+                                                                                     "ForSequenceClassification")],
+              "num_labels": labels, "id2label": {str(i): f"LABEL_{i}" for i in range(labels)},
+              "label2id": {f"LABEL_{i}": i for i in range(labels)}}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {**to_hf_tensors(cfg, nnx.state(model, nnx.Param)), SCORE_HEAD: jnp.asarray(head_DxL).T}
+    save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
 
 
 def load_tokenizer(path: str | Path):

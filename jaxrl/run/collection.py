@@ -51,8 +51,9 @@ class StepRollouts:
     groups: list[Group]
     counts: collections.Counter
     wall_s: float
-    generate_s: float  # the wall time split by the episodes' own generate/env shares
+    generate_s: float  # the wall time split by the episodes' own generate/env/reward-model shares
     env_s: float
+    reward_s: float = 0.0
     staleness_max: int = 0  # versions between the learner and the oldest token trained
 
     def summaries(self) -> list[list[EpisodeSummary]]:
@@ -194,14 +195,16 @@ class Collector:
         counts["groups_padded"] = self.share.count - len(kept)
         gen = sum(t.generate_s for t in episodes)
         env = sum(t.env_s for t in episodes)
+        rew = sum(t.reward_s for t in episodes)
         lags = [learner_version - t.token_versions[t.loss_mask.astype(bool)] for g in kept for t in g]
         lags = np.concatenate(lags) if lags else np.zeros(0, np.int64)
         counts["trained_tokens"] += len(lags)
         counts["trained_token_lag_sum"] += int(lags.sum())
         for lag, n in zip(*np.unique(lags, return_counts=True)):
             counts[f"tokens_lag_{lag}"] += int(n)  # tokens per policy version, by how far behind
-        share = env / (gen + env) if gen + env > 0 else 0.0
-        return StepRollouts(kept, counts, wall, wall * (1 - share), wall * share,
+        total = gen + env + rew
+        shares = [x / total if total > 0 else 0.0 for x in (gen, env, rew)]
+        return StepRollouts(kept, counts, wall, wall * (1 - shares[1] - shares[2]), wall * shares[1], wall * shares[2],
                             int(lags.max()) if len(lags) else 0)
 
     def collect(self, step: int, learner_version: int) -> StepRollouts:
@@ -434,7 +437,7 @@ def rollout_metrics(trajs: list[EpisodeSummary], counts: Mapping[str, float], cf
             if any(vals):
                 out[f"env/{env}/{m}"] = float(np.mean(vals))
         # The step's totals: how much its episodes queued for sessions, and its groups that were not one task.
-        for m in (*SESSION_WAITS, "groups_mixed"):
+        for m in (*SESSION_WAITS, "groups_mixed", "judge_malformed"):
             total = sum(t.metrics.get(m, 0.0) for t in ts)
             if total:
                 out[f"env/{env}/{m}"] = float(total)

@@ -281,8 +281,9 @@ class TrainConfig:
         "also picks demonstrations and orders the warm start (tasks: data.seed)", default=0)
     rewards: list[RewardSpec] = option(
         "reward functions fn(prompts, completions, completion_ids, environments, **task_fields) -> list[float | None] "
-        "(TRL's reward functions unchanged), or 'env' (the environment's own reward: a tool class's get_reward() or "
-        "reward()), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
+        "(TRL's reward functions unchanged), 'env' (the environment's own reward: a tool class's get_reward() or "
+        "reward()), or reward models the bridges serve ({model: DIR, kind: classifier}; {kind: judge, model: DIR or "
+        "judge: policy, template: ...}), with weights", default_factory=lambda: [RewardSpec(ENV_REWARD)])
     data: DataConfig = option("tasks", default_factory=DataConfig)
     rollout: RolloutConfig = option("generation", default_factory=RolloutConfig)
     learner: LearnerConfig = option(
@@ -371,6 +372,7 @@ class TrainConfig:
         self._check_lora()
         self._check_train_all()
         self._check_teacher()
+        self._check_reward_models()
         self.learner_config()  # the derived values must make a valid learner config
 
     def _check_lora(self) -> None:
@@ -386,6 +388,14 @@ class TrainConfig:
         if self.bridge.engine == "vllm" and kwargs.get("max_lora_rank", lora.rank) < lora.rank:
             raise ValueError(f"bridge.engine_kwargs.max_lora_rank={kwargs['max_lora_rank']} is below "
                              f"learner.lora.rank={lora.rank}: raise it, or leave it out (the run sets it)")
+
+    def _check_reward_models(self) -> None:
+        """A reward model's directory is there (the bridges load it; a missing one fails before minutes of
+        loading)."""
+        for i, r in enumerate(self.rewards):
+            if r.model is not None and not (Path(r.model).expanduser() / "config.json").is_file():
+                raise ValueError(f"rewards[{i}] ({r.key}): model {r.model!r} is not a model directory (no "
+                                 "config.json); give a Hugging Face directory of safetensors and its tokenizer")
 
     def _check_teacher(self) -> None:
         """A teacher and a distillation weight come together."""

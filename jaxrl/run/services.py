@@ -64,7 +64,7 @@ def check_services(cfg: TrainConfig) -> None:
         except OSError as e:
             raise StartupError(f"environment {spec.name!r}: {e}") from None
     for reward in cfg.rewards:
-        if reward.fn != ENV_REWARD:
+        if reward.fn not in (None, ENV_REWARD):
             try:
                 fn = import_object(reward.fn, f"reward function {reward.key!r}")
             except EnvConfigError as e:

@@ -440,7 +440,8 @@ def _exchange(job: _Job, exchange: Exchange, result: StepRollouts, stop_requeste
     view = exchange_step(exchange, result, prompt_width(trajs, job.cfg), stop_requested,
                          job.env_servers.metrics() | job.client.metrics(),
                          {"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
-                          "time/env_s": result.env_s, "rollout/staleness_max": float(result.staleness_max)})
+                          "time/env_s": result.env_s, "time/reward_model_s": result.reward_s,
+                          "rollout/staleness_max": float(result.staleness_max)})
     batch = rl_batch(trajs, job.cfg, job.pad_id, rows=job.share.count * job.cfg.learner.group_size,
                      prompt_len=view.prompt_len)
     return view, batch, time.perf_counter() - t0

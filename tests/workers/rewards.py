@@ -1,5 +1,8 @@
 """A reward function for the process-level tests (importable by the trainer and its bridge)."""
 
+import json
+import os
+
 
 def short(completions, **task_fields):
     """1 for a completion of at most 12 characters: a second, cheaper signal beside the environment's."""
@@ -25,3 +28,14 @@ def even_length(completions, **task_fields):
 def huge(completions, **task_fields):
     """Finite, but past what the learner's float32 arithmetic holds."""
     return [1e308] * len(completions)
+
+
+def record_conversation(prompts, completions, completion_ids, environments, env, **task_fields):
+    """Applies to nothing: appends each episode's first prompt, its conversation (what reward models read
+    of a TRL-format task) and task fields to the JSON-lines file $JAXRL_TEST_CONVERSATIONS."""
+    with open(os.environ["JAXRL_TEST_CONVERSATIONS"], "a") as f:
+        for i, (prompt, completion, ids) in enumerate(zip(prompts, completions, completion_ids)):
+            fields = {k: v[i] for k, v in task_fields.items()}
+            f.write(json.dumps({"prompt": prompt, "completion": completion, "completion_ids": ids,
+                                "task": fields}) + "\n")
+    return [None] * len(completions)

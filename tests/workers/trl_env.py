@@ -18,3 +18,11 @@ class Target:
 
     def get_reward(self) -> float:
         return float(getattr(self, "said", None) == self.target)
+
+
+class Reply:
+    """A TRL-style environment without tools: the model's one reply is the episode (its reward comes from
+    the run's reward functions and models); reset only reads the row's `target`."""
+
+    def reset(self, target: str, **kwargs) -> str:
+        return f"Say {target}."
