@@ -408,7 +408,7 @@ def test_a_stalled_then_killed_environment_server_costs_replays_and_a_restart_no
     assert sum(r["rollout/episodes_failed"] for r in rows) == 0  # none lost for good
     restarts = [r["env/echo/restarts"] for r in rows]
     assert restarts[0] == 0 and restarts[-1] == 1  # the kill, not the stall
-    assert "exited with code -9; restarting it on port" in err
+    assert "was killed by SIGKILL; restarting it on port" in err
     print(f"stalled after step {stalled_at}, killed after step {killed_at}: {retried:.0f} episodes replayed")
 
 
