@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import inspect
 import math
 import numbers
 import string
@@ -309,6 +310,29 @@ def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
     except Exception as e:
         raise TaskRefused(f"environment {spec.name!r} cannot take its {what} {task!r}: "
                           f"{type(e).__name__}: {e}") from None
+
+
+def reset_fields(spec: EnvSpec) -> frozenset[str] | None:
+    """The task fields `spec`'s reset is handed: for an env_class, those its reset's signature names
+    (the filter the bridge's connectors and OpenEnv's server apply; an openenv Environment's
+    reset_async where it overrides it); None where every field may be read (a reset taking
+    **kwargs, a rollout function) or the reset cannot be seen from here (a served environment's
+    server drops the fields its reset does not take, unseen)."""
+    if not spec.env_class:
+        return None
+    cls = import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+    reset = getattr(cls, "reset", None)
+    if hasattr(cls, "reset_async"):  # an openenv Environment (imported only then: it takes seconds)
+        from openenv.core.env_server import Environment
+
+        if isinstance(cls, type) and issubclass(cls, Environment) and cls.reset_async is not Environment.reset_async:
+            reset = cls.reset_async
+    if not callable(reset):
+        return frozenset()  # a tool class without reset: the task reaches only the reward functions
+    parameters = list(inspect.signature(reset).parameters.values())[1:]  # after self
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_POSITIONAL)
 
 
 def task_splits(spec: EnvSpec) -> dict[str, int]:
