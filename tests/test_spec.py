@@ -21,6 +21,9 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
                                                                         "expected '}'"),
     ({"name": "x", "url": "http://a", "observation_template": "at {}"}, "{} names no field"),
     ({"name": "x", "url": "http://a", "observation_template": "{x}", "observation_field": "x"}, "not both"),
+    ({"name": "x", "url": "http://a", "env_kwargs": {"size": 5}}, "^environment 'x': env_kwargs are passed to "
+                                                                   "env_class's constructor, and it has no env_class"),
+    ({"name": "x", "env_class": "m:C", "env_kwargs": [5]}, "'x': env_kwargs must map argument names to values"),
 ])
 def test_env_spec_errors_name_the_problem(data, message):
     with pytest.raises(EnvConfigError, match=message):

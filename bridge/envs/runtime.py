@@ -18,7 +18,7 @@ from bridge.envs.render import RenderCache
 from bridge.envs.rollout_fn import RolloutFnConnector
 from bridge.envs.scoring import RewardFunctions
 from bridge.envs.served import ServedConnector
-from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, import_object
+from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, env_factory, import_object
 from bridge.envs.tool_class import ToolClassConnector
 from bridge.envs.tools import ToolEnvironment
 from bridge.tool_calls import ToolCallParser, hidden_special_ids
@@ -43,9 +43,10 @@ def build_connector(spec: EnvSpec) -> Connector:
     cls = import_object(spec.env_class, f"environment {spec.name!r}: env_class")
     if not inspect.isclass(cls):
         raise EnvConfigError(f"environment {spec.name!r}: env_class {spec.env_class!r} is not a class")
+    make = env_factory(spec, cls)
     if issubclass(cls, Environment):
-        return InProcessConnector(spec, cls)
-    return ToolClassConnector(spec, cls)
+        return InProcessConnector(spec, cls, make)
+    return ToolClassConnector(spec, cls, make)
 
 
 async def reset_once(spec: EnvSpec, task: dict[str, Any]) -> None:
@@ -55,7 +56,7 @@ async def reset_once(spec: EnvSpec, task: dict[str, Any]) -> None:
     try:
         await connector.start()
         if isinstance(connector, ToolClassConnector):
-            env = ToolEnvironment(connector.cls())
+            env = ToolEnvironment(connector.make())
             try:
                 await env.areset(**task)
             finally:
