@@ -341,6 +341,30 @@ def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
                           f"{type(e).__name__}: {e}") from None
 
 
+def first_prompt_ids(envs: dict[str, Any], tokenizer: Any, env: str, task: dict[str, Any]) -> list[int]:
+    """The tokens an episode of `env` on `task` hands the engine first, as the bridge renders them
+    (reset's observation, the task's prompt, the system prompt, the tools, the chat template); `envs`
+    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn environment
+    (it renders its own) and for what stops a bridge's start."""
+    from bridge.envs.runtime import runtime_from_dict
+
+    async def render() -> list[int]:
+        runtime = runtime_from_dict(envs, tokenizer)
+        try:
+            await runtime.start()
+            hook = runtime.hook(env, task)
+            if hook is None:
+                raise EnvConfigError(f"environment {env!r} is a rollout_fn: its function builds its own prompts")
+            try:
+                return await hook.start()
+            finally:
+                await hook.close()
+        finally:
+            await runtime.aclose()
+
+    return asyncio.run(render())
+
+
 def reset_fields(spec: EnvSpec) -> frozenset[str] | None:
     """The task fields `spec`'s reset is handed: for an env_class, those its reset's signature names
     (the filter the bridge's connectors and OpenEnv's server apply; an openenv Environment's
