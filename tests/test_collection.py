@@ -80,6 +80,18 @@ def test_env_watch_warns_once_of_one_turn_cuts_and_of_rewards_that_are_always_ze
     assert not caplog.records
 
 
+def test_the_bridges_notices_about_what_the_model_sees_are_shown_once(caplog):
+    """Every bridge hands its warnings on with an episode; the trainer's console says each once."""
+    notice = "reset's observation shows the model nothing (it sent: nothing), and the task has no prompt"
+    watch = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {})
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        for bridge in range(2):
+            episode = traj(f"{bridge}-0", 0, [1], [2], [1], {"env": 1.0}, finish="error" if bridge else "stop")
+            episode.notices = [notice]
+            watch.observe([episode, traj(f"{bridge}-0", 1, [1], [2], [1], {"env": 1.0})])
+    assert [r.getMessage() for r in caplog.records] == [f"environment 'coin': {notice}"]
+
+
 def test_env_watch_warns_once_of_a_pool_far_above_the_servers_capacity(caplog):
     specs = {"nim": EnvSpec("nim", url="http://127.0.0.1:1"), "dice": EnvSpec("dice", url="http://127.0.0.1:2",
                                                                              max_concurrent_envs=1)}

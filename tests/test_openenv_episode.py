@@ -213,6 +213,8 @@ def test_metadata_renders_where_the_server_sends_it_and_is_refused_at_start_wher
     [warning] = [r.getMessage() for r in caplog.records if "first user turn is empty" in r.getMessage()]
     sent = "nothing" if where == "served_0.3" else "metadata['status', 'message']"
     assert f"environment 'echo_mcp': reset's observation shows the model nothing (it sent: {sent})" in warning
+    assert [f"environment 'echo_mcp': {n}" for n in traj.notices] == [warning]  # for the trainer's console
+    assert run(scripted(tok, ["Nothing to say."]), runtime, "echo_mcp", {}).notices == []  # handed on once
     runtime = EnvRuntime([spec(catalogue, "echo_mcp", where, observation_template="{metadata[message]}")], tok,
                          get_parser())
     if where == "served_0.3":

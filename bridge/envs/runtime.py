@@ -87,6 +87,7 @@ class EnvRuntime:
         self.started = False
         self.groups = GroupCheck()
         self._warned: set[tuple[str, str]] = set()
+        self._notices: dict[str, list[str]] = {}  # by environment: warnings its next finished episode carries
 
     async def start(self) -> None:
         """Checks every environment answers (or can be built) before any episode runs; once."""
@@ -100,12 +101,22 @@ class EnvRuntime:
                 raise
             except Exception as e:
                 raise EnvConfigError(f"environment {name!r}: {type(e).__name__}: {e}") from e
+            for message in getattr(connector, "notices", ()):  # what its schemas leave the model unable to do
+                self.warn_once(name, message, message)
 
     def warn_once(self, env: str, kind: str, message: str) -> None:
-        """Logs `message` about environment `env` the first time a warning of this `kind` comes."""
+        """Logs `message` about what the model sees of environment `env` the first time a warning of
+        this `kind` comes, and hands it to the trainer with the environment's next finished episode
+        (`take_notices`): a warning the user must act on belongs on the trainer's console, not only in
+        the bridge's log."""
         if (env, kind) not in self._warned:
             self._warned.add((env, kind))
             log.warning("environment %r: %s", env, message)
+            self._notices.setdefault(env, []).append(message)
+
+    def take_notices(self, env: str) -> list[str]:
+        """The warnings about `env` not yet handed on (see `warn_once`); each is handed on once."""
+        return self._notices.pop(env, [])
 
     def hook(self, env: str, task: dict[str, Any], group_id: str | None = None) -> EnvEpisodeHook | None:
         """The episode hook of `env` for an episode of group `group_id` (its first prompt is checked against

@@ -296,7 +296,8 @@ class GroupStream:
 
 
 class EnvWatch:
-    """Warnings, once per environment, about what its episodes show of it and the config:
+    """Warnings, once per environment, about what its episodes show of it and the config: the
+    bridge's notices about what the model sees (an empty first turn, action fields left out);
     episodes cut by `rollout.max_turns: 1` that the environment had not ended (a multi-turn
     environment played for one turn); a session pool far above the capacity the server stated
     when it refused sessions (the episodes queue); a group whose episodes started from different
@@ -327,6 +328,8 @@ class EnvWatch:
 
     def observe(self, episodes: list[TrajectoryData]) -> None:
         for t in episodes:
+            for notice in t.notices:  # the bridge's, about what the model sees (every bridge sends its own)
+                self._warn(t.env, notice, notice)
             if t.finish_reason == "error":
                 continue
             if self.max_turns == 1 and t.finish_reason == "max_turns":
