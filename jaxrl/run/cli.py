@@ -52,6 +52,9 @@ def _train(args) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
     logging.raiseExceptions = False  # a log file on a full disk must not print its own tracebacks
+    from jaxrl.run.tracking import libraries_to_the_log
+
+    libraries_to_the_log()
     from jaxrl.run.services import StartupError
     from jaxrl.run.stopping import Interrupted
     from jaxrl.run.train import train
