@@ -382,7 +382,9 @@ def reset_fields(spec: EnvSpec) -> frozenset[str] | None:
             reset = cls.reset_async
     if not callable(reset):
         return frozenset()  # a tool class without reset: the task reaches only the reward functions
-    parameters = list(inspect.signature(reset).parameters.values())[1:]  # after self
+    parameters = list(inspect.signature(reset).parameters.values())
+    if inspect.isfunction(reset) and not isinstance(inspect.getattr_static(cls, reset.__name__, None), staticmethod):
+        parameters = parameters[1:]  # self: read off the class, the method is not bound
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return None
     return frozenset(p.name for p in parameters if p.kind is not p.VAR_POSITIONAL)
