@@ -118,8 +118,8 @@ def test_env_watch_warns_once_of_groups_that_are_not_one_task(caplog):
 
 
 def test_env_watch_warns_once_of_an_environment_that_plays_one_task_for_every_group(caplog):
-    """In-process reasoning_gym: every episode of every step gets the same question, whatever the task; a
-    group check cannot see it (each group is one task), the first prompts of many groups handed one task can."""
+    """Every episode of every step gets the same question, and every group was handed the same task; a group
+    check cannot see it (each group is one task), the first prompts of many groups can."""
     watch = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {"level": 1}, same_after=4)
     with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
         for step in range(6):

@@ -303,9 +303,9 @@ class EnvWatch:
     when it refused sessions (the episodes queue); a group whose episodes started from different
     first prompts (the bridge's group check: not one task); its first `same_after` groups all started
     from one first prompt and were handed tasks that differ in no field their reset takes (one task
-    for the whole run: a reset that ignores the seed; `task_of` gives a group id's task); and an
-    environment none of whose rewards so far, over at least `zero_after` episodes, was anything but 0
-    (nothing to learn from it).
+    for the whole run: a reset that takes no field of its seed-drawn tasks; `task_of` gives a group
+    id's task); and an environment none of whose rewards so far, over at least `zero_after` episodes,
+    was anything but 0 (nothing to learn from it).
 
     One first prompt alone says nothing: TRL's rows share a prompt and differ in the columns reset
     reads (a secret number). Which fields a reset takes is known for an env_class (its signature);
@@ -377,9 +377,9 @@ class EnvWatch:
         handed = (f"their tasks differ only in field(s) its reset does not take ({', '.join(differ)})" if differ
                   else "they were all handed the same task")
         self._warn(t.env, "one_task", f"its first {self.same_after} groups all started from the same first prompt "
-                   f"and {handed}: every episode plays one task (a reset that ignores the task's seed: in-process "
-                   "reasoning_gym does); pin tasks with fields its reset reads (data.task_fields, data.train_file "
-                   "rows) or data.splits, unless the run means to train on one task")
+                   f"and {handed}: every episode plays one task; pin tasks with fields its reset reads "
+                   "(data.task_fields, data.train_file rows) or data.splits, unless the run means to train on one "
+                   "task")
 
     def _reset_fields(self, env: str) -> frozenset[str] | None:
         if env not in self.reads:
