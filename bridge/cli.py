@@ -146,7 +146,7 @@ def _env_tasks(args) -> int:
     from bridge.envs.spec import EnvConfigError, EnvSpec, task_splits
 
     try:
-        splits = task_splits(EnvSpec("server", url=args.url))
+        splits = task_splits(EnvSpec(args.url, url=args.url))  # named as the user named it
     except EnvConfigError as e:
         print(f"jaxrl env tasks: {e}", file=sys.stderr)
         return 2

@@ -343,6 +343,9 @@ class TrajectoryData:
     # The distillation teacher's logprob of each completion token (0 where loss_mask is 0); empty
     # from a bridge without a teacher.
     teacher_logprobs: np.ndarray = _empty(np.float32)
+    # The bridge's warnings about what the model sees of the environment, new since its last episode
+    # (the trainer's console shows each once; the bridge's log has them all).
+    notices: list[str] = dataclasses.field(default_factory=list)
 
     def append(self, ids, logprobs, trained: bool, version: int | list[int]) -> None:
         """`version`: the weights' version of every token, or of each (new weights may arrive while a
@@ -385,6 +388,7 @@ def trajectory_to_proto(traj: TrajectoryData) -> pb.Trajectory:
         num_turns=traj.num_turns,
         metrics=dict(traj.metrics),
         teacher_logprobs=encode_array(traj.teacher_logprobs, LOGPROBS),
+        notices=list(traj.notices),
     )
 
 
@@ -414,4 +418,5 @@ def trajectory_from_proto(msg: pb.Trajectory) -> TrajectoryData:
         metrics=dict(msg.metrics),
         teacher_logprobs=decode_array(msg.teacher_logprobs, LOGPROBS, f"{what} teacher_logprobs",
                                       n if msg.teacher_logprobs else 0),
+        notices=list(msg.notices),
     )

@@ -28,6 +28,9 @@ def test_the_cli_rejects_bad_arguments_in_one_line(capsys, tmp_path, monkeypatch
         "jaxrl env serve: error: unknown bundled environment 'chess'; known: echo, wordle, guess_number")
     assert bridge_main(["env", "serve", "echo", "--max-concurrent-envs", "0"]) == 2
     assert "--max-concurrent-envs must be at least 1" in capsys.readouterr().err
+    assert bridge_main(["env", "tasks", "http://127.0.0.1:1"]) == 2  # nothing listens there
+    assert capsys.readouterr().err.startswith("jaxrl env tasks: environment 'http://127.0.0.1:1': reading the task "
+                                              "splits of http://127.0.0.1:1 failed: ConnectError")
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     serve = ["serve", "--model", str(tmp_path)]

@@ -53,3 +53,34 @@ def test_eval_a_model_directory_against_a_bundled_environment(tmp_path):
     assert missing.returncode == 2 and "neither a run directory" in missing.stderr
     no_env = jaxrl("eval", tmp_path / "model")
     assert no_env.returncode == 2 and "a model directory needs --env" in no_env.stderr
+
+
+def test_env_prompt_prints_a_tasks_first_prompt_as_the_engine_gets_it(tmp_path):
+    """A TRL-style class built with env_kwargs, on the rows of a dataset: the row's prompt with reset's text
+    appended, its tool listed by the chat template; then the default config's bundled echo, over a limit."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Play.", "target": "blue"}\n{"prompt": "Play.", "target": "red"}\n')
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "model": {"dir": str(tmp_path / "model"), "tiny": {}},
+        "envs": [{"name": "target", "env_class": "tests.workers.trl_env:SizedTarget",
+                  "env_kwargs": {"size": 5, "colour": "red"}}],
+        "data": {"train_file": str(rows)}, "rollout": {"groups_per_step": 2}}))
+    proc = jaxrl("env", "prompt", config, "--task", 1)
+    assert proc.returncode == 0, proc.stderr
+    *prompt, last = proc.stdout.rstrip("\n").split("\n")
+    text = "\n".join(prompt)
+    assert "<tools>" in text and '"name": "say"' in text  # the class's tool, as the template lists it
+    task = json.loads(last.removeprefix("--- environment 'target', task 1 ").rsplit(": ", 1)[0])
+    assert task["prompt"] == "Play." and last.endswith("tokens, within rollout.max_prompt_tokens (512)")
+    # The row the run's second group plays (rows are shuffled per epoch), its reset built with the env_kwargs.
+    assert text.endswith(f"<|im_start|>user\nPlay.Say {task['target']}. (red, size 5)<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
+    echo = jaxrl("env", "prompt", "configs/tiny_cpu.yaml", "--set", f"model.dir={tmp_path / 'echo-model'}", "--set",
+                 "rollout.max_prompt_tokens=8")
+    assert echo.returncode == 0, echo.stderr
+    assert echo.stdout.startswith("<|im_start|>user\nRepeat exactly: ")
+    assert "tokens, over rollout.max_prompt_tokens (8): " in echo.stdout.splitlines()[-1]
+    bad = jaxrl("env", "prompt", config, "--task", -1)
+    assert bad.returncode == 2 and "--task -1" in error_line(bad.stderr, "jaxrl env prompt")

@@ -63,7 +63,7 @@ def test_session_waits_are_the_steps_totals():
 
 
 def test_env_watch_warns_once_of_one_turn_cuts_and_of_rewards_that_are_always_zero(caplog):
-    watch = EnvWatch(max_turns=1, specs={}, zero_after=4)
+    watch = EnvWatch(max_turns=1, specs={}, task_of=lambda g: {}, zero_after=4)
     with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
         watch.observe([traj("a", i, [1], [2], [1], {"env": 0.0, "fmt": 0.0}, "max_turns") for i in range(3)])
         assert [r.getMessage() for r in caplog.records] == [
@@ -74,16 +74,28 @@ def test_env_watch_warns_once_of_one_turn_cuts_and_of_rewards_that_are_always_ze
     assert [r.getMessage() for r in caplog.records][1:] == [
         "environment 'coin': every reward of its 4 episodes so far is 0 (env, fmt): nothing to learn from yet; check "
         "that the environment gives rewards (an OpenEnv observation's reward) and that rewards[] scores it"]
-    quiet = EnvWatch(max_turns=2, specs={}, zero_after=4)  # a turn limit above 1, rewards that vary: nothing to say
+    quiet = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {}, zero_after=4)  # a turn limit above 1, rewards that vary: nothing to say
     caplog.clear()
     quiet.observe([traj("a", i, [1], [2], [1], {"env": float(i % 2)}, "max_turns") for i in range(8)])
     assert not caplog.records
 
 
+def test_the_bridges_notices_about_what_the_model_sees_are_shown_once(caplog):
+    """Every bridge hands its warnings on with an episode; the trainer's console says each once."""
+    notice = "reset's observation shows the model nothing (it sent: nothing), and the task has no prompt"
+    watch = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {})
+    with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+        for bridge in range(2):
+            episode = traj(f"{bridge}-0", 0, [1], [2], [1], {"env": 1.0}, finish="error" if bridge else "stop")
+            episode.notices = [notice]
+            watch.observe([episode, traj(f"{bridge}-0", 1, [1], [2], [1], {"env": 1.0})])
+    assert [r.getMessage() for r in caplog.records] == [f"environment 'coin': {notice}"]
+
+
 def test_env_watch_warns_once_of_a_pool_far_above_the_servers_capacity(caplog):
     specs = {"nim": EnvSpec("nim", url="http://127.0.0.1:1"), "dice": EnvSpec("dice", url="http://127.0.0.1:2",
                                                                              max_concurrent_envs=1)}
-    watch = EnvWatch(max_turns=4, specs=specs)
+    watch = EnvWatch(max_turns=4, specs=specs, task_of=lambda g: {})
     with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
         watch.observe([traj("a", i, [1], [2], [1], {"env": 1.0}, env=env, capacity_refusals=1.0, server_max_sessions=1.0)
                        for i in range(3) for env in ("nim", "dice")])
@@ -95,7 +107,7 @@ def test_env_watch_warns_once_of_a_pool_far_above_the_servers_capacity(caplog):
 
 def test_env_watch_warns_once_of_groups_that_are_not_one_task(caplog):
     """The bridge's group check counts a mixed group in its episodes' metrics; the trainer's console says so once."""
-    watch = EnvWatch(max_turns=2, specs={})
+    watch = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {})
     with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
         watch.observe([traj("a", i, [1], [2], [1], {"env": 1.0}, env="gym", groups_mixed=float(i == 1))
                        for i in range(2)] * 2)
@@ -106,18 +118,71 @@ def test_env_watch_warns_once_of_groups_that_are_not_one_task(caplog):
 
 
 def test_env_watch_warns_once_of_an_environment_that_plays_one_task_for_every_group(caplog):
-    """In-process reasoning_gym: every episode of every step gets the same question, whatever the seed; a
-    group check cannot see it (each group is one task), the first prompts of many groups can."""
-    watch = EnvWatch(max_turns=2, specs={}, same_after=4)
+    """Every episode of every step gets the same question, and every group was handed the same task; a group
+    check cannot see it (each group is one task), the first prompts of many groups can."""
+    watch = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {"level": 1}, same_after=4)
     with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
         for step in range(6):
             watch.observe([traj(f"{step}-0", i, [5, 6], [2], [1], {"env": 1.0}, env="gym") for i in range(2)])
             watch.observe([traj(f"{step}-0", i, [5, step], [2], [1], {"env": 1.0}, env="varied") for i in range(2)])
-        late = EnvWatch(max_turns=2, specs={}, same_after=4)  # one task at first, others later: only the first 4 count
+        late = EnvWatch(max_turns=2, specs={}, task_of=lambda g: {}, same_after=4)  # only the first 4 groups count
         late.observe([traj(f"{g}-0", 0, [5, 6 if g < 3 else g], [2], [1], {"env": 1.0}) for g in range(8)])
     [warning] = [r.getMessage() for r in caplog.records]
-    assert warning.startswith("environment 'gym': its first 4 groups all started from the same first prompt")
+    assert warning.startswith("environment 'gym': its first 4 groups all started from the same first prompt and "
+                              "they were all handed the same task: every episode plays one task")
     assert "data.task_fields" in warning and "data.splits" in warning
+
+
+class SecretGuess:
+    """TRL's guess-number class as environment_factory takes it: every row has the same prompt, and
+    reset(**row) keeps the row's secret number, which the prompt never shows."""
+
+    def reset(self, **row) -> str:
+        self.secret, self.guessed = row["secret"], None
+        return ""
+
+    def guess(self, n: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            n: The number to guess.
+        """
+        self.guessed = n
+        return "correct" if n == self.secret else "wrong"
+
+    def reward(self) -> float:
+        return float(self.guessed == self.secret)
+
+
+@pytest.mark.parametrize("env_class, one_task", [
+    ("test_collection:SecretGuess", False),
+    ("tests.workers.openenv_catalogue:GridWorldEnvironment", True),  # reset() takes no task
+])
+def test_one_task_for_every_group_is_warned_of_only_where_the_reset_was_handed_one(env_class, one_task, tmp_path,
+                                                                                  caplog):
+    """Sixteen groups all start from one first prompt either way; TRL's rows differ in the secret their reset
+    reads (no warning), while the catalogue's grid world takes no field of its seed-drawn tasks (warned)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"prompt": "Find the number.", "secret": {k}}}\n' for k in range(16)))
+    cfg = config(envs=[{"name": "game", "env_class": env_class}], rollout={"groups_per_step": 16, "max_turns": 2},
+                 data={"train_file": str(rows)} if not one_task else {})
+    tok = build_tokenizer()
+    engine = ScriptedEngine(tok, lambda p: tool_call("guess", {"n": 3}) if "guess" in p else "DOWN")
+    with in_process_bridge(engine, {"envs": [e.to_dict() for e in cfg.envs]}, tok) as address:
+        client = rollout_client([address], cfg)
+        try:
+            with caplog.at_level("WARNING", logger="jaxrl.run.collection"):
+                result = Collector(cfg, client, TaskSource(cfg), (0,)).collect(0, 0)
+        finally:
+            client.close()
+    assert result.counts["episodes_failed"] == 0 and len({t.prompt_ids.tobytes() for g in result.groups for t in g}) == 1
+    warnings = [r.getMessage() for r in caplog.records if "plays one task" in r.getMessage()]
+    if one_task:
+        [warning] = warnings
+        assert warning.startswith("environment 'game': its first 16 groups all started from the same first prompt "
+                                  "and their tasks differ only in field(s) its reset does not take (seed)")
+    else:
+        assert warnings == []
 
 
 class Coin:

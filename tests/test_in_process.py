@@ -48,3 +48,14 @@ def test_in_process_text_mode_echo(tok):
     assert traj.finish_reason == "env_done" and traj.rewards == {"env": 1.0}
     assert tok.decode(traj.prompt_ids).startswith("<|im_start|>system\nRepeat exactly.")
     assert traj.metrics["env_steps"] == 1 and traj.metrics["tool_calls"] == 0
+
+
+def test_env_kwargs_reach_an_in_process_environments_constructor(tok):
+    """The bundled guess_number takes a seed for resets without one: two seeds, two first tasks."""
+    def first_prompt(seed):
+        runtime = EnvRuntime([EnvSpec("guess", env_class="bridge.envs.bundled.guess_number:GuessNumberEnvironment",
+                                      action_class="bridge.envs.bundled.guess_number:GuessNumberAction",
+                                      env_kwargs={"seed": seed})], tok, get_parser("qwen"))
+        return tok.decode(run(ScriptedEngine(tok, lambda prompt: "no idea"), runtime, "guess", {}).prompt_ids)
+
+    assert first_prompt(1) == first_prompt(1) != first_prompt(2)

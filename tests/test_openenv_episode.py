@@ -78,7 +78,7 @@ def test_text_mode_says_what_a_reply_is_from_the_action_s_docstring_and_names_th
     """The catalogue's chess: `move: str` without a description, its meaning in the action class's docstring
     (tool mode's tool description); text mode's system line says it, and warns of `promotion`, which it cannot
     fill, described or not (the catalogue's wildfire: `x`, `y`)."""
-    with caplog.at_level(logging.WARNING, logger="bridge.envs.openenv_episode"):
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.runtime"):
         runtime = EnvRuntime([spec(catalogue, "board", where)], tok, get_parser())
         traj = run(scripted(tok, ["e2e4"]), runtime, "board", {})
     assert traj.finish_reason == "env_done" and traj.rewards == {"env": 1.0}, traj.error
@@ -90,13 +90,15 @@ def test_text_mode_says_what_a_reply_is_from_the_action_s_docstring_and_names_th
 
 
 def test_text_mode_with_nothing_to_say_of_a_reply_says_so(tok, caplog):
-    with caplog.at_level(logging.WARNING, logger="bridge.envs.openenv_episode"):
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.runtime"):
         runtime = EnvRuntime([EnvSpec("bare", env_class="tests.workers.openenv_catalogue:BareBoardEnvironment")],
                              tok, get_parser())
         traj = run(scripted(tok, ["e2e4"]), runtime, "bare", {})
     assert traj.rewards == {"env": 1.0} and "<|im_start|>system" not in tok.decode(traj.prompt_ids)
     [warning] = [r.getMessage() for r in caplog.records if "not told what its reply is" in r.getMessage()]
     assert "'bare'" in warning and "'move'" in warning and "system_prompt" in warning
+    # Found at start, handed to the trainer with the first episode to end (its console shows it).
+    assert any(f"environment 'bare': {n}" == warning for n in traj.notices)
 
 
 ALL = ("served", "served_0.3", "in_process")
@@ -213,6 +215,8 @@ def test_metadata_renders_where_the_server_sends_it_and_is_refused_at_start_wher
     [warning] = [r.getMessage() for r in caplog.records if "first user turn is empty" in r.getMessage()]
     sent = "nothing" if where == "served_0.3" else "metadata['status', 'message']"
     assert f"environment 'echo_mcp': reset's observation shows the model nothing (it sent: {sent})" in warning
+    assert [f"environment 'echo_mcp': {n}" for n in traj.notices] == [warning]  # for the trainer's console
+    assert run(scripted(tok, ["Nothing to say."]), runtime, "echo_mcp", {}).notices == []  # handed on once
     runtime = EnvRuntime([spec(catalogue, "echo_mcp", where, observation_template="{metadata[message]}")], tok,
                          get_parser())
     if where == "served_0.3":
@@ -238,7 +242,7 @@ def test_task_splits_come_from_the_environment_and_reset_plays_the_one_named(tok
 
 
 def test_text_mode_tells_the_model_what_its_reply_is_and_warns_of_the_fields_it_leaves_out(tok, catalogue, caplog):
-    with caplog.at_level(logging.WARNING, logger="bridge.envs.openenv_episode"):
+    with caplog.at_level(logging.WARNING, logger="bridge.envs.runtime"):
         runtime = EnvRuntime([spec(catalogue, "quiz", "served")], tok, get_parser())
         traj = run(scripted(tok, ["16"]), runtime, "quiz", {"split": "train", "index": 1})
     assert traj.rewards == {"env": 1.0}

@@ -55,7 +55,7 @@ def test_groups_go_to_the_least_loaded_bridge(bridges):
 
 
 @pytest.mark.parametrize("kind", ["killed", "stopped"])
-def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(bridges, kind):
+def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(bridges, kind, caplog):
     # A killed bridge: a port nothing listens on (found dead by its stream). A stopped one (SIGSTOP):
     # a port that accepts, the kernel completing the handshake, and never answers (found dead by a
     # missed health check, within bridge.health_timeout_s).
@@ -64,11 +64,13 @@ def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(brid
         other.bind(("127.0.0.1", 0))
         if kind == "stopped":
             other.listen()
-        client = rollout_client([bridges[0][0], f"127.0.0.1:{other.getsockname()[1]}"], cfg)
+        dead = f"127.0.0.1:{other.getsockname()[1]}"
+        client = rollout_client([bridges[0][0], dead], cfg)
         try:
             t0 = time.monotonic()
-            groups = client.request([("coin", {"seed": s}) for s in range(6)], [f"g{i}" for i in range(6)], 2,
-                                    SamplingParams(max_tokens=8), 0)
+            with caplog.at_level("WARNING", logger="jaxrl.run.rollout_client"):
+                groups = client.request([("coin", {"seed": s}) for s in range(6)], [f"g{i}" for i in range(6)], 2,
+                                        SamplingParams(max_tokens=8), 0)
             took = time.monotonic() - t0
             metrics = client.metrics()
         finally:
@@ -79,9 +81,11 @@ def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(brid
     assert [g[0].rewards["env"] for g in groups] == [1.0, 0.0] * 3
     assert metrics == {"bridges/alive": 1.0, "bridges/deaths": 1.0, "bridges/restarts": 0.0,
                        "bridges/returned": 0.0, "groups/re_requested": 3.0}
+    assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == [
+        f"bridge 1 at {dead}: 3 unfinished group(s) will be requested again from the other bridges"]
 
 
-def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them():
+def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them(caplog):
     cfg = config(bridge={"health_timeout_s": 1.0, "grace_s": 1.0})
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))
@@ -89,13 +93,16 @@ def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them():
         client = rollout_client([address], cfg)
         try:
             t0 = time.monotonic()
-            with pytest.raises(BridgesDown) as e:
+            with pytest.raises(BridgesDown) as e, caplog.at_level("WARNING", logger="jaxrl.run.rollout_client"):
                 client.request([("coin", {"seed": 0})], ["g0"], 2, SamplingParams(max_tokens=8), 0)
         finally:
             client.close()
     assert 1.0 < time.monotonic() - t0 < 5.0
     assert str(e.value).startswith(f"no bridge left: none has served for 1 s (bridge.grace_s=1); bridge 0 at "
                                    f"{address}: stopped answering (bridge at {address} unavailable during rollout")
+    # The run's only bridge: there are no others to ask.
+    assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == [
+        f"bridge 0 at {address}: 1 unfinished group(s) will be requested again once it serves again"]
 
 
 def test_a_request_stops_as_soon_as_the_run_cannot_go_on(bridges):

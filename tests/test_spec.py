@@ -21,6 +21,9 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
                                                                         "expected '}'"),
     ({"name": "x", "url": "http://a", "observation_template": "at {}"}, "{} names no field"),
     ({"name": "x", "url": "http://a", "observation_template": "{x}", "observation_field": "x"}, "not both"),
+    ({"name": "x", "url": "http://a", "env_kwargs": {"size": 5}}, "^environment 'x': env_kwargs are passed to "
+                                                                   "env_class's constructor, and it has no env_class"),
+    ({"name": "x", "env_class": "m:C", "env_kwargs": [5]}, "'x': env_kwargs must map argument names to values"),
 ])
 def test_env_spec_errors_name_the_problem(data, message):
     with pytest.raises(EnvConfigError, match=message):
@@ -41,3 +44,17 @@ def test_replays_are_bounded_by_time_since_the_first_loss_and_outlast_the_breake
     assert 5.0 <= spec.retry_wait_s(10_000, 0.0) <= 10.0  # time, not a count, ends the replays
     assert spec.retry_wait_s(0, 59.8) is None
     assert EnvSpec("x", url="http://a", retry_budget_s=0).retry_wait_s(0, 0.0) is None
+
+
+@pytest.mark.parametrize("spec, fields", [
+    (EnvSpec("t", env_class="tests.workers.trl_env:Target"), None),  # reset(target, **kwargs): any field
+    (EnvSpec("g", env_class="tests.workers.openenv_catalogue:GridWorldEnvironment"), frozenset()),  # reset(self)
+    (EnvSpec("q", env_class="tests.workers.openenv_catalogue:QuizEnvironment"),
+     frozenset({"seed", "episode_id", "split", "index"})),
+    (EnvSpec("e", env_class="experiments.bench.guess_env:GuessNumber"), None),  # reset(**row): any field
+    (EnvSpec("s", url="http://127.0.0.1:1"), None),  # a server's reset is not seen from here
+])
+def test_reset_fields_are_what_the_resets_signature_takes(spec, fields):
+    from bridge.envs.spec import reset_fields
+
+    assert reset_fields(spec) == fields

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bridge.envs.runtime import EnvRuntime
-from bridge.envs.spec import EnvSpec, RewardSpec
+from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec
 from bridge.tool_calls import get_parser
 from episodes import Counter, check_masks, run
 from jaxrl.tiny_tokenizer import build_tokenizer
@@ -59,3 +59,25 @@ def test_an_environment_reward_that_is_not_a_number_is_a_reward_error(tok):
 class NanCounter(Counter):
     def reward(self) -> float:
         return float("nan")
+
+
+class Board(Counter):
+    """A class whose constructor takes settings, as catalogue environments do (a size, a difficulty)."""
+
+    def __init__(self, size: int, colour: str = "white"):
+        self.size, self.colour = size, colour
+
+    def reset(self, **task) -> str:
+        super().reset(**task)
+        return f"A {self.colour} board of {self.size}."
+
+
+def test_env_kwargs_build_each_episodes_instance_and_must_fit_its_constructor(tok):
+    runtime = EnvRuntime([EnvSpec("board", env_class="test_tool_class:Board", env_kwargs={"size": 5, "colour": "red"})],
+                         tok, get_parser())
+    traj = run(ScriptedEngine(tok, lambda prompt: "done"), runtime, "board", {})
+    assert traj.finish_reason != "error", traj.error
+    assert "A red board of 5." in tok.decode(traj.prompt_ids)
+    with pytest.raises(EnvConfigError, match=r"^environment 'board': env_kwargs \{'sise': 5\} do not fit Board's "
+                                             r"constructor \(.*\); it takes: size, colour$"):
+        EnvRuntime([EnvSpec("board", env_class="test_tool_class:Board", env_kwargs={"sise": 5})], tok, get_parser())

@@ -1,15 +1,20 @@
 """Run tracking: metrics.jsonl, samples, TensorBoard event files, W&B routing, resume, progress bar."""
 
 import json
+import os
 import struct
+import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _lines(path):
@@ -150,3 +155,35 @@ def test_errors_no_one_catches_in_other_threads_go_to_the_log_file_not_stderr(tm
     assert (sys.excepthook, threading.excepthook) == hooks
     assert capfd.readouterr().err == ""
     assert (tmp_path / "train.log").read_text().count("RuntimeError: Event loop is closed") == 2
+
+
+def test_library_notices_go_to_the_log_file_not_the_console(tmp_path):
+    """Where torch is absent (here: a torch too old for transformers, which it then disables), importing
+    transformers prints "PyTorch was not found" through a stderr handler of its own; with the run's
+    logging, it and the library's later warnings wait for train.log instead, and jaxrl's own still show."""
+    stub = tmp_path / "site"
+    (stub / "torch").mkdir(parents=True)
+    (stub / "torch" / "__init__.py").write_text("__version__ = '1.0'\n")
+    (stub / "torch-1.0.dist-info").mkdir()
+    (stub / "torch-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 1.0\n")
+    log = tmp_path / "train.log"
+    script = f"""
+import logging, warnings
+logging.basicConfig(level=logging.WARNING, format="jaxrl train: %(message)s")
+logging.getLogger().handlers[0].addFilter(lambda r: r.name.split(".")[0] in ("jaxrl", "bridge"))
+from jaxrl.run.tracking import libraries_to_the_log, log_file
+libraries_to_the_log()
+import transformers
+transformers.logging.get_logger("transformers.tokenization_utils_base").warning("a library's later warning")
+warnings.warn("a library's deprecation", FutureWarning)
+logging.getLogger("jaxrl.run.train").warning("ours")
+with log_file({str(log)!r}):
+    pass
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), str(ROOT)])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "jaxrl train: ours\n"
+    written = log.read_text()
+    for said in ("PyTorch was not found", "a library's later warning", "a library's deprecation"):
+        assert said in written, said

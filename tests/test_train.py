@@ -126,6 +126,20 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     assert (run_dir / "checkpoints" / "5").is_dir()
 
 
+def test_the_default_config_trains_and_its_console_says_only_jaxrls_things(tmp_path):
+    """configs/tiny_cpu.yaml as the README runs it, shortened (a warm start, two steps, a small evaluation):
+    every stderr line is jaxrl's own (its lines, the progress bar); libraries' notices (transformers' "PyTorch
+    was not found" where torch is absent: tests/test_tracking.py) go to logs/train.log."""
+    proc = jaxrl("train", "configs/tiny_cpu.yaml", *[a for kv in [
+        f"run_dir={tmp_path / 'run'}", f"model.dir={tmp_path / 'model'}", "steps=2", "rollout.groups_per_step=2",
+        "learner.group_size=4", "sft.steps=2", "sft.demonstrations=16", "sft.batch_size=8", "eval.episodes=4"]
+        for a in ("--set", kv)])
+    assert summary_of(proc)["steps"] == 2
+    lines = [line for line in re.split(r"[\r\n]", proc.stderr) if line.strip()]
+    bar = re.compile(r"^\s*\d+%\|")  # the progress bar's redrawn lines
+    assert lines and [line for line in lines if not line.startswith("jaxrl") and not bar.match(line)] == []
+
+
 @pytest.mark.timeout(900)  # two runs, an evaluation and an export: ~3 minutes on a quiet machine
 def test_a_lora_run_warm_starts_publishes_adapters_evaluates_resumes_streaming_and_exports(model_dir, tmp_path):
     import peft  # noqa: F401  (the export's reader; the test extra has it)
@@ -409,7 +423,7 @@ def test_a_stalled_then_killed_environment_server_costs_replays_and_a_restart_no
     assert sum(r["rollout/episodes_failed"] for r in rows) == 0  # none lost for good
     restarts = [r["env/echo/restarts"] for r in rows]
     assert restarts[0] == 0 and restarts[-1] == 1  # the kill, not the stall
-    assert "exited with code -9; restarting it on port" in err
+    assert "was killed by SIGKILL; restarting it on port" in err
     print(f"stalled after step {stalled_at}, killed after step {killed_at}: {retried:.0f} episodes replayed")
 
 

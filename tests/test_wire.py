@@ -16,6 +16,7 @@ def _trajectory():
     traj.append([8], [-0.125], True, 4)
     traj.rewards = {"correct": 1.0, "format": 0.5}
     traj.finish_reason = "env_done"
+    traj.notices = ["reset's observation shows the model nothing"]
     return traj
 
 
@@ -32,6 +33,7 @@ def test_trajectory_round_trips_as_numpy_arrays():
     assert data.loss_mask.dtype == np.uint8 and data.token_versions.dtype == np.int64
     assert data.rewards == {"correct": 1.0, "format": 0.5}
     assert data.finish_reason == "env_done" and data.error == ""
+    assert data.notices == ["reset's observation shows the model nothing"]
     assert (data.generate_s, data.env_s, data.total_s) == (0.5, 0.25, 1.0)
     assert data.policy_version == 3 and data.num_completion_tokens == 6
     data.completion_ids[0] = 1  # decoded arrays are the trainer's own, writable

@@ -164,9 +164,11 @@ class EnvEpisodeHook:
         return TurnResult(self.runtime.render.answer_ids(completion_ids, messages), done=False)
 
     async def finish(self, trajectory) -> dict[str, float]:
-        """The episode's rewards by name (functions answering None leave theirs out)."""
+        """The episode's rewards by name (functions answering None leave theirs out); the trajectory
+        takes the runtime's warnings about this environment not yet handed on."""
         if self.episode is None:
             return {}
+        trajectory.notices = self.runtime.take_notices(self.spec.name)
         await self.close()
         return await self.runtime.rewards.score(self, trajectory)
 

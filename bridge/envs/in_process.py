@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from bridge.envs.openenv_episode import Schemas, SessionConnector
@@ -28,9 +29,9 @@ class _LocalSession:
     server's `deserialize_action` (MCP list/call actions included); failures are the server's
     VALIDATION_ERROR / EXECUTION_ERROR answers (EnvServerError)."""
 
-    def __init__(self, name: str, env_cls: type, action_cls: type):
+    def __init__(self, name: str, make: Callable[[], Any], action_cls: type):
         self.where = f"environment {name!r} (in-process)"
-        self.env_cls = env_cls
+        self.make = make
         self.action_cls = action_cls
         self.env: Any = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"env-{name}")
@@ -38,7 +39,7 @@ class _LocalSession:
 
     async def start(self) -> None:
         """Builds the environment (its constructor's errors raised as they are)."""
-        self.env = await self._in_thread(self.env_cls)
+        self.env = await self._in_thread(self.make)
         mcp_session = getattr(self.env, "mcp_session", None)
         if callable(mcp_session):
             await self._stack.enter_async_context(mcp_session())
@@ -134,11 +135,13 @@ def _returned_schema(method: Any) -> dict[str, Any] | None:
 
 
 class InProcessConnector(SessionConnector):
-    """Opens episodes on fresh instances of the Environment class `env_cls`."""
+    """Opens episodes on fresh instances of the Environment class `env_cls`, each built by `make`
+    (its constructor with the spec's env_kwargs)."""
 
-    def __init__(self, spec: EnvSpec, env_cls: type):
+    def __init__(self, spec: EnvSpec, env_cls: type, make: Callable[[], Any]):
         super().__init__(spec)
         self.env_cls = env_cls
+        self.make = make
         self.action_cls = _action_class(spec, env_cls)
 
     async def schemas(self) -> Schemas:
@@ -148,7 +151,7 @@ class InProcessConnector(SessionConnector):
         return Schemas(self.action_cls.model_json_schema(), step or reset or {}, reset, True)
 
     async def new_session(self) -> _LocalSession:
-        session = _LocalSession(self.spec.name, self.env_cls, self.action_cls)
+        session = _LocalSession(self.spec.name, self.make, self.action_cls)
         try:
             await session.start()
         except BaseException:

@@ -21,15 +21,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
-import logging
 from typing import Any
 
 from bridge.envs.episode import EpisodeRecord, Step
 from bridge.envs.render import as_function_tool, check_templates, inline_refs, observation_text
 from bridge.envs.session import EnvServerError
 from bridge.envs.spec import EnvConfigError, EnvSpec, reward_value
-
-log = logging.getLogger(__name__)
 
 
 def resolve_action_mode(spec: EnvSpec, action_schema: dict[str, Any]) -> tuple[str, str | None]:
@@ -211,6 +208,7 @@ class SessionConnector(abc.ABC):
         self.text_field: str | None = None
         self.action_tool: dict[str, Any] | None = None
         self.action_hint: str | None = None  # text mode: what a reply is, for the system prompt
+        self.notices: list[str] = []  # warnings about what the model sees, found at start (EnvRuntime logs them)
 
     @abc.abstractmethod
     async def schemas(self) -> Schemas:
@@ -248,9 +246,9 @@ class SessionConnector(abc.ABC):
         others = [f"{k} ({v['description']})" if v.get("description") else k for k, v in props.items()
                   if k != self.text_field]
         if others:
-            log.warning("environment %r: text mode fills only the action's %r; the model is not told of its other "
-                        "field(s) %s, which keep their defaults: set action: tool for a model to fill them",
-                        self.spec.name, self.text_field, "; ".join(others))
+            self.notices.append(f"text mode fills only the action's {self.text_field!r}; the model is not told of "
+                                f"its other field(s) {'; '.join(others)}, which keep their defaults: set action: tool "
+                                "for a model to fill them")
         if not self.spec.describe_action:
             return None
         description = (props.get(self.text_field) or {}).get("description")
@@ -261,9 +259,8 @@ class SessionConnector(abc.ABC):
         action_doc = (inline_refs(action_schema).get("description") or "").strip()
         if action_doc:
             return f"Your reply is sent to the environment as its action's {self.text_field!r}. The action: {action_doc}"
-        log.warning("environment %r: text mode: neither the action's %r field nor the action itself has a "
-                    "description, so the model is not told what its reply is: say it in system_prompt",
-                    self.spec.name, self.text_field)
+        self.notices.append(f"text mode: neither the action's {self.text_field!r} field nor the action itself has a "
+                            "description, so the model is not told what its reply is: say it in system_prompt")
         return None
 
     async def open(self, task: dict[str, Any]) -> SessionEpisode:

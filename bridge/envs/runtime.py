@@ -18,7 +18,7 @@ from bridge.envs.render import RenderCache
 from bridge.envs.rollout_fn import RolloutFnConnector
 from bridge.envs.scoring import RewardFunctions
 from bridge.envs.served import ServedConnector
-from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, import_object
+from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, env_factory, import_object
 from bridge.envs.tool_class import ToolClassConnector
 from bridge.envs.tools import ToolEnvironment
 from bridge.tool_calls import ToolCallParser, hidden_special_ids
@@ -43,9 +43,10 @@ def build_connector(spec: EnvSpec) -> Connector:
     cls = import_object(spec.env_class, f"environment {spec.name!r}: env_class")
     if not inspect.isclass(cls):
         raise EnvConfigError(f"environment {spec.name!r}: env_class {spec.env_class!r} is not a class")
+    make = env_factory(spec, cls)
     if issubclass(cls, Environment):
-        return InProcessConnector(spec, cls)
-    return ToolClassConnector(spec, cls)
+        return InProcessConnector(spec, cls, make)
+    return ToolClassConnector(spec, cls, make)
 
 
 async def reset_once(spec: EnvSpec, task: dict[str, Any]) -> None:
@@ -55,7 +56,7 @@ async def reset_once(spec: EnvSpec, task: dict[str, Any]) -> None:
     try:
         await connector.start()
         if isinstance(connector, ToolClassConnector):
-            env = ToolEnvironment(connector.cls())
+            env = ToolEnvironment(connector.make())
             try:
                 await env.areset(**task)
             finally:
@@ -86,6 +87,7 @@ class EnvRuntime:
         self.started = False
         self.groups = GroupCheck()
         self._warned: set[tuple[str, str]] = set()
+        self._notices: dict[str, list[str]] = {}  # by environment: warnings its next finished episode carries
 
     async def start(self) -> None:
         """Checks every environment answers (or can be built) before any episode runs; once."""
@@ -99,12 +101,22 @@ class EnvRuntime:
                 raise
             except Exception as e:
                 raise EnvConfigError(f"environment {name!r}: {type(e).__name__}: {e}") from e
+            for message in getattr(connector, "notices", ()):  # what its schemas leave the model unable to do
+                self.warn_once(name, message, message)
 
     def warn_once(self, env: str, kind: str, message: str) -> None:
-        """Logs `message` about environment `env` the first time a warning of this `kind` comes."""
+        """Logs `message` about what the model sees of environment `env` the first time a warning of
+        this `kind` comes, and hands it to the trainer with the environment's next finished episode
+        (`take_notices`): a warning the user must act on belongs on the trainer's console, not only in
+        the bridge's log."""
         if (env, kind) not in self._warned:
             self._warned.add((env, kind))
             log.warning("environment %r: %s", env, message)
+            self._notices.setdefault(env, []).append(message)
+
+    def take_notices(self, env: str) -> list[str]:
+        """The warnings about `env` not yet handed on (see `warn_once`); each is handed on once."""
+        return self._notices.pop(env, [])
 
     def hook(self, env: str, task: dict[str, Any], group_id: str | None = None) -> EnvEpisodeHook | None:
         """The episode hook of `env` for an episode of group `group_id` (its first prompt is checked against

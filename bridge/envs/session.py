@@ -34,30 +34,34 @@ if TYPE_CHECKING:
     from bridge.envs.endpoint import Endpoint
 
 
+def _field(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass(frozen=True)
 class SessionConfig:
     """Per-endpoint limits; every field is checked on construction."""
 
-    max_sessions: int = 64  # pool bound per endpoint: the server's max_concurrent_envs
-    connect_timeout_s: float = 10.0
-    step_timeout_s: float = 60.0  # each reset / step / state reply
-    # Pings keep a session alive through long generations and detect a frozen server.
-    ping_interval_s: float | None = 10.0
-    ping_timeout_s: float = 20.0
-    # First wait after CAPACITY_REACHED; it doubles (with jitter) up to capacity_backoff_max_s.
-    capacity_backoff_s: float = 0.05
-    capacity_backoff_max_s: float = 2.0
-    capacity_wait_s: float = 600.0  # then EndpointUnavailable: no server slot came free
-    # This many failures in a row within breaker_window_s open the breaker; after
-    # breaker_cooldown_s one trial session is let through: success closes it, failure re-opens.
-    breaker_failures: int = 5
-    breaker_window_s: float = 30.0
-    breaker_cooldown_s: float = 5.0
-    max_message_bytes: int = 16 * 2**20
-    # An episode that ends leaves its session open for the next episode's reset (as TRL reuses its
-    # environment_factory instances): no connect, handshake and server-side teardown per episode.
-    # False: one session per episode, for servers whose reset does not start afresh.
-    reuse: bool = True
+    max_sessions: int = _field(64, "pool bound per endpoint: the server's max_concurrent_envs")
+    connect_timeout_s: float = _field(10.0, "seconds to open a session (WebSocket handshake)")
+    step_timeout_s: float = _field(60.0, "seconds for each reset / step / state reply")
+    ping_interval_s: float | None = _field(10.0, "seconds between WebSocket pings (null: none); they keep a "
+                                                 "session alive through long generations")
+    ping_timeout_s: float = _field(20.0, "a ping unanswered this long: the server is frozen, the session lost")
+    capacity_backoff_s: float = _field(0.05, "first wait after the server refuses a session at capacity; it "
+                                             "doubles (with jitter) up to capacity_backoff_max_s")
+    capacity_backoff_max_s: float = _field(2.0, "longest wait between capacity refusals")
+    capacity_wait_s: float = _field(600.0, "then the endpoint is unavailable: no server slot came free")
+    breaker_failures: int = _field(5, "failures in a row within breaker_window_s that open the circuit breaker")
+    breaker_window_s: float = _field(30.0, "the circuit breaker's window")
+    breaker_cooldown_s: float = _field(5.0, "seconds the open breaker waits before one trial session (success "
+                                            "closes it, failure re-opens it)")
+    max_message_bytes: int = _field(16 * 2**20, "largest WebSocket message accepted")
+    # As TRL reuses its environment_factory instances: no connect, handshake and server-side teardown
+    # per episode.
+    reuse: bool = _field(True, "an episode that ends leaves its session open for the next episode's reset "
+                               "(one WebSocket, reset again per episode); false: a fresh session per episode, "
+                               "for servers whose reset does not start afresh")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

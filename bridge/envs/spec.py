@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import importlib
+import inspect
 import math
 import numbers
 import string
 import urllib.parse
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
@@ -47,6 +50,9 @@ class EnvSpec:
         default=None, metadata={"help": "'module:function': an async function (task, handle) -> Episode that runs "
                                         "the episode itself in the bridge (see bridge.envs.rollout_fn; its module "
                                         "must be importable there: the working directory or PYTHONPATH)"})
+    env_kwargs: dict[str, Any] = dataclasses.field(
+        default_factory=dict, metadata={"help": "env_class: keyword arguments of its constructor, e.g. {size: 5, "
+                                                "difficulty: hard} (each episode's instance is built with them)"})
     action_class: str | None = dataclasses.field(
         default=None, metadata={"help": "env_class Environments: 'module:Action' when step() does not annotate it"})
     action: ActionMode = dataclasses.field(
@@ -120,6 +126,12 @@ class EnvSpec:
             object.__setattr__(self, "url", self.url.rstrip("/"))
         if self.env_class and ":" not in self.env_class:
             raise EnvConfigError(f"environment {self.name!r}: env_class {self.env_class!r} must be 'module:Class'")
+        if not isinstance(self.env_kwargs, dict) or not all(isinstance(k, str) for k in self.env_kwargs):
+            raise EnvConfigError(f"environment {self.name!r}: env_kwargs must map argument names to values, got "
+                                 f"{self.env_kwargs!r}")
+        if self.env_kwargs and not self.env_class:
+            raise EnvConfigError(f"environment {self.name!r}: env_kwargs are passed to env_class's constructor, and "
+                                 "it has no env_class; a served environment takes its settings where it is served")
         if self.rollout_fn and ":" not in self.rollout_fn:
             raise EnvConfigError(f"environment {self.name!r}: rollout_fn {self.rollout_fn!r} must be "
                                  "'module:function'")
@@ -363,6 +375,24 @@ class TaskRefused(EnvConfigError):
     """An environment that cannot start an episode on a task (its reset raised)."""
 
 
+def env_factory(spec: EnvSpec, cls: type) -> Callable[[], Any]:
+    """What builds an instance of `spec`'s env_class `cls`: its constructor with `env_kwargs`;
+    EnvConfigError naming the arguments its constructor does not take (checked here, before any
+    episode, rather than as every episode's TypeError)."""
+    try:
+        inspect.signature(cls).bind(**spec.env_kwargs)
+    except TypeError as e:
+        try:
+            takes = ", ".join(p for p in inspect.signature(cls).parameters) or "no arguments"
+        except (TypeError, ValueError):
+            takes = "?"
+        raise EnvConfigError(f"environment {spec.name!r}: env_kwargs {spec.env_kwargs!r} do not fit "
+                             f"{cls.__name__}'s constructor ({e}); it takes: {takes}") from None
+    except ValueError:  # a constructor whose signature cannot be read (a builtin): its call says it
+        pass
+    return functools.partial(cls, **spec.env_kwargs)
+
+
 def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
     """Starts one episode of the `env_class` environment `spec` on `task` here, as the bridge would,
     and closes it; TaskRefused naming `what` task when the environment cannot take it,
@@ -380,6 +410,55 @@ def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
                           f"{type(e).__name__}: {e}") from None
 
 
+def first_prompt_ids(envs: dict[str, Any], tokenizer: Any, env: str, task: dict[str, Any]) -> list[int]:
+    """The tokens an episode of `env` on `task` hands the engine first, as the bridge renders them
+    (reset's observation, the task's prompt, the system prompt, the tools, the chat template); `envs`
+    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn environment
+    (it renders its own) and for what stops a bridge's start."""
+    from bridge.envs.runtime import runtime_from_dict
+
+    async def render() -> list[int]:
+        runtime = runtime_from_dict(envs, tokenizer)
+        try:
+            await runtime.start()
+            hook = runtime.hook(env, task)
+            if hook is None:
+                raise EnvConfigError(f"environment {env!r} is a rollout_fn: its function builds its own prompts")
+            try:
+                return await hook.start()
+            finally:
+                await hook.close()
+        finally:
+            await runtime.aclose()
+
+    return asyncio.run(render())
+
+
+def reset_fields(spec: EnvSpec) -> frozenset[str] | None:
+    """The task fields `spec`'s reset is handed: for an env_class, those its reset's signature names
+    (the filter the bridge's connectors and OpenEnv's server apply; an openenv Environment's
+    reset_async where it overrides it); None where every field may be read (a reset taking
+    **kwargs, a rollout function) or the reset cannot be seen from here (a served environment's
+    server drops the fields its reset does not take, unseen)."""
+    if not spec.env_class:
+        return None
+    cls = import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+    reset = getattr(cls, "reset", None)
+    if hasattr(cls, "reset_async"):  # an openenv Environment (imported only then: it takes seconds)
+        from openenv.core.env_server import Environment
+
+        if isinstance(cls, type) and issubclass(cls, Environment) and cls.reset_async is not Environment.reset_async:
+            reset = cls.reset_async
+    if not callable(reset):
+        return frozenset()  # a tool class without reset: the task reaches only the reward functions
+    parameters = list(inspect.signature(reset).parameters.values())
+    if inspect.isfunction(reset) and not isinstance(inspect.getattr_static(cls, reset.__name__, None), staticmethod):
+        parameters = parameters[1:]  # self: read off the class, the method is not bound
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_POSITIONAL)
+
+
 def task_splits(spec: EnvSpec) -> dict[str, int]:
     """The task splits `spec`'s environment serves and how many tasks each holds: a server's task routes
     (openenv >= 0.10: `/{env}/splits`, `/{env}/num_tasks`), an env_class's list_splits / num_tasks;
@@ -387,7 +466,7 @@ def task_splits(spec: EnvSpec) -> dict[str, int]:
     reset(split=, index=) plays."""
     what = f"environment {spec.name!r}"
     if spec.env_class:
-        env = import_object(spec.env_class, f"{what}: env_class")()
+        env = env_factory(spec, import_object(spec.env_class, f"{what}: env_class"))()
         try:
             if not callable(getattr(env, "list_splits", None)) or not callable(getattr(env, "num_tasks", None)):
                 raise EnvConfigError(f"{what}: {spec.env_class} has no task splits (list_splits, num_tasks); draw "

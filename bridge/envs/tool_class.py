@@ -5,6 +5,7 @@ the class's documented public methods are the tools (`tools.ToolEnvironment`), a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from bridge.envs.episode import EpisodeRecord, Step
@@ -17,9 +18,9 @@ class ToolClassEpisode:
 
     mode = "tool_class"
 
-    def __init__(self, spec: EnvSpec, cls: type, task: dict[str, Any]):
+    def __init__(self, spec: EnvSpec, make: Callable[[], Any], task: dict[str, Any]):
         self.spec = spec
-        self.env = ToolEnvironment(cls())
+        self.env = ToolEnvironment(make())
         self.record = EpisodeRecord(spec.name, task)
         self.tools = self.env.tools
         self.first_text = ""
@@ -54,15 +55,16 @@ class ToolClassEpisode:
 class ToolClassConnector:
     mode = "tool_class"
 
-    def __init__(self, spec: EnvSpec, cls: type):
+    def __init__(self, spec: EnvSpec, cls: type, make: Callable[[], Any]):
         self.spec = spec
         self.cls = cls
+        self.make = make  # an instance of cls, built with the spec's env_kwargs
 
     async def start(self) -> None:
-        ToolEnvironment(self.cls())  # schema mistakes in the class surface at start-up
+        ToolEnvironment(self.make())  # schema mistakes in the class surface at start-up
 
     async def open(self, task: dict[str, Any]) -> ToolClassEpisode:
-        episode = ToolClassEpisode(self.spec, self.cls, task)
+        episode = ToolClassEpisode(self.spec, self.make, task)
         await episode.start()
         return episode
 

@@ -52,6 +52,9 @@ def _train(args) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
     logging.raiseExceptions = False  # a log file on a full disk must not print its own tracebacks
+    from jaxrl.run.tracking import libraries_to_the_log
+
+    libraries_to_the_log()
     from jaxrl.run.services import StartupError
     from jaxrl.run.stopping import Interrupted
     from jaxrl.run.train import train
@@ -322,6 +325,54 @@ def _config(args) -> int:
     return 0
 
 
+def _env_prompt(args) -> int:
+    """Prints the first prompt of a training task exactly as the engine gets it (the chat template
+    applied, tools listed, special tokens kept), then its token count against rollout.max_prompt_tokens.
+    Starts the bundled server it needs; a url environment's server must be running."""
+    import logging
+    import tempfile
+
+    cfg = _load_train_config(args, "jaxrl env prompt")
+    if cfg is None:
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="jaxrl env prompt: %(levelname)s: %(message)s", force=True)
+    for handler in logging.getLogger().handlers:  # what the bridge says of the prompt; no library notices
+        handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
+    from bridge.envs.spec import EnvConfigError, first_prompt_ids
+    from jaxrl.models import load_tokenizer
+    from jaxrl.run.services import StartupError
+    from jaxrl.run.supervision import EnvServers
+    from jaxrl.run.tasks import TaskError, TaskSource
+    from jaxrl.run.train import ensure_model
+
+    if args.task < 0:
+        print(f"jaxrl env prompt: error: --task {args.task}: a task is numbered from 0 (the run's first group)",
+              file=sys.stderr)
+        return 2
+    try:
+        g = cfg.rollout.groups_per_step
+        env, task = TaskSource(cfg).train(args.task // g, args.task % g)  # the run's N-th group's task
+        tokenizer = load_tokenizer(ensure_model(cfg))
+        spec = next(s for s in cfg.envs if s.name == env)
+        with EnvServers() as servers, tempfile.TemporaryDirectory() as scratch:
+            if spec.bundled:
+                spec = spec.served_at(servers.start(spec.name, spec.bundled, max_concurrent_envs=1, seed=spec.seed,
+                                                    log_path=Path(scratch) / "env.log").url)
+            envs = {"envs": [spec.to_dict()], "tool_parser": cfg.bridge.tool_parser,
+                    "chat_template_kwargs": cfg.bridge.chat_template_kwargs}
+            ids = first_prompt_ids(envs, tokenizer, env, task)
+    except (TaskError, StartupError, EnvConfigError) as e:
+        print(f"jaxrl env prompt: error: {e}", file=sys.stderr)
+        return 2
+    limit = cfg.rollout.max_prompt_tokens
+    fits = (f"within rollout.max_prompt_tokens ({limit})" if len(ids) <= limit else
+            f"over rollout.max_prompt_tokens ({limit}): the learner's batch widens to it (a compile mid-run); raise "
+            "rollout.max_prompt_tokens, or show the model less (observation_field, observation_template)")
+    print(tokenizer.decode(ids))
+    print(f"--- environment {env!r}, task {args.task} {json.dumps(task, default=str)}: {len(ids)} tokens, {fits}")
+    return 0
+
+
 def _assets(args) -> int:
     from jaxrl.tiny import build_tiny_model
 
@@ -428,14 +479,26 @@ def _add_tools(sub) -> None:
     # Served by the bridge's own entry point (`python -m bridge`); listed here for --help.
     sub.add_parser("bridge", help="serve a generation engine to trainers over gRPC (python -m bridge serve)",
                    add_help=False)
-    sub.add_parser("env", help="bundled OpenEnv environments: serve NAME, list (python -m bridge env)",
-                   add_help=False)
+    sub.add_parser("env", help="bundled OpenEnv environments: serve NAME, list, tasks URL (python -m bridge env); "
+                               "prompt CONFIG [--task N]: a task's first prompt as the engine gets it", add_help=False)
+
+
+def _env_prompt_parser() -> argparse.ArgumentParser:
+    pr = argparse.ArgumentParser(prog="jaxrl env prompt", description=_env_prompt.__doc__)
+    pr.add_argument("config", help="training config (YAML, or gin)")
+    pr.add_argument("--task", type=int, default=0, metavar="N",
+                    help="the run's N-th training task (its N-th group, counted across steps; default 0: the first)")
+    pr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
+    pr.add_argument("--gin", action="append", metavar="BINDING", help="override in gin syntax (before --set)")
+    return pr
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # as a program (not called from Python): XLA's scratch memory reused between steps
         restart_tuned()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["env", "prompt"]:  # needs the run's config and tasks: the run layer's, not the bridge's
+        return _env_prompt(_env_prompt_parser().parse_args(argv[2:]))
     if argv and argv[0] in ("bridge", "env"):  # the bridge process is its own program
         forwarded = ["serve", *argv[1:]] if argv[0] == "bridge" else argv
         os.execv(sys.executable, [sys.executable, "-m", "bridge", *forwarded])

@@ -21,15 +21,17 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from bridge.envs.spec import EnvSpec, MixedGroupError, RewardError, RolloutFnError
+from bridge.envs.spec import EnvConfigError, EnvSpec, MixedGroupError, RewardError, RolloutFnError, reset_fields
 from bridge.wire import TrajectoryData
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
@@ -94,7 +96,12 @@ class Collector:
         self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending: tuple[int, concurrent.futures.Future] | None = None
         self.stream: GroupStream | None = None  # stream mode's, from its first step on
-        self.watch = EnvWatch(cfg.rollout.max_turns, {e.name: e for e in cfg.envs})
+        self.watch = EnvWatch(cfg.rollout.max_turns, {e.name: e for e in cfg.envs}, self.task_of)
+
+    def task_of(self, group_id: str) -> dict[str, Any]:
+        """The task fields of training group `group_id` (STEP-SLOT: every mode numbers them so)."""
+        step, slot = map(int, group_id.split("-"))
+        return self.tasks.train(step, slot)[1]
 
     def _keep(self, group: Group, learner_version: int, counts: collections.Counter) -> bool:
         if any(t.finish_reason == "error" for t in group):
@@ -292,28 +299,40 @@ class GroupStream:
 
 
 class EnvWatch:
-    """Warnings, once per environment, about what its episodes show of it and the config:
+    """Warnings, once per environment, about what its episodes show of it and the config: the
+    bridge's notices about what the model sees (an empty first turn, action fields left out);
     episodes cut by `rollout.max_turns: 1` that the environment had not ended (a multi-turn
     environment played for one turn); a session pool far above the capacity the server stated
     when it refused sessions (the episodes queue); a group whose episodes started from different
     first prompts (the bridge's group check: not one task); its first `same_after` groups all started
-    from one first prompt (one task for the whole run: a reset that ignores the seed); and an environment
-    none of whose rewards so far, over at least `zero_after` episodes, was anything but 0 (nothing to
-    learn from it)."""
+    from one first prompt and were handed tasks that differ in no field their reset takes (one task
+    for the whole run: a reset that takes no field of its seed-drawn tasks; `task_of` gives a group
+    id's task); and an environment none of whose rewards so far, over at least `zero_after` episodes,
+    was anything but 0 (nothing to learn from it).
 
-    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], zero_after: int = 512, same_after: int = 16):
+    One first prompt alone says nothing: TRL's rows share a prompt and differ in the columns reset
+    reads (a secret number). Which fields a reset takes is known for an env_class (its signature);
+    a served environment's reset is not seen from here, so tasks that differ count as read there."""
+
+    def __init__(self, max_turns: int, specs: dict[str, EnvSpec], task_of: Callable[[str], dict[str, Any]],
+                 zero_after: int = 512, same_after: int = 16):
         self.max_turns = max_turns
         self.specs = specs
+        self.task_of = task_of
         self.zero_after = zero_after
         self.same_after = same_after
         self.groups: dict[str, set[str]] = collections.defaultdict(set)
         self.first_prompts: dict[str, set[bytes]] = collections.defaultdict(set)
+        self.tasks: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)  # of the groups above
+        self.reads: dict[str, frozenset[str] | None] = {}  # by environment: the task fields its reset takes
         self.scored: collections.Counter[str] = collections.Counter()
         self.nonzero: set[str] = set()
         self.warned: set[tuple[str, str]] = set()
 
     def observe(self, episodes: list[TrajectoryData]) -> None:
         for t in episodes:
+            for notice in t.notices:  # the bridge's, about what the model sees (every bridge sends its own)
+                self._warn(t.env, notice, notice)
             if t.finish_reason == "error":
                 continue
             if self.max_turns == 1 and t.finish_reason == "max_turns":
@@ -348,11 +367,31 @@ class EnvWatch:
             return
         groups.add(t.group_id)
         self.first_prompts[t.env].add(t.prompt_ids.tobytes())
-        if len(groups) == self.same_after and len(self.first_prompts[t.env]) == 1:
-            self._warn(t.env, "one_task", f"its first {self.same_after} groups all started from the same first "
-                       "prompt: every episode plays one task (a reset that ignores the task's seed: in-process "
-                       "reasoning_gym does); pin tasks with fields its reset reads (data.task_fields, "
-                       "data.train_file rows) or data.splits, unless the run means to train on one task")
+        self.tasks[t.env].append(self.task_of(t.group_id))
+        if len(groups) < self.same_after or len(self.first_prompts[t.env]) > 1:
+            return
+        tasks = self.tasks[t.env]
+        differ = sorted(k for k in set().union(*tasks)
+                        if len({json.dumps(task[k], sort_keys=True, default=str) if k in task else None
+                                for task in tasks}) > 1)
+        reads = self._reset_fields(t.env)
+        if any(reads is None or k in reads for k in differ):
+            return  # the reset was handed different tasks: what it keeps unshown (a secret) differs
+        handed = (f"their tasks differ only in field(s) its reset does not take ({', '.join(differ)})" if differ
+                  else "they were all handed the same task")
+        self._warn(t.env, "one_task", f"its first {self.same_after} groups all started from the same first prompt "
+                   f"and {handed}: every episode plays one task; pin tasks with fields its reset reads "
+                   "(data.task_fields, data.train_file rows) or data.splits, unless the run means to train on one "
+                   "task")
+
+    def _reset_fields(self, env: str) -> frozenset[str] | None:
+        if env not in self.reads:
+            spec = self.specs.get(env)
+            try:
+                self.reads[env] = reset_fields(spec) if spec is not None else None
+            except EnvConfigError:  # the bridge imported it; this process cannot: say nothing it cannot tell
+                self.reads[env] = None
+        return self.reads[env]
 
     def _warn(self, env: str, kind: str, message: str) -> None:
         if (env, kind) not in self.warned:

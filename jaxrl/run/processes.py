@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 _CLI_ERROR = re.compile(r"^(?:jaxrl )?[\w.-]+: error: (.+)$")
 
 
+def exit_words(code: int) -> str:
+    """How a child with return code `code` ended, one wording for every child: "exited with code 1",
+    "was killed by SIGKILL" (a negative code is the signal)."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
 class ChildStartError(RuntimeError):
     """The child exited or did not become ready during start-up."""
 
@@ -134,7 +140,7 @@ class ChildServer:
     def check_running(self, deadline: float, waiting_for: str) -> None:
         """Raises the start error if the child has exited or the deadline has passed."""
         if self.proc.poll() is not None:
-            raise self.start_error(f"exited with code {self.proc.returncode} during start-up")
+            raise self.start_error(f"{exit_words(self.proc.returncode)} during start-up")
         if time.monotonic() > deadline:
             raise self.start_error(waiting_for)
 
@@ -204,11 +210,9 @@ class ChildHandle:
         return self.child.proc.poll()
 
     def exit_words(self) -> str | None:
-        """How it ended ("exited with code 1", "was killed by SIGKILL"); None while it runs."""
+        """How it ended (`exit_words`); None while it runs."""
         code = self.exit_code
-        if code is None:
-            return None
-        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return None if code is None else exit_words(code)
 
     @property
     def log_path(self) -> str | None:

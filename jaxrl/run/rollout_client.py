@@ -103,8 +103,10 @@ class RolloutClient:
             self._failed(bridge, client, error)
             with self._lock:
                 self.re_requested += len(unfinished)
-            log.warning("bridge %d at %s: %d unfinished group(s) requested again from the other bridges",
-                        bridge.index, bridge.address, len(unfinished))
+            # A run of one bridge waits for it to come back (restarted, or answering again) instead.
+            where = "from the other bridges" if len(self.outstanding) > 1 else "once it serves again"
+            log.warning("bridge %d at %s: %d unfinished group(s) will be requested again %s",
+                        bridge.index, bridge.address, len(unfinished), where)
         return unfinished
 
     def _assign(self, groups: list[PromptGroup], group_size: int) -> dict[Bridge, tuple[BridgeClient, list]]:

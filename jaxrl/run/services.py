@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
-from bridge.envs.spec import ENV_REWARD, EnvConfigError, import_object
+from bridge.envs.spec import ENV_REWARD, EnvConfigError, env_factory, import_object
 from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec, read_token_file
 from jaxrl.compilation import bucket
 from jaxrl.models.lora import adapter_config
@@ -53,8 +53,8 @@ def check_services(cfg: TrainConfig) -> None:
                                "or change that setting")
     for spec in cfg.envs:
         try:
-            if spec.env_class:
-                import_object(spec.env_class, f"environment {spec.name!r}: env_class")
+            if spec.env_class:  # and its env_kwargs fit its constructor
+                env_factory(spec, import_object(spec.env_class, f"environment {spec.name!r}: env_class"))
             elif spec.rollout_fn:
                 import_object(spec.rollout_fn, f"environment {spec.name!r}: rollout_fn")
             elif spec.url:

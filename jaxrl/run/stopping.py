@@ -1,5 +1,5 @@
 """Ctrl-C and SIGTERM for `jaxrl train`: the first asks the run to stop after the step under way
-(its checkpoint written), a second stops at once; child processes are stopped either way."""
+(its checkpoint is written first), a second stops at once; child processes are stopped either way."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class GracefulStop:
             raise Interrupted(signum)
         self.signal = signal.Signals(signum)
         print(f"\njaxrl train: {signal.Signals(signum).name}: stopping after this step "
-              "(checkpoint written); again to stop now", file=sys.stderr, flush=True)
+              "(its checkpoint will be written); again to stop now", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

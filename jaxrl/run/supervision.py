@@ -160,15 +160,15 @@ class _EnvServer(Watched):
         self.owner, self.key, self.server = owner, key, server
 
     def probe(self) -> str | None:
-        return None if self.server.alive else f"exited with code {self.server.exit_code}"
+        return None if self.server.alive else self.server.exit_words()
 
     def died(self, why: str) -> None:
         self.alive = False
 
     def revive(self) -> None:
         old = self.server
-        log.warning("environment server %r (pid %d) exited with code %s; restarting it on port %d (log: %s)",
-                    self.key, old.pid, old.exit_code, old.port, old.log_path)
+        log.warning("environment server %r (pid %d) %s; restarting it on port %d (log: %s)",
+                    self.key, old.pid, old.exit_words(), old.port, old.log_path)
         fresh = old.restart()
         with self.owner._lock:
             if self.owner._stopping.is_set():
@@ -183,7 +183,7 @@ class _EnvServer(Watched):
         self.down = True
         s = self.server
         self.owner.error = (f"environment server {self.key!r} (pid {s.pid}) exited {self.window.max_restarts + 1} "
-                            f"times within {self.window.window_s:g} s (last exit code {s.exit_code}); it is not "
+                            f"times within {self.window.window_s:g} s (the last time it {s.exit_words()}); it is not "
                             f"restarted again: see its log {s.log_path or '(none kept)'}")
         log.error("%s", self.owner.error)
 

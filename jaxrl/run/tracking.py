@@ -14,6 +14,7 @@ on disk (fsync) at every step, before the step's checkpoint, so a killed run kee
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
@@ -203,6 +204,44 @@ class Progress:
         self.close()
 
 
+class _Held(logging.Handler):
+    """Libraries' warnings logged before the run's train.log exists, kept for it (`log_file`)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.addFilter(lambda record: not _ours(record))
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+_HELD = _Held()
+
+
+def _ours(record: logging.LogRecord) -> bool:
+    return record.name.split(".")[0] in ("jaxrl", "bridge")
+
+
+def libraries_to_the_log() -> None:
+    """Libraries' notices go to the run's train.log, never to the console (which shows jaxrl's and
+    the bridge's own lines only: `jaxrl train`): those logged before train.log exists are held for
+    it; Python warnings become log records like the rest; and transformers, which prints through a
+    stderr handler of its own (its import says "PyTorch was not found. Models won't be available..."
+    where torch is absent), is imported here with stderr caught (the handler it makes then writes
+    there, whichever of its loggers speaks), then logs through the root logger as other libraries do."""
+    logging.getLogger().addHandler(_HELD)
+    logging.captureWarnings(True)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    if said.getvalue().strip():
+        _HELD.records.append(logging.LogRecord("transformers", logging.WARNING, __file__, 0, "%s",
+                                               (said.getvalue().strip(),), None))
+
+
 @contextlib.contextmanager
 def log_file(path: Path):
     """Every warning and error logged while the run trains, libraries' too, with tracebacks, in `path`;
@@ -213,6 +252,10 @@ def log_file(path: Path):
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
+    root.removeHandler(_HELD)  # what libraries said before this file existed goes first
+    for record in _HELD.records:
+        handler.handle(record)
+    _HELD.records.clear()
     uncaught = logging.getLogger("uncaught")  # not jaxrl's: kept off stderr (see `jaxrl train`)
     hooks = sys.excepthook, threading.excepthook, sys.unraisablehook
     sys.excepthook = lambda kind, value, tb: uncaught.error("uncaught", exc_info=(kind, value, tb))

@@ -528,7 +528,7 @@ def ensure_model(cfg: TrainConfig) -> Path:
         return model_dir
     from jaxrl.tiny import build_tiny_model
 
-    print(f"building tiny {t.family} model in {model_dir}", file=sys.stderr)
+    print(f"jaxrl: building tiny {t.family} model in {model_dir}", file=sys.stderr)
     build_tiny_model(model_dir, t.family, seed=t.seed, hidden_size=t.hidden_size,
                      intermediate_size=t.intermediate_size, num_layers=t.num_layers)
     return model_dir

@@ -26,3 +26,13 @@ class Reply:
 
     def reset(self, target: str, **kwargs) -> str:
         return f"Say {target}."
+
+
+class SizedTarget(Target):
+    """Target with constructor settings, as catalogue classes take a size or a colour (`env_kwargs`)."""
+
+    def __init__(self, size: int, colour: str = "white"):
+        self.size, self.colour = size, colour
+
+    def reset(self, target: str, **kwargs) -> str:
+        return f"{super().reset(target)} ({self.colour}, size {self.size})"
