@@ -827,20 +827,26 @@ def primed_judge(out_dir: Path, tokenizer) -> Path:
     return out_dir
 
 
-def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int) -> str:
-    """The model's greedy answer to `rubric` as one user message: full forward passes, no engine."""
+def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int, width: int = 256) -> str:
+    """The model's greedy answer to `rubric` as one user message: full forward passes, no engine. One
+    padded width, one program: eager calls compiled every op for every length (minutes on a busy machine);
+    causal attention keeps what follows a position out of its logits."""
+    import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
     from bridge.envs.render import prompt_ids
     from jaxrl.models import load_pretrained
 
     model = load_pretrained(model_dir)
+    forward = nnx.jit(lambda m, tokens: m(tokens, jnp.arange(width)[None], jnp.ones_like(tokens))[0])
     ids = prompt_ids(tokenizer, [{"role": "user", "content": rubric}], None, {})
     answer = []
     for _ in range(max_tokens):
-        tokens = np.asarray([ids + answer])
-        logits, _ = model(tokens, np.arange(tokens.shape[1])[None], np.ones_like(tokens))
-        answer.append(int(np.argmax(logits[0, -1])))
+        sequence = ids + answer
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :len(sequence)] = sequence
+        answer.append(int(np.argmax(forward(model, tokens)[0, len(sequence) - 1])))
         if answer[-1] == tokenizer.eos_token_id:
             break
     return tokenizer.decode(answer, skip_special_tokens=True)
