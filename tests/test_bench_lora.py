@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from benches import tiny_figures
 
 KEYS = ("learner_peak_rss_ratio", "learner_xla_peak_ratio", "snapshot_bytes_ratio", "publish_load_time_ratio",
@@ -9,6 +11,7 @@ KEYS = ("learner_peak_rss_ratio", "learner_xla_peak_ratio", "snapshot_bytes_rati
         "full_snapshot_bytes", "lora_snapshot_bytes", "full_publish_load_s", "lora_publish_load_s")
 
 
+@pytest.mark.timeout(660)  # past pytest's 300 s: its own limit (600 s) says what stopped it
 def test_tiny_benchmark_prints_figures(tmp_path):
     figures = tiny_figures("lora", "--dir", str(tmp_path), timeout=600)
     for key in KEYS:

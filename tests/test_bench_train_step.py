@@ -2,9 +2,12 @@
 
 import math
 
+import pytest
+
 from benches import tiny_figures
 
 
+@pytest.mark.timeout(660)  # past pytest's 300 s: its own limit (600 s) says what stopped it
 def test_tiny_benchmark_prints_the_step_split():
     figures = tiny_figures("train_step", timeout=600)
     for key in ("step_s", "generate_s", "env_s", "learn_s", "sync_s"):
