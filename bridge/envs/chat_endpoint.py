@@ -1,0 +1,193 @@
+"""An OpenAI-compatible chat completions endpoint on 127.0.0.1, backed by the bridge's engine, for
+agent harnesses that call a model themselves (the `harness` environment kind).
+
+    POST /v1/chat/completions   {messages, tools?, max_tokens?, temperature?, top_p?, stop?}
+    GET  /v1/models
+
+The answer is vLLM's with `return_token_ids` and `logprobs`, which is what OpenEnv's capture proxy
+(`openenv.core.harness.capture`) reads: the prompt's ids at the top level (`prompt_token_ids`), the
+sampled ids on the choice (`token_ids`), and one `logprobs.content` entry per sampled token, its
+`token` in the `token_id:N` form so the two channels can be checked against each other.
+
+Calls belong to the episode attached to the endpoint (a `GenerationHandle`): one at a time, since an
+OpenEnv harness server runs one harness session at a time and the harness cannot say which episode
+it is in. A call whose messages continue the episode's last call (its messages, then the model's
+reply exactly as it was returned, then new user or tool messages) gets that call's tokens, the
+model's reply as sampled and the new messages rendered after it: the model's tokens are never
+re-tokenised from text. Any other call is rendered from its messages afresh (a harness that edits
+its history starts a new conversation; the episode says so, see bridge.envs.harness).
+A request the endpoint cannot take gets a 400 naming what is wrong; no episode attached, a 409.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from bridge.envs.rollout_fn import Generation, GenerationHandle
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class BadRequest(ValueError):
+    """A chat completions request the endpoint cannot take; the message says what to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One model call of an episode: the request's messages and tools, and what the engine did."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    generation: Generation
+    continues: bool  # its prompt is the previous call's prompt + reply + new messages, token for token
+
+
+def check_messages(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The request's messages and tools; BadRequest naming the first thing wrong."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object with a messages list")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with a role among {', '.join(ROLES)}")
+        if not isinstance(m.get("content", ""), (str, type(None))):
+            raise BadRequest(f"messages[{i}].content must be a string (content parts are not supported)")
+    if body.get("n", 1) != 1:
+        raise BadRequest("n must be 1: each call is one turn of the episode")
+    if body.get("stream"):
+        raise BadRequest("stream must be false: this endpoint answers whole completions")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list of OpenAI tool definitions")
+    return messages, tools
+
+
+class ChatEndpoint:
+    """The endpoint of one harness environment; `attach` an episode's handle while it runs."""
+
+    def __init__(self, port: int, model_name: str):
+        self.port = port
+        self.model_name = model_name
+        self.handle: GenerationHandle | None = None
+        self.calls: list[Call] = []
+        self._server: uvicorn.Server | None = None
+        self._task = None
+        self.app = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                                     Route("/v1/models", self._models, methods=["GET"])])
+
+    @contextlib.contextmanager
+    def attach(self, handle: GenerationHandle):
+        """Calls made inside the block are the episode's (its `calls`, generated with `handle`)."""
+        self.handle, self.calls = handle, []
+        try:
+            yield self.calls
+        finally:
+            self.handle = None
+
+    async def start(self) -> None:
+        """Listens on 127.0.0.1:port; connections made from now on are answered once the loop runs."""
+        import asyncio
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"cannot listen on 127.0.0.1:{self.port} ({e.strerror}); set the environment's "
+                          "harness_port to a free port, the one its harness is configured to call") from None
+        sock.listen(64)
+        self._server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = None
+
+    async def _models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+
+    async def _complete(self, request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+            messages, tools = check_messages(body)
+        except json.JSONDecodeError as e:
+            return _error(400, f"the request body is not JSON ({e})")
+        except BadRequest as e:
+            return _error(400, str(e))
+        handle = self.handle
+        if handle is None:
+            return _error(409, "no episode is running on this endpoint; the bridge attaches one while its "
+                               "harness session is open")
+        ids, continues = self.prompt(handle, messages, tools)
+        stop = body.get("stop")
+        g = await handle.generate(ids, max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+                                  temperature=body.get("temperature"), top_p=body.get("top_p"),
+                                  stop=[stop] if isinstance(stop, str) else stop)
+        if handle is self.handle:  # the episode may have ended (timed out) while this call generated
+            self.calls.append(Call(messages, tools, g, continues))
+        return JSONResponse(self.response(g))
+
+    def prompt(self, handle: GenerationHandle, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
+        """The call's prompt ids, and whether they continue the last call's conversation token for token."""
+        if self.calls:
+            last = self.calls[-1]
+            n = len(last.messages)
+            reply = messages[n] if len(messages) > n + 1 else None
+            if (messages[:n] == last.messages and tools == last.tools and reply is not None
+                    and reply.get("role") == "assistant" and _same_reply(reply, last.generation)
+                    and all(m.get("role") in ("user", "tool") for m in messages[n + 1:])):
+                g = last.generation
+                return g.prompt_ids + g.ids + handle.reply_ids(g, messages[n + 1:]), True
+        return handle.chat_ids(messages, tools), not self.calls
+
+    def response(self, g: Generation) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "prompt_token_ids": g.prompt_ids,
+            "choices": [{
+                "index": 0, "finish_reason": g.finish_reason, "token_ids": g.ids,
+                "message": {"role": "assistant", "content": g.text},
+                "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp, "token_id": t}
+                                         for t, lp in zip(g.ids, g.logprobs)]},
+            }],
+            "usage": {"prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.ids),
+                      "total_tokens": len(g.prompt_ids) + len(g.ids)},
+        }
+
+
+def _same_reply(message: Mapping[str, Any], g: Generation) -> bool:
+    """Whether a history message is the model's reply `g` as the endpoint returned it (harnesses strip
+    whitespace they do not care about)."""
+    return (message.get("content") or "").strip() == g.text.strip()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
+                        status_code=status)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside the bridge's event loop: the bridge's own SIGTERM/SIGINT handling stays in charge."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield

@@ -1,0 +1,136 @@
+"""The OpenAI-compatible chat completions endpoint a harness calls: served on 127.0.0.1, answers with
+the token ids and logprobs the engine produced (as vLLM does with return_token_ids), continues an
+episode's conversation token for token, and refuses what it cannot take in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from bridge.engines.base import SamplingParams
+from bridge.envs.chat_endpoint import ChatEndpoint
+from bridge.envs.rollout_fn import GenerationHandle
+from jaxrl.tiny_tokenizer import build_tokenizer
+from scripted_engine import ScriptedEngine
+
+TOK = build_tokenizer()
+PARAMS = SamplingParams(max_tokens=16, stop_token_ids=(TOK.eos_token_id,), seed=3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def served(test):
+    """`test(endpoint, client, handle)` against a running endpoint over a scripted engine."""
+    endpoint = ChatEndpoint(free_port(), "policy")
+    await endpoint.start()
+    handle = GenerationHandle(ScriptedEngine(TOK, lambda p: "first" if "again" not in p else "second"), TOK, PARAMS)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False) as client:
+            return await test(endpoint, client, handle)
+    finally:
+        await endpoint.aclose()
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+USER = {"role": "user", "content": "Say something."}
+
+
+def test_a_call_answers_with_the_engines_ids_and_logprobs_and_the_next_one_continues_them():
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle) as calls:
+            first = (await client.post("/chat/completions", json={"messages": [SYSTEM, USER]})).json()
+            reply = first["choices"][0]["message"]
+            again = [SYSTEM, USER, reply, {"role": "user", "content": "Try again."}]
+            second = (await client.post("/chat/completions", json={"messages": again, "max_tokens": 4})).json()
+        return first, second, calls, handle.generations
+
+    first, second, calls, (g1, g2) = asyncio.run(served(test))
+    assert first["prompt_token_ids"] == TOK.apply_chat_template([SYSTEM, USER], add_generation_prompt=True,
+                                                                tokenize=True)["input_ids"]
+    choice = first["choices"][0]
+    assert choice["token_ids"] == g1.ids and choice["message"]["content"] == "first"
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == g1.logprobs
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in g1.ids]
+    assert first["usage"]["completion_tokens"] == len(g1.ids)
+    # the second prompt holds the first reply as sampled (its EOS included), then the new message
+    assert second["prompt_token_ids"][:len(g1.prompt_ids) + len(g1.ids)] == g1.prompt_ids + g1.ids
+    assert "Try again." in TOK.decode(second["prompt_token_ids"][len(g1.prompt_ids) + len(g1.ids):])
+    assert second["choices"][0]["token_ids"] == g2.ids and len(g2.ids) <= 4
+    assert [c.continues for c in calls] == [True, True]
+
+
+def test_a_call_that_edits_the_history_is_rendered_afresh_and_marked():
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle) as calls:
+            first = (await client.post("/chat/completions", json={"messages": [USER]})).json()
+            edited = {"role": "assistant", "content": "something I never said"}
+            await client.post("/chat/completions", json={"messages": [USER, edited, USER]})
+        return first, calls
+
+    first, calls = asyncio.run(served(test))
+    assert [c.continues for c in calls] == [True, False]
+    assert calls[1].generation.prompt_ids == TOK.apply_chat_template(
+        [USER, {"role": "assistant", "content": "something I never said"}, USER], add_generation_prompt=True,
+        tokenize=True)["input_ids"]
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"messages": []}, 400, "messages must be a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0] must be an object with a role among"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content must be a string"),
+    ({"messages": [USER], "n": 2}, 400, "n must be 1"),
+    ({"messages": [USER], "stream": True}, 400, "stream must be false"),
+    ("not json", 400, "the request body is not JSON"),
+    ({"messages": [USER]}, 409, "no episode is running on this endpoint"),
+])
+def test_what_the_endpoint_cannot_take_is_refused_in_one_line(body, status, message):
+    async def test(endpoint, client, handle):
+        if isinstance(body, str):
+            return await client.post("/chat/completions", content=body)
+        return await client.post("/chat/completions", json=body)
+
+    answer = asyncio.run(served(test))
+    assert answer.status_code == status and message in answer.json()["error"]["message"]
+
+
+def test_a_port_in_use_names_the_key_to_change():
+    async def test():
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            with pytest.raises(OSError, match="set the environment's harness_port to a free port"):
+                await ChatEndpoint(busy.getsockname()[1], "policy").start()
+
+    asyncio.run(test())
+
+
+def test_models_lists_the_served_model():
+    async def test(endpoint, client, handle):
+        return (await client.get("/models")).json()
+
+    assert asyncio.run(served(test))["data"] == [{"id": "policy", "object": "model"}]
+
+
+def test_sampling_settings_of_the_request_reach_the_engine():
+    seen = []
+
+    class Recording(ScriptedEngine):
+        async def generate(self, prompts, params):
+            seen.append(params)
+            return await super().generate(prompts, params)
+
+    async def test(endpoint, client, handle):
+        handle = GenerationHandle(Recording(TOK, lambda p: "ok"), TOK, PARAMS)
+        with endpoint.attach(handle):
+            await client.post("/chat/completions", json={"messages": [USER], "max_completion_tokens": 5,
+                                                         "temperature": 0.5, "top_p": 0.9, "stop": "\n"})
+
+    asyncio.run(served(test))
+    assert (seen[0].max_tokens, seen[0].temperature, seen[0].top_p, seen[0].stop) == (5, 0.5, 0.9, ("\n",))
