@@ -10,8 +10,8 @@ import socket
 import httpx
 import pytest
 
-from bridge.engines.base import SamplingParams
-from bridge.envs.chat_endpoint import ChatEndpoint
+from bridge.engines.base import PromptTooLong, SamplingParams
+from bridge.envs.chat_endpoint import BUDGET_SPENT, ChatEndpoint
 from bridge.envs.rollout_fn import GenerationHandle
 from jaxrl.tiny_tokenizer import build_tokenizer
 from scripted_engine import ScriptedEngine
@@ -134,3 +134,38 @@ def test_sampling_settings_of_the_request_reach_the_engine():
 
     asyncio.run(served(test))
     assert (seen[0].max_tokens, seen[0].temperature, seen[0].top_p, seen[0].stop) == (5, 0.5, 0.9, ("\n",))
+
+
+def test_replies_keep_to_the_runs_token_limits_and_a_spent_budget_ends_the_loop_unrecorded():
+    async def test(endpoint, client, handle):
+        handle = GenerationHandle(ScriptedEngine(TOK, lambda p: "a long reply that goes on " * 3), TOK,
+                                  SamplingParams(max_tokens=6, stop_token_ids=(TOK.eos_token_id,),
+                                                 max_total_tokens=20))
+        answers, messages = [], [USER]
+        with endpoint.attach(handle) as calls:
+            for _ in range(4):
+                answer = (await client.post("/chat/completions", json={"messages": messages, "max_tokens": 50})).json()
+                answers.append(answer)
+                messages = messages + [answer["choices"][0]["message"], {"role": "user", "content": "More."}]
+        return answers, calls
+
+    answers, calls = asyncio.run(served(test))
+    assert all(len(a["choices"][0]["token_ids"]) <= 6 for a in answers if "token_ids" in a["choices"][0])
+    first, last = calls[0].generation, calls[-1].generation
+    assert len(last.prompt_ids) + len(last.ids) - len(first.prompt_ids) <= 20  # the episode's budget
+    assert [a["choices"][0]["message"]["content"] for a in answers[2:]] == [BUDGET_SPENT] * 2 and len(calls) == 2
+
+
+def test_a_prompt_the_engine_cannot_hold_is_refused_and_kept_for_the_episodes_error():
+    class Short(ScriptedEngine):
+        async def generate(self, prompts, params):
+            raise PromptTooLong(0, len(prompts[0]), 8)
+
+    async def test(endpoint, client, handle):
+        with endpoint.attach(GenerationHandle(Short(TOK, str), TOK, PARAMS)):
+            answer = await client.post("/chat/completions", json={"messages": [USER]})
+            return answer, list(endpoint.refusals)
+
+    answer, refusals = asyncio.run(served(test))
+    assert answer.status_code == 400 and "but the engine holds 8 tokens per sequence" in refusals[-1]
+    assert "rollout.max_prompt_tokens + rollout.max_total_tokens" in answer.json()["error"]["message"]

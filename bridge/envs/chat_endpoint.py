@@ -16,7 +16,13 @@ reply exactly as it was returned, then new user or tool messages) gets that call
 model's reply as sampled and the new messages rendered after it: the model's tokens are never
 re-tokenised from text. Any other call is rendered from its messages afresh (a harness that edits
 its history starts a new conversation; the episode says so, see bridge.envs.harness).
-A request the endpoint cannot take gets a 400 naming what is wrong; no episode attached, a 409.
+
+Each reply is capped at the run's rollout.max_tokens and at what is left of the episode's
+rollout.max_total_tokens (counted after the first call's prompt, as any episode's). Once nothing is
+left, that call and every later one get a short assistant message saying the budget is spent (as OpenEnv's capture proxy
+answers a session over its budget), which is no model output and is not recorded.
+A request the endpoint cannot take (malformed, or a prompt longer than the engine holds) gets a 400
+naming what is wrong, also kept in `refusals` for the episode's error; no episode attached, a 409.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from bridge.engines.base import PromptTooLong
 from bridge.envs.rollout_fn import Generation, GenerationHandle
 
 ROLES = ("system", "user", "assistant", "tool")
+BUDGET_SPENT = "[The token budget of this episode is spent; the episode ends here.]"
 
 
 class BadRequest(ValueError):
@@ -85,6 +93,8 @@ class ChatEndpoint:
         self.model_name = model_name
         self.handle: GenerationHandle | None = None
         self.calls: list[Call] = []
+        self.refusals: list[str] = []  # the attached episode's 400s, newest last
+        self.spent = False  # the attached episode's budget: every later call is told so
         self._server: uvicorn.Server | None = None
         self._task = None
         self.app = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
@@ -93,7 +103,7 @@ class ChatEndpoint:
     @contextlib.contextmanager
     def attach(self, handle: GenerationHandle):
         """Calls made inside the block are the episode's (its `calls`, generated with `handle`)."""
-        self.handle, self.calls = handle, []
+        self.handle, self.calls, self.refusals, self.spent = handle, [], [], False
         try:
             yield self.calls
         finally:
@@ -129,21 +139,50 @@ class ChatEndpoint:
             body = json.loads(await request.body())
             messages, tools = check_messages(body)
         except json.JSONDecodeError as e:
-            return _error(400, f"the request body is not JSON ({e})")
+            return self._refuse(f"the request body is not JSON ({e})")
         except BadRequest as e:
-            return _error(400, str(e))
+            return self._refuse(str(e))
         handle = self.handle
         if handle is None:
             return _error(409, "no episode is running on this endpoint; the bridge attaches one while its "
                                "harness session is open")
         ids, continues = self.prompt(handle, messages, tools)
+        self.spent = self.spent or self.room(handle, ids, continues) < 1
+        if self.spent:
+            return JSONResponse(self.budget_spent())
+        room = self.room(handle, ids, continues)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
         stop = body.get("stop")
-        g = await handle.generate(ids, max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
-                                  temperature=body.get("temperature"), top_p=body.get("top_p"),
-                                  stop=[stop] if isinstance(stop, str) else stop)
+        try:
+            g = await handle.generate(ids, max_tokens=min(room, asked) if isinstance(asked, int) else room,
+                                      temperature=body.get("temperature"), top_p=body.get("top_p"),
+                                      stop=[stop] if isinstance(stop, str) else stop)
+        except PromptTooLong as e:
+            return self._refuse(f"{e} (the bridge's rollout.max_prompt_tokens + rollout.max_total_tokens)")
         if handle is self.handle:  # the episode may have ended (timed out) while this call generated
             self.calls.append(Call(messages, tools, g, continues))
         return JSONResponse(self.response(g))
+
+    def room(self, handle: GenerationHandle, ids: list[int], continues: bool) -> int:
+        """How many tokens the call may generate: the run's per-turn limit, within what is left of the
+        episode's budget (after the first call's prompt) when the call continues the episode."""
+        limit = handle.max_tokens
+        if handle.max_total_tokens and self.calls and continues:
+            used = len(ids) - len(self.calls[0].generation.prompt_ids)
+            limit = min(limit, handle.max_total_tokens - used)
+        return limit
+
+    def budget_spent(self) -> dict[str, Any]:
+        return {"id": f"budget-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": BUDGET_SPENT}}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+
+    def _refuse(self, message: str) -> JSONResponse:
+        if self.handle is not None:
+            self.refusals.append(message)
+        return _error(400, message)
 
     def prompt(self, handle: GenerationHandle, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
