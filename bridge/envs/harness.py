@@ -16,7 +16,7 @@ The reward is the environment's, read from the turn's events as OpenEnv's own ro
 (`openenv.core.harness.rollout._tool_result_reward`): the last tool result carrying a `reward`,
 else `reward` in the `turn_complete` event's data; named `env`. A recoverable `error` event (the
 harness could not use a reply and told the model) is part of the episode, counted in
-`harness_errors`; a terminal one (the harness died, the turn timed out) ends the episode as an error.
+`action_errors` as a reply the environment could not take is in any other kind; a terminal one (the harness died, the turn timed out) ends the episode as an error.
 
 The server runs one harness session at a time (OpenEnv's HarnessEnvironment is not concurrent), and
 a harness cannot tell the endpoint which episode it is in: the episodes of one harness environment
@@ -125,8 +125,7 @@ def episode_from(calls: list, events: list[dict[str, Any]], env: str) -> Episode
         turns += [Turn.context(g.prompt_ids[context:]), Turn.model(g)]
         context = len(g.prompt_ids) + len(g.ids)
     errors = sum(e.get("type") == "error" for e in events)
-    return Episode(first.prompt_ids, turns, {REWARD: env_reward(events)},
-                   {"model_calls": float(len(calls)), "harness_errors": float(errors)})
+    return Episode(first.prompt_ids, turns, {REWARD: env_reward(events)}, {"action_errors": float(errors)})
 
 
 def env_reward(events: list[dict[str, Any]]) -> float | None:
