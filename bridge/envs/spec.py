@@ -61,7 +61,7 @@ class EnvSpec:
     harness_port: int | None = dataclasses.field(
         default=None, metadata={"help": "harness: the port of the bridge's OpenAI-compatible chat completions "
                                         "endpoint on 127.0.0.1, the one the server's harness is configured to "
-                                        "call; needs a bridge on the harness server's machine"})
+                                        "call (the harness server runs on the bridge's machine)"})
     harness_message: str = dataclasses.field(
         default="{prompt}", metadata={"help": "harness: the user message that starts an episode, a Python format "
                                               "string over the task's fields (default: a data file's prompt "
