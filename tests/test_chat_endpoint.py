@@ -5,6 +5,7 @@ episode's conversation token for token, and refuses what it cannot take in one l
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 
 import httpx
@@ -13,11 +14,12 @@ import pytest
 from bridge.engines.base import PromptTooLong, SamplingParams
 from bridge.envs.chat_endpoint import BUDGET_SPENT, ChatEndpoint
 from bridge.envs.rollout_fn import GenerationHandle
+from bridge.tool_calls import get_parser
 from jaxrl.tiny_tokenizer import build_tokenizer
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, tool_call
 
 TOK = build_tokenizer()
-PARAMS = SamplingParams(max_tokens=16, stop_token_ids=(TOK.eos_token_id,), seed=3)
+PARAMS = SamplingParams(max_tokens=64, stop_token_ids=(TOK.eos_token_id,), seed=3)
 
 
 def free_port() -> int:
@@ -26,11 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def served(test):
+def first_then_second(prompt: str) -> str:
+    return "first" if "again" not in prompt else "second"
+
+
+async def served(test, policy=first_then_second):
     """`test(endpoint, client, handle)` against a running endpoint over a scripted engine."""
-    endpoint = ChatEndpoint(free_port(), "policy")
+    endpoint = ChatEndpoint(free_port(), "policy", get_parser())
     await endpoint.start()
-    handle = GenerationHandle(ScriptedEngine(TOK, lambda p: "first" if "again" not in p else "second"), TOK, PARAMS)
+    handle = GenerationHandle(ScriptedEngine(TOK, policy), TOK, PARAMS)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False) as client:
             return await test(endpoint, client, handle)
@@ -106,7 +112,7 @@ def test_a_port_in_use_names_the_key_to_change():
             busy.bind(("127.0.0.1", 0))
             busy.listen()
             with pytest.raises(OSError, match="set the environment's harness_port to a free port"):
-                await ChatEndpoint(busy.getsockname()[1], "policy").start()
+                await ChatEndpoint(busy.getsockname()[1], "policy", get_parser()).start()
 
     asyncio.run(test())
 
@@ -169,3 +175,40 @@ def test_a_prompt_the_engine_cannot_hold_is_refused_and_kept_for_the_episodes_er
     answer, refusals = asyncio.run(served(test))
     assert answer.status_code == 400 and "but the engine holds 8 tokens per sequence" in refusals[-1]
     assert "rollout.max_prompt_tokens + rollout.max_total_tokens" in answer.json()["error"]["message"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def test_with_tools_offered_the_models_calls_come_back_as_tool_calls_and_their_results_continue_it():
+    def policy(prompt):
+        return tool_call("add", {"a": 2, "b": 3}) if "<tool_response>" not in prompt else "5"
+
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle) as calls:
+            first = (await client.post("/chat/completions", json={"messages": [USER], "tools": TOOLS})).json()
+            message = first["choices"][0]["message"]
+            call = message["tool_calls"][0]
+            # a harness re-serialises the arguments and sends the result back
+            echoed = {**message, "tool_calls": [{**call, "function": {"name": "add", "arguments": '{"b": 3, "a": 2}'}}]}
+            result = {"role": "tool", "tool_call_id": call["id"], "content": "5"}
+            second = (await client.post("/chat/completions",
+                                        json={"messages": [USER, echoed, result], "tools": TOOLS})).json()
+        return first, second, calls
+
+    first, second, calls = asyncio.run(served(test, policy))
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert [c.continues for c in calls] == [True, True]
+    assert second["choices"][0]["message"] == {"role": "assistant", "content": "5"}
+
+
+def test_a_tool_call_that_does_not_parse_comes_back_as_the_models_text():
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle):
+            return (await client.post("/chat/completions", json={"messages": [USER], "tools": TOOLS})).json()
+
+    message = asyncio.run(served(test, lambda p: "<tool_call>{not json"))["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "<tool_call>{not json"}

@@ -21,6 +21,7 @@ from bridge.engines.base import SamplingParams
 from bridge.envs.harness import HarnessConnector, HarnessError, env_reward
 from bridge.envs.rollout_fn import run_rollout_fn
 from bridge.envs.spec import EnvConfigError, EnvSpec
+from bridge.tool_calls import get_parser
 from jaxrl.tiny_tokenizer import build_tokenizer
 from scripted_engine import ScriptedEngine, segments
 
@@ -68,7 +69,7 @@ def server():
 def play(server, policy, message="Pick a digit.", seed=0):
     url, port = server
     spec = EnvSpec(name="agent", harness=url, harness_port=port, harness_message="{text}")
-    connector = HarnessConnector(spec)
+    connector = HarnessConnector(spec, get_parser())
 
     async def episode():
         await connector.start()
@@ -112,7 +113,7 @@ def test_a_harness_that_rewrites_its_history_ends_the_episode_saying_so(server):
 def test_a_task_without_the_messages_field_names_it():
     spec = EnvSpec(name="agent", harness="http://127.0.0.1:1", harness_port=1, harness_message="{question}")
     with pytest.raises(HarnessError, match=r"names 'question', which the task lacks \(its fields: seed\)"):
-        HarnessConnector(spec).message({"seed": 3})
+        HarnessConnector(spec, get_parser()).message({"seed": 3})
 
 
 def test_a_server_without_a_harness_route_ends_the_episode_as_an_error():

@@ -9,6 +9,10 @@ The answer is vLLM's with `return_token_ids` and `logprobs`, which is what OpenE
 sampled ids on the choice (`token_ids`), and one `logprobs.content` entry per sampled token, its
 `token` in the `token_id:N` form so the two channels can be checked against each other.
 
+A request with `tools` gets the model's tool calls back as OpenAI `tool_calls` (read from its text by
+the run's tool-call parser, `tool_parser`); a reply whose calls do not parse is returned as its text,
+for the harness to answer as it answers any reply it cannot use.
+
 Calls belong to the episode attached to the endpoint (a `GenerationHandle`): one at a time, since an
 OpenEnv harness server runs one harness session at a time and the harness cannot say which episode
 it is in. A call whose messages continue the episode's last call (its messages, then the model's
@@ -44,6 +48,7 @@ from starlette.routing import Route
 
 from bridge.engines.base import PromptTooLong
 from bridge.envs.rollout_fn import Generation, GenerationHandle
+from bridge.tool_calls import ToolCallParser, hidden_special_ids
 
 ROLES = ("system", "user", "assistant", "tool")
 BUDGET_SPENT = "[The token budget of this episode is spent; the episode ends here.]"
@@ -60,6 +65,7 @@ class Call:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     generation: Generation
+    reply: dict[str, Any]  # the assistant message returned
     continues: bool  # its prompt is the previous call's prompt + reply + new messages, token for token
 
 
@@ -88,9 +94,10 @@ def check_messages(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 class ChatEndpoint:
     """The endpoint of one harness environment; `attach` an episode's handle while it runs."""
 
-    def __init__(self, port: int, model_name: str):
+    def __init__(self, port: int, model_name: str, parser: ToolCallParser):
         self.port = port
         self.model_name = model_name
+        self.parser = parser
         self.handle: GenerationHandle | None = None
         self.calls: list[Call] = []
         self.refusals: list[str] = []  # the attached episode's 400s, newest last
@@ -159,9 +166,22 @@ class ChatEndpoint:
                                       stop=[stop] if isinstance(stop, str) else stop)
         except PromptTooLong as e:
             return self._refuse(f"{e} (the bridge's rollout.max_prompt_tokens + rollout.max_total_tokens)")
+        reply = self.reply(handle, g, bool(tools))
         if handle is self.handle:  # the episode may have ended (timed out) while this call generated
-            self.calls.append(Call(messages, tools, g, continues))
-        return JSONResponse(self.response(g))
+            self.calls.append(Call(messages, tools, g, reply, continues))
+        return JSONResponse(self.response(g, reply))
+
+    def reply(self, handle: GenerationHandle, g: Generation, tools: bool) -> dict[str, Any]:
+        """The assistant message of `g`: its text, or with tools offered, its parsed tool calls."""
+        if not tools:
+            return {"role": "assistant", "content": g.text}
+        hidden = hidden_special_ids(handle.tokenizer, self.parser.delimiters)
+        parsed = self.parser.parse(handle.tokenizer.decode([t for t in g.ids if t not in hidden]))
+        if parsed.errors or not parsed.calls:
+            return {"role": "assistant", "content": g.text}
+        return {"role": "assistant", "content": parsed.content or None, "tool_calls": [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]}
 
     def room(self, handle: GenerationHandle, ids: list[int], continues: bool) -> int:
         """How many tokens the call may generate: the run's per-turn limit, within what is left of the
@@ -192,19 +212,19 @@ class ChatEndpoint:
             n = len(last.messages)
             reply = messages[n] if len(messages) > n + 1 else None
             if (messages[:n] == last.messages and tools == last.tools and reply is not None
-                    and reply.get("role") == "assistant" and _same_reply(reply, last.generation)
+                    and _same_reply(reply, last.reply)
                     and all(m.get("role") in ("user", "tool") for m in messages[n + 1:])):
                 g = last.generation
                 return g.prompt_ids + g.ids + handle.reply_ids(g, messages[n + 1:]), True
         return handle.chat_ids(messages, tools), not self.calls
 
-    def response(self, g: Generation) -> dict[str, Any]:
+    def response(self, g: Generation, reply: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name, "prompt_token_ids": g.prompt_ids,
             "choices": [{
-                "index": 0, "finish_reason": g.finish_reason, "token_ids": g.ids,
-                "message": {"role": "assistant", "content": g.text},
+                "index": 0, "token_ids": g.ids, "message": reply,
+                "finish_reason": "tool_calls" if reply.get("tool_calls") else g.finish_reason,
                 "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp, "token_id": t}
                                          for t, lp in zip(g.ids, g.logprobs)]},
             }],
@@ -213,10 +233,23 @@ class ChatEndpoint:
         }
 
 
-def _same_reply(message: Mapping[str, Any], g: Generation) -> bool:
-    """Whether a history message is the model's reply `g` as the endpoint returned it (harnesses strip
-    whitespace they do not care about)."""
-    return (message.get("content") or "").strip() == g.text.strip()
+def _same_reply(message: Mapping[str, Any], reply: Mapping[str, Any]) -> bool:
+    """Whether a history message is the model's `reply` as the endpoint returned it (harnesses strip
+    whitespace they do not care about, and may re-serialise tool call arguments)."""
+    def calls(m: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+        out = []
+        for c in m.get("tool_calls") or []:
+            f = (c.get("function") or {}) if isinstance(c, Mapping) else {}
+            arguments = f.get("arguments")
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                pass
+            out.append((f.get("name"), arguments))
+        return out
+
+    return (message.get("role") == "assistant" and (message.get("content") or "").strip()
+            == (reply.get("content") or "").strip() and calls(message) == calls(reply))
 
 
 def _error(status: int, message: str) -> JSONResponse:

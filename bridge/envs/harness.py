@@ -35,6 +35,7 @@ import websockets
 from bridge.envs.chat_endpoint import ChatEndpoint
 from bridge.envs.rollout_fn import Episode, GenerationHandle, Turn
 from bridge.envs.spec import EnvSpec
+from bridge.tool_calls import ToolCallParser
 
 REWARD = "env"
 
@@ -50,10 +51,10 @@ class HarnessConnector:
 
     mode = "harness"
 
-    def __init__(self, spec: EnvSpec, model_name: str = "jaxrl"):
+    def __init__(self, spec: EnvSpec, parser: ToolCallParser):
         self.spec = spec
         self.label = f"harness {spec.harness}"
-        self.endpoint = ChatEndpoint(spec.harness_port, model_name)
+        self.endpoint = ChatEndpoint(spec.harness_port, spec.name, parser)
         self.metrics: dict[str, float] = {}
         self._one_at_a_time = asyncio.Lock()
 

@@ -22,19 +22,20 @@ from bridge.envs.served import ServedConnector
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, env_factory, import_object
 from bridge.envs.tool_class import ToolClassConnector
 from bridge.envs.tools import ToolEnvironment
-from bridge.tool_calls import ToolCallParser, hidden_special_ids
+from bridge.tool_calls import ToolCallParser, get_parser, hidden_special_ids
 
 log = logging.getLogger(__name__)
 
 Connector = ServedConnector | InProcessConnector | ToolClassConnector | RolloutFnConnector | HarnessConnector
 
 
-def build_connector(spec: EnvSpec) -> Connector:
-    """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
+def build_connector(spec: EnvSpec, parser: ToolCallParser | None = None) -> Connector:
+    """The connector for `spec` (a `bundled` spec must have been given its server's url); `parser` reads
+    the tool calls a harness's model calls return (default: the default parser's)."""
     if spec.rollout_fn:
         return RolloutFnConnector(spec)
     if spec.harness:
-        return HarnessConnector(spec)
+        return HarnessConnector(spec, parser or get_parser())
     if spec.url:
         pool = dataclasses.replace(spec.session, max_sessions=spec.pool_size)
         return ServedConnector(spec, Endpoint(spec.url, pool, name=spec.name))
@@ -86,7 +87,7 @@ class EnvRuntime:
         self.template_kwargs = dict(template_kwargs or {})
         self.render = RenderCache(tokenizer, self.template_kwargs)
         self.rewards = RewardFunctions(rewards, tokenizer)
-        self.connectors = {s.name: build_connector(s) for s in specs}
+        self.connectors = {s.name: build_connector(s, parser) for s in specs}
         self.started = False
         self.groups = GroupCheck()
         self._warned: set[tuple[str, str]] = set()
