@@ -20,7 +20,7 @@ import pytest
 from bridge.engines.base import SamplingParams
 from bridge.envs.harness import HarnessConnector, HarnessError, env_reward
 from bridge.envs.rollout_fn import run_rollout_fn
-from bridge.envs.spec import EnvConfigError, EnvSpec
+from bridge.envs.spec import EnvSpec
 from bridge.tool_calls import get_parser
 from jaxrl.tiny_tokenizer import build_tokenizer
 from scripted_engine import ScriptedEngine, segments
@@ -136,18 +136,6 @@ def test_the_reward_is_read_where_openenv_puts_it(events, reward):
 def test_a_reward_that_is_not_a_number_names_it():
     with pytest.raises(HarnessError, match="reported reward 'high', not a number"):
         env_reward([{"type": "turn_complete", "data": {"reward": "high"}}])
-
-
-@pytest.mark.parametrize("entry, message", [
-    ({"harness": "http://127.0.0.1:8000"}, "a harness environment needs harness_port"),
-    ({"harness": "ws://127.0.0.1:8000", "harness_port": 9000}, "must start with http:// or https://"),
-    ({"url": "http://127.0.0.1:8000", "harness_port": 9000}, "harness_port is for harness environments"),
-    ({"harness": "http://127.0.0.1:8000", "harness_port": 9000, "harness_message": "{}"}, "names no field"),
-    ({"harness": "http://127.0.0.1:8000", "harness_port": 9000, "url": "http://x"}, "set exactly one of"),
-])
-def test_a_wrong_harness_entry_is_refused_naming_the_key(entry, message):
-    with pytest.raises(EnvConfigError, match=message.replace("(", r"\(")):
-        EnvSpec.from_dict({"name": "agent", **entry})
 
 
 def test_one_training_step_through_a_real_harness_route(tmp_path):

@@ -24,6 +24,13 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
     ({"name": "x", "url": "http://a", "env_kwargs": {"size": 5}}, "^environment 'x': env_kwargs are passed to "
                                                                    "env_class's constructor, and it has no env_class"),
     ({"name": "x", "env_class": "m:C", "env_kwargs": [5]}, "'x': env_kwargs must map argument names to values"),
+    ({"name": "x", "harness": "http://a"}, "a harness environment needs harness_port"),
+    ({"name": "x", "harness": "ws://a", "harness_port": 9000}, "harness 'ws://a' must start with http"),
+    ({"name": "x", "url": "http://a", "harness_port": 9000}, "harness_port is for harness environments"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_message": "{}"}, "harness_message.*names no"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "url": "http://b"}, "exactly one of.*harness"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "solver": "echo"}, "a harness environment has no "
+                                                                                 "solver"),
 ])
 def test_env_spec_errors_name_the_problem(data, message):
     with pytest.raises(EnvConfigError, match=message):
