@@ -93,6 +93,9 @@ def test_a_call_that_edits_the_history_is_rendered_afresh_and_marked():
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content must be a string"),
     ({"messages": [USER], "n": 2}, 400, "n must be 1"),
     ({"messages": [USER], "stream": True}, 400, "stream must be false"),
+    ({"messages": [USER], "max_tokens": 0}, 400, "max_tokens must be a whole number >= 1, got 0"),
+    ({"messages": [USER], "top_p": 0}, 400, "top_p is 0: temperature must be >= 0 and top_p in (0, 1]"),
+    ({"messages": [USER], "stop": [1]}, 400, "stop must be a string or a list of strings"),
     ("not json", 400, "the request body is not JSON"),
     ({"messages": [USER]}, 409, "no episode is running on this endpoint"),
 ])
@@ -212,3 +215,13 @@ def test_a_tool_call_that_does_not_parse_comes_back_as_the_models_text():
 
     message = asyncio.run(served(test, lambda p: "<tool_call>{not json"))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "<tool_call>{not json"}
+
+
+def test_messages_the_chat_template_cannot_render_are_refused_and_kept_for_the_episodes_error():
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle):
+            answer = await client.post("/chat/completions", json={"messages": [{"role": "tool"}]})
+            return answer, list(endpoint.refusals)
+
+    answer, refusals = asyncio.run(served(test))
+    assert answer.status_code == 400 and "the model's chat template cannot render these messages" in refusals[-1]

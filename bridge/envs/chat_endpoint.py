@@ -31,6 +31,7 @@ naming what is wrong, also kept in `refusals` for the episode's error; no episod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -40,6 +41,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import jinja2
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -88,6 +90,18 @@ def check_messages(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadRequest("tools must be a list of OpenAI tool definitions")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BadRequest(f"{key} must be a whole number >= 1, got {value!r}")
+    for key, ok in (("temperature", lambda x: x >= 0), ("top_p", lambda x: 0 < x <= 1)):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
+            raise BadRequest(f"{key} is {value!r}: temperature must be >= 0 and top_p in (0, 1]")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise BadRequest("stop must be a string or a list of strings")
     return messages, tools
 
 
@@ -118,8 +132,6 @@ class ChatEndpoint:
 
     async def start(self) -> None:
         """Listens on 127.0.0.1:port; connections made from now on are answered once the loop runs."""
-        import asyncio
-
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -153,7 +165,11 @@ class ChatEndpoint:
         if handle is None:
             return _error(409, "no episode is running on this endpoint; the bridge attaches one while its "
                                "harness session is open")
-        ids, continues = self.prompt(handle, messages, tools)
+        try:
+            ids, continues = self.prompt(handle, messages, tools)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:  # what the template raises
+            return self._refuse(f"the model's chat template cannot render these messages ({type(e).__name__}: "
+                                f"{e}); send OpenAI chat messages the model's template takes")
         self.spent = self.spent or self.room(handle, ids, continues) < 1
         if self.spent:
             return JSONResponse(self.budget_spent())
@@ -161,7 +177,7 @@ class ChatEndpoint:
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         stop = body.get("stop")
         try:
-            g = await handle.generate(ids, max_tokens=min(room, asked) if isinstance(asked, int) else room,
+            g = await handle.generate(ids, max_tokens=min(room, asked or room),
                                       temperature=body.get("temperature"), top_p=body.get("top_p"),
                                       stop=[stop] if isinstance(stop, str) else stop)
         except PromptTooLong as e:
