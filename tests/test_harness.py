@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.engines.base import SamplingParams
+from bridge.engines.base import PromptTooLong, SamplingParams
 from bridge.envs.harness import HarnessConnector, HarnessError, env_reward
 from bridge.envs.rollout_fn import run_rollout_fn
 from bridge.envs.spec import EnvSpec
@@ -66,7 +66,7 @@ def server():
         yield url, port
 
 
-def play(server, policy, message="Pick a digit.", seed=0):
+def play(server, policy, message="Pick a digit.", seed=0, engine=ScriptedEngine):
     url, port = server
     spec = EnvSpec(name="agent", harness=url, harness_port=port, harness_message="{text}")
     connector = HarnessConnector(spec, get_parser())
@@ -74,7 +74,7 @@ def play(server, policy, message="Pick a digit.", seed=0):
     async def episode():
         await connector.start()
         try:
-            return await run_rollout_fn(connector.fn, connector.label, ScriptedEngine(TOK, policy), TOK, "g", 0,
+            return await run_rollout_fn(connector.fn, connector.label, engine(TOK, policy), TOK, "g", 0,
                                         "agent", {"text": message, "seed": seed}, PARAMS)
         finally:
             await connector.aclose()
@@ -108,6 +108,16 @@ def test_a_harness_that_rewrites_its_history_ends_the_episode_saying_so(server):
     t = play(server, lambda p: "nothing", message="Pick a digit, rewrite history.")
     assert t.finish_reason == "error"
     assert "model call 2 does not continue the conversation of the call before it" in t.error
+
+
+def test_a_call_the_endpoint_refused_is_named_in_the_episodes_error(server):
+    class Small(ScriptedEngine):
+        async def generate(self, prompts, params):
+            raise PromptTooLong(0, len(prompts[0]), 16)
+
+    t = play(server, str, engine=Small)
+    assert t.finish_reason == "error" and "failed the turn: harness turn failed; the chat endpoint had refused " \
+        "its call: prompt 0 has" in t.error and "but the engine holds 16 tokens per sequence" in t.error
 
 
 def test_a_task_without_the_messages_field_names_it():
