@@ -225,3 +225,26 @@ def test_messages_the_chat_template_cannot_render_are_refused_and_kept_for_the_e
 
     answer, refusals = asyncio.run(served(test))
     assert answer.status_code == 400 and "the model's chat template cannot render these messages" in refusals[-1]
+
+
+def test_a_request_held_open_does_not_hold_up_the_endpoints_shutdown():
+    entered = asyncio.Event()
+
+    class Stuck(ScriptedEngine):
+        async def generate(self, prompts, params):
+            entered.set()
+            await asyncio.Event().wait()  # a generation that never ends
+
+    async def test():
+        endpoint = ChatEndpoint(free_port(), "policy", get_parser())
+        await endpoint.start()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False,
+                                     timeout=None) as client:  # the client waits as long as the server does
+            with endpoint.attach(GenerationHandle(Stuck(TOK, str), TOK, PARAMS)):
+                call = asyncio.create_task(client.post("/chat/completions", json={"messages": [USER]}))
+                await entered.wait()
+                async with asyncio.timeout(30):
+                    await endpoint.aclose()
+            call.cancel()
+
+    asyncio.run(test())

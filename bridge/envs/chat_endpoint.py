@@ -141,7 +141,9 @@ class ChatEndpoint:
             raise OSError(f"cannot listen on 127.0.0.1:{self.port} ({e.strerror}); set the environment's "
                           "harness_port to a free port, the one its harness is configured to call") from None
         sock.listen(64)
-        self._server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        # A harness holding a request open must not hold up the bridge's shutdown for ever.
+        self._server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
+                                              timeout_graceful_shutdown=5))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
 
     async def aclose(self) -> None:
