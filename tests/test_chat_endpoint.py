@@ -248,3 +248,15 @@ def test_a_request_held_open_does_not_hold_up_the_endpoints_shutdown():
             call.cancel()
 
     asyncio.run(test())
+
+
+def test_openenvs_own_probe_grades_the_endpoint_trainable_with_tool_support():
+    from openenv.core.harness.capture import validate_llm
+
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle):
+            return await asyncio.to_thread(validate_llm, f"http://127.0.0.1:{endpoint.port}/v1", "policy", timeout=30)
+
+    # the probe offers a `bash` tool and expects the model to call it
+    report = asyncio.run(served(test, lambda p: tool_call("bash", {"command": "ls"}) if "bash" in p else "hello"))
+    assert report.ok and report.capture_level == "tokens" and report.tool_support == "ok", report
