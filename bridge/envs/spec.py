@@ -439,17 +439,19 @@ def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
 def first_prompt_ids(envs: dict[str, Any], tokenizer: Any, env: str, task: dict[str, Any]) -> list[int]:
     """The tokens an episode of `env` on `task` hands the engine first, as the bridge renders them
     (reset's observation, the task's prompt, the system prompt, the tools, the chat template); `envs`
-    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn environment
-    (it renders its own) and for what stops a bridge's start."""
+    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn or harness
+    environment (it renders its own) and for what stops a bridge's start."""
     from bridge.envs.runtime import runtime_from_dict
 
     async def render() -> list[int]:
         runtime = runtime_from_dict(envs, tokenizer)
+        own = runtime.rollout_fn(env)
+        if own is not None:  # before start: a harness's endpoint port may be a running bridge's
+            raise EnvConfigError(f"environment {env!r} is a {own.mode} environment: its "
+                                 f"{'harness' if own.mode == 'harness' else 'function'} builds its own prompts")
         try:
             await runtime.start()
             hook = runtime.hook(env, task)
-            if hook is None:
-                raise EnvConfigError(f"environment {env!r} is a rollout_fn: its function builds its own prompts")
             try:
                 return await hook.start()
             finally:
