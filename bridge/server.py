@@ -274,7 +274,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                                                         group.task or {}, retry_on=RETRYABLE)
                         elif custom is not None:
                             traj = await run_rollout_fn(
-                                custom.fn, custom.spec.rollout_fn, self.engine, self.envs.tokenizer, group.group_id,
+                                custom.fn, custom.label, self.engine, self.envs.tokenizer, group.group_id,
                                 index, group.env, group.task or {}, params, self.envs.template_kwargs)
                         else:
                             traj = await run_episode(

@@ -78,10 +78,10 @@ def sync_function(task, handle):
     return None
 
 
-def run(fn, path="test_rollout_fn:fn", max_total_tokens=None):
+def run(fn, label="rollout_fn 'test_rollout_fn:fn'", max_total_tokens=None):
     engine = ScriptedEngine(TOK, policy)
     params = dataclasses.replace(PARAMS, max_total_tokens=max_total_tokens)
-    return asyncio.run(run_rollout_fn(fn, path, engine, TOK, "g", 0, "crit", {"seed": 3}, params, {}))
+    return asyncio.run(run_rollout_fn(fn, label, engine, TOK, "g", 0, "crit", {"seed": 3}, params, {}))
 
 
 def test_a_two_turn_episode_keeps_the_generated_tokens_and_masks_the_request():

@@ -77,6 +77,10 @@ def test_an_environment_that_cannot_start_is_named_once():
     cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "echo_env", "url": "http://127.0.0.1:9"}]})
     with pytest.raises(StartupError, match=r"^environment 'echo_env': GET http://127.0.0.1:9/health failed"):
         check_services(cfg)
+    cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "agent", "harness": "http://127.0.0.1:9",
+                                                    "harness_port": 9100}]})
+    with pytest.raises(StartupError, match=r"^environment 'agent': GET http://127.0.0.1:9/health failed"):
+        check_services(cfg)
 
 
 def test_a_server_url_with_a_trailing_slash_is_the_same_server(echo):

@@ -24,6 +24,13 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
     ({"name": "x", "url": "http://a", "env_kwargs": {"size": 5}}, "^environment 'x': env_kwargs are passed to "
                                                                    "env_class's constructor, and it has no env_class"),
     ({"name": "x", "env_class": "m:C", "env_kwargs": [5]}, "'x': env_kwargs must map argument names to values"),
+    ({"name": "x", "harness": "http://a"}, "a harness environment needs harness_port"),
+    ({"name": "x", "harness": "ws://a", "harness_port": 9000}, "harness 'ws://a' must start with http"),
+    ({"name": "x", "url": "http://a", "harness_port": 9000}, "harness_port is for harness environments"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_message": "{}"}, "harness_message.*names no"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "url": "http://b"}, "exactly one of.*harness"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "solver": "echo"}, "a harness environment has no "
+                                                                                 "solver"),
 ])
 def test_env_spec_errors_name_the_problem(data, message):
     with pytest.raises(EnvConfigError, match=message):
@@ -58,3 +65,15 @@ def test_reset_fields_are_what_the_resets_signature_takes(spec, fields):
     from bridge.envs.spec import reset_fields
 
     assert reset_fields(spec) == fields
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"harness": "http://127.0.0.1:9", "harness_port": 9}, "'agent' is a harness environment: its harness builds"),
+    ({"rollout_fn": "test_rollout_fn:answer_then_revise"}, "'agent' is a rollout_fn environment: its function"),
+])
+def test_an_environment_that_renders_its_own_prompts_has_no_first_prompt_to_show(entry, message):
+    from bridge.envs.spec import first_prompt_ids
+    from jaxrl.tiny_tokenizer import build_tokenizer
+
+    with pytest.raises(EnvConfigError, match=message):
+        first_prompt_ids({"envs": [{"name": "agent", **entry}]}, build_tokenizer(), "agent", {"seed": 0})

@@ -98,6 +98,7 @@ class GenerationHandle:
     def __init__(self, engine: Engine, tokenizer: Any, params: SamplingParams,
                  template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
+        self.max_tokens = params.max_tokens
         self.max_total_tokens = params.max_total_tokens
         self._engine = engine
         self._params = params
@@ -157,6 +158,7 @@ class RolloutFnConnector:
 
     def __init__(self, spec: EnvSpec):
         self.spec = spec
+        self.label = f"rollout_fn {spec.rollout_fn!r}"
         self.fn = load_rollout_fn(spec.name, spec.rollout_fn)
 
     async def start(self) -> None:
@@ -233,15 +235,16 @@ def _check_generated(trained: list[tuple[int, float, int, int]], generations: li
     return versions
 
 
-async def run_rollout_fn(fn: Any, fn_path: str, engine: Engine, tokenizer: Any, group_id: str, index: int, env: str,
+async def run_rollout_fn(fn: Any, label: str, engine: Engine, tokenizer: Any, group_id: str, index: int, env: str,
                          task: dict[str, Any], params: SamplingParams,
                          template_kwargs: Mapping[str, Any] | None = None) -> TrajectoryData:
-    """One episode of rollout function `fn`, as a trajectory. What it raises ends the episode with
+    """One episode of rollout function `fn` (`label` names it in errors: "rollout_fn 'module:function'",
+    "harness URL"), as a trajectory. What it raises ends the episode with
     finish_reason 'error' (as an environment failure would); what it returns wrong too, its error
     starting with "RolloutFnError: " or "RewardError: ", which stops the run (a bug in the function)."""
     start = time.perf_counter()
     handle = GenerationHandle(engine, tokenizer, params, template_kwargs)
-    what = f"rollout_fn {fn_path!r} (environment {env!r}, episode {group_id}/{index})"
+    what = f"{label} (environment {env!r}, episode {group_id}/{index})"
     traj = TrajectoryData(group_id, index, np.zeros(0, np.int32), env=env)
     try:
         episode = await fn(dict(task), handle)

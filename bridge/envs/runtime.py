@@ -13,6 +13,7 @@ from typing import Any
 from bridge.envs.endpoint import Endpoint
 from bridge.envs.episode import EnvEpisodeHook
 from bridge.envs.group_check import GroupCheck
+from bridge.envs.harness import HarnessConnector
 from bridge.envs.in_process import InProcessConnector
 from bridge.envs.render import RenderCache
 from bridge.envs.rollout_fn import RolloutFnConnector
@@ -21,17 +22,20 @@ from bridge.envs.served import ServedConnector
 from bridge.envs.spec import EnvConfigError, EnvSpec, RewardSpec, env_factory, import_object
 from bridge.envs.tool_class import ToolClassConnector
 from bridge.envs.tools import ToolEnvironment
-from bridge.tool_calls import ToolCallParser, hidden_special_ids
+from bridge.tool_calls import ToolCallParser, get_parser, hidden_special_ids
 
 log = logging.getLogger(__name__)
 
-Connector = ServedConnector | InProcessConnector | ToolClassConnector | RolloutFnConnector
+Connector = ServedConnector | InProcessConnector | ToolClassConnector | RolloutFnConnector | HarnessConnector
 
 
-def build_connector(spec: EnvSpec) -> Connector:
-    """The connector for `spec` (a `bundled` spec must have been given its server's url)."""
+def build_connector(spec: EnvSpec, parser: ToolCallParser | None = None) -> Connector:
+    """The connector for `spec` (a `bundled` spec must have been given its server's url); `parser` reads
+    the tool calls a harness's model calls return (default: the default parser's)."""
     if spec.rollout_fn:
         return RolloutFnConnector(spec)
+    if spec.harness:
+        return HarnessConnector(spec, parser or get_parser())
     if spec.url:
         pool = dataclasses.replace(spec.session, max_sessions=spec.pool_size)
         return ServedConnector(spec, Endpoint(spec.url, pool, name=spec.name))
@@ -83,7 +87,7 @@ class EnvRuntime:
         self.template_kwargs = dict(template_kwargs or {})
         self.render = RenderCache(tokenizer, self.template_kwargs)
         self.rewards = RewardFunctions(rewards, tokenizer)
-        self.connectors = {s.name: build_connector(s) for s in specs}
+        self.connectors = {s.name: build_connector(s, parser) for s in specs}
         self.started = False
         self.groups = GroupCheck()
         self._warned: set[tuple[str, str]] = set()
@@ -120,17 +124,19 @@ class EnvRuntime:
 
     def hook(self, env: str, task: dict[str, Any], group_id: str | None = None) -> EnvEpisodeHook | None:
         """The episode hook of `env` for an episode of group `group_id` (its first prompt is checked against
-        the group's: `group_check`); None for a rollout function's (it runs its own loop: `rollout_fn`)."""
+        the group's: `group_check`); None for a rollout function's or a harness's (they run their own loop:
+        `rollout_fn`)."""
         if env not in self.connectors:
             raise ValueError(f"unknown environment {env!r}; this bridge serves: {', '.join(self.connectors)}")
-        if isinstance(self.connectors[env], RolloutFnConnector):
+        if isinstance(self.connectors[env], (RolloutFnConnector, HarnessConnector)):
             return None
         return EnvEpisodeHook(self, self.connectors[env], task, group_id)
 
-    def rollout_fn(self, env: str) -> RolloutFnConnector | None:
-        """`env`'s rollout function, if it has one."""
+    def rollout_fn(self, env: str) -> RolloutFnConnector | HarnessConnector | None:
+        """`env`'s episode function (`fn`, named by `label`), if it plays its own episodes: a rollout
+        function, or a harness environment."""
         connector = self.connectors.get(env)
-        return connector if isinstance(connector, RolloutFnConnector) else None
+        return connector if isinstance(connector, (RolloutFnConnector, HarnessConnector)) else None
 
     def metrics(self) -> dict[str, float]:
         out = {}

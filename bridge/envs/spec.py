@@ -35,8 +35,8 @@ class EnvConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
-    """One environment of a run. Exactly one of `bundled`, `url`, `env_class`, `rollout_fn` says where
-    it lives."""
+    """One environment of a run. Exactly one of `bundled`, `url`, `env_class`, `rollout_fn`, `harness`
+    says where it lives."""
 
     name: str = dataclasses.field(metadata={"help": "the name dataset rows and metrics use"})
     bundled: str | None = dataclasses.field(
@@ -53,6 +53,19 @@ class EnvSpec:
     env_kwargs: dict[str, Any] = dataclasses.field(
         default_factory=dict, metadata={"help": "env_class: keyword arguments of its constructor, e.g. {size: 5, "
                                                 "difficulty: hard} (each episode's instance is built with them)"})
+    harness: str | None = dataclasses.field(
+        default=None, metadata={"help": "a running OpenEnv server whose agent harness plays the episodes (its "
+                                        "WS /harness route, production mode), e.g. http://127.0.0.1:8000; the "
+                                        "harness calls the model at http://127.0.0.1:<harness_port>/v1 (see "
+                                        "bridge.envs.harness)"})
+    harness_port: int | None = dataclasses.field(
+        default=None, metadata={"help": "harness: the port of the bridge's OpenAI-compatible chat completions "
+                                        "endpoint on 127.0.0.1, the one the server's harness is configured to "
+                                        "call (the harness server runs on the bridge's machine)"})
+    harness_message: str = dataclasses.field(
+        default="{prompt}", metadata={"help": "harness: the user message that starts an episode, a Python format "
+                                              "string over the task's fields (default: a data file's prompt "
+                                              "column)"})
     action_class: str | None = dataclasses.field(
         default=None, metadata={"help": "env_class Environments: 'module:Action' when step() does not annotate it"})
     action: ActionMode = dataclasses.field(
@@ -108,10 +121,10 @@ class EnvSpec:
                                         "(default: a bundled environment's own)"})
 
     def __post_init__(self):
-        where = [k for k in ("bundled", "url", "env_class", "rollout_fn") if getattr(self, k)]
+        where = [k for k in ("bundled", "url", "env_class", "rollout_fn", "harness") if getattr(self, k)]
         if len(where) != 1:
             raise EnvConfigError(
-                f"environment {self.name!r}: set exactly one of bundled, url, env_class, rollout_fn (got "
+                f"environment {self.name!r}: set exactly one of bundled, url, env_class, rollout_fn, harness (got "
                 f"{', '.join(where) or 'none'})")
         if not self.name:
             raise EnvConfigError("an environment needs a name")
@@ -122,6 +135,19 @@ class EnvSpec:
             raise EnvConfigError(f"environment {self.name!r}: mixed_groups {self.mixed_groups!r} is not warn or error")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise EnvConfigError(f"environment {self.name!r}: url {self.url!r} must start with http:// or https://")
+        if self.harness and not self.harness.startswith(("http://", "https://")):
+            raise EnvConfigError(f"environment {self.name!r}: harness {self.harness!r} must start with http:// or "
+                                 "https://")
+        if self.harness:
+            object.__setattr__(self, "harness", self.harness.rstrip("/"))
+            if not isinstance(self.harness_port, int) or not 0 < self.harness_port < 65536:
+                raise EnvConfigError(f"environment {self.name!r}: a harness environment needs harness_port, the "
+                                     "port (1-65535) its server's harness calls the model on, got "
+                                     f"{self.harness_port!r}")
+            template_fields(self.harness_message, f"environment {self.name!r}: harness_message")
+        elif self.harness_port is not None:
+            raise EnvConfigError(f"environment {self.name!r}: harness_port is for harness environments; set "
+                                 "harness too, or drop harness_port")
         if self.url:  # `http://host:port/` names the same server; its routes are url + "/health", ...
             object.__setattr__(self, "url", self.url.rstrip("/"))
         if self.env_class and ":" not in self.env_class:
@@ -153,8 +179,8 @@ class EnvSpec:
             object.__setattr__(self, "observation_field", "text")
         if self.solver is None and self.bundled:
             object.__setattr__(self, "solver", self.bundled)
-        if self.solver is not None and self.rollout_fn:
-            raise EnvConfigError(f"environment {self.name!r}: a rollout_fn environment has no solver to play "
+        if self.solver is not None and (self.rollout_fn or self.harness):
+            raise EnvConfigError(f"environment {self.name!r}: a {where[0]} environment has no solver to play "
                                  "warm-start demonstrations; leave solver unset")
         if self.solver is not None and self.solver not in BUNDLED_NAMES:
             raise EnvConfigError(f"environment {self.name!r}: solver {self.solver!r} is not a bundled environment "
@@ -413,17 +439,19 @@ def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
 def first_prompt_ids(envs: dict[str, Any], tokenizer: Any, env: str, task: dict[str, Any]) -> list[int]:
     """The tokens an episode of `env` on `task` hands the engine first, as the bridge renders them
     (reset's observation, the task's prompt, the system prompt, the tools, the chat template); `envs`
-    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn environment
-    (it renders its own) and for what stops a bridge's start."""
+    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn or harness
+    environment (it renders its own) and for what stops a bridge's start."""
     from bridge.envs.runtime import runtime_from_dict
 
     async def render() -> list[int]:
         runtime = runtime_from_dict(envs, tokenizer)
+        own = runtime.rollout_fn(env)
+        if own is not None:  # before start: a harness's endpoint port may be a running bridge's
+            raise EnvConfigError(f"environment {env!r} is a {own.mode} environment: its "
+                                 f"{'harness' if own.mode == 'harness' else 'function'} builds its own prompts")
         try:
             await runtime.start()
             hook = runtime.hook(env, task)
-            if hook is None:
-                raise EnvConfigError(f"environment {env!r} is a rollout_fn: its function builds its own prompts")
             try:
                 return await hook.start()
             finally:

@@ -274,7 +274,8 @@ class DistributedConfig:
 class TrainConfig:
     run_dir: str = option("where checkpoints, snapshots, metrics and plots go")
     model: ModelConfig = option("the policy model")
-    envs: list[EnvSpec] = option("environments (name + one of bundled / url / env_class); see bridge.envs.spec")
+    envs: list[EnvSpec] = option("environments (name + one of bundled / url / env_class / rollout_fn / harness); see "
+                                 "bridge.envs.spec")
     steps: int = option("training steps (one batch each)", default=100)
     seed: int = option(
         "the run's seed: every episode samples with seeds derived from it and the episode's step, group and index; it "

@@ -57,8 +57,8 @@ def check_services(cfg: TrainConfig) -> None:
                 env_factory(spec, import_object(spec.env_class, f"environment {spec.name!r}: env_class"))
             elif spec.rollout_fn:
                 import_object(spec.rollout_fn, f"environment {spec.name!r}: rollout_fn")
-            elif spec.url:
-                _check_health(spec.url, spec.session.connect_timeout_s)
+            elif spec.url or spec.harness:
+                _check_health(spec.url or spec.harness, spec.session.connect_timeout_s)
         except EnvConfigError as e:  # names the environment already
             raise StartupError(str(e)) from None
         except OSError as e:

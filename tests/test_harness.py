@@ -1,0 +1,175 @@
+"""The `harness` environment kind against a real OpenEnv server serving a scripted harness on its
+`WS /harness` route (tests/workers/harness_server.py, started here): episodes assembled from the
+harness's model calls, token for token, with the environment's reward; a reply the harness cannot
+use is an error turn for the model; and one `jaxrl train` step through it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bridge.engines.base import PromptTooLong, SamplingParams
+from bridge.envs.harness import HarnessConnector, HarnessError, env_reward
+from bridge.envs.rollout_fn import run_rollout_fn
+from bridge.envs.spec import EnvSpec
+from bridge.tool_calls import get_parser
+from jaxrl.tiny_tokenizer import build_tokenizer
+from scripted_engine import ScriptedEngine, segments
+
+TOK = build_tokenizer()
+PARAMS = SamplingParams(max_tokens=16, stop_token_ids=(TOK.eos_token_id,), seed=5, max_total_tokens=200)
+WORKER = Path(__file__).parent / "workers" / "harness_server.py"
+ROOT = Path(__file__).parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def harness_server(llm_port: int):
+    proc = subprocess.Popen([sys.executable, str(WORKER), "--llm-port", str(llm_port)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ENV_LISTENING "), line
+        url = line.split()[1]
+        deadline = time.monotonic() + 60
+        while True:  # the socket is bound before uvicorn serves on it
+            try:
+                urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the harness server did not answer /health"
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    with harness_server(port) as url:
+        yield url, port
+
+
+def play(server, policy, message="Pick a digit.", seed=0, engine=ScriptedEngine):
+    url, port = server
+    spec = EnvSpec(name="agent", harness=url, harness_port=port, harness_message="{text}")
+    connector = HarnessConnector(spec, get_parser())
+
+    async def episode():
+        await connector.start()
+        try:
+            return await run_rollout_fn(connector.fn, connector.label, engine(TOK, policy), TOK, "g", 0,
+                                        "agent", {"text": message, "seed": seed}, PARAMS)
+        finally:
+            await connector.aclose()
+
+    return asyncio.run(episode())
+
+
+def test_an_episode_is_the_harnesss_calls_token_for_token_with_the_environments_reward(server):
+    # The first reply is one the harness cannot use: it says so to the model (an error turn) and asks again.
+    t = play(server, lambda p: "ANSWER: 7" if "answer again" in p else "no idea")
+    assert not t.error and t.finish_reason == "stop" and t.num_turns == 2
+    assert t.rewards == {"env": 1.0} and t.metrics["action_errors"] == 1.0
+    (m1, first), (m0, feedback), (m2, second) = segments(t)
+    assert (m1, m0, m2) == (1, 0, 1)
+    eos = TOK.eos_token_id
+    assert first == TOK.encode("no idea", add_special_tokens=False) + [eos]  # as the engine sampled them
+    assert second == TOK.encode("ANSWER: 7", add_special_tokens=False) + [eos]
+    assert "no 'ANSWER: <digit>'; answer again" in TOK.decode(feedback)
+    assert "Pick a digit." in TOK.decode(t.prompt_ids.tolist())
+    assert list(t.sampler_logprobs[t.loss_mask == 1]) == [-0.5] * (len(first) + len(second))
+    assert (t.sampler_logprobs[t.loss_mask == 0] == 0).all()
+
+
+def test_a_harness_that_never_gets_an_answer_still_ends_with_its_reward(server):
+    t = play(server, lambda p: "12 apples")
+    assert not t.error and t.num_turns == 3 and t.metrics["action_errors"] == 3.0
+    assert t.rewards["env"] == pytest.approx(2 / len("12 apples"))
+
+
+def test_a_harness_that_rewrites_its_history_ends_the_episode_saying_so(server):
+    t = play(server, lambda p: "nothing", message="Pick a digit, rewrite history.")
+    assert t.finish_reason == "error"
+    assert "model call 2 does not continue the conversation of the call before it" in t.error
+
+
+def test_a_call_the_endpoint_refused_is_named_in_the_episodes_error(server):
+    class Small(ScriptedEngine):
+        async def generate(self, prompts, params):
+            raise PromptTooLong(0, len(prompts[0]), 16)
+
+    t = play(server, str, engine=Small)
+    assert t.finish_reason == "error" and "failed the turn: harness turn failed; the chat endpoint had refused " \
+        "its call: prompt 0 has" in t.error and "but the engine holds 16 tokens per sequence" in t.error
+
+
+def test_a_task_without_the_messages_field_names_it():
+    spec = EnvSpec(name="agent", harness="http://127.0.0.1:1", harness_port=1, harness_message="{question}")
+    with pytest.raises(HarnessError, match=r"names 'question', which the task lacks \(its fields: seed\)"):
+        HarnessConnector(spec, get_parser()).message({"seed": 3})
+
+
+def test_a_server_without_a_harness_route_ends_the_episode_as_an_error():
+    from jaxrl.run.processes import EnvServerProcess
+
+    with EnvServerProcess.start("echo", max_concurrent_envs=2) as echo:
+        t = play((echo.url, free_port()), lambda p: "hi")
+    assert t.finish_reason == "error" and "InvalidStatus" in t.error
+
+
+@pytest.mark.parametrize("events, reward", [
+    ([{"type": "turn_complete", "data": {"reward": 0.5}}], 0.5),
+    ([{"type": "tool_result", "data": {"result": {"reward": 2}}}, {"type": "turn_complete", "data": {}}], 2.0),
+    ([{"type": "turn_complete", "data": {"response": "done"}}], None),
+])
+def test_the_reward_is_read_where_openenv_puts_it(events, reward):
+    assert env_reward(events) == reward
+
+
+def test_a_reward_that_is_not_a_number_names_it():
+    with pytest.raises(HarnessError, match="reported reward 'high', not a number"):
+        env_reward([{"type": "turn_complete", "data": {"reward": "high"}}])
+
+
+def test_one_training_step_through_a_real_harness_route(tmp_path):
+    import yaml
+    from jaxrl.run.tracking import read_metrics
+    from jaxrl.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", "qwen3")
+    port = free_port()
+    with harness_server(port) as url:
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump({
+            "run_dir": str(tmp_path / "run"), "model": {"dir": str(model_dir)},
+            "envs": [{"name": "agent", "harness": url, "harness_port": port,
+                      "harness_message": "Pick a digit ({seed})."}],
+            "steps": 1,
+            "rollout": {"groups_per_step": 2, "max_tokens": 8, "max_total_tokens": 96, "max_prompt_tokens": 96},
+            "learner": {"group_size": 4, "optimizer": {"learning_rate": 1e-3}},
+            "eval": {"episodes": 0}, "log": {"progress": False},
+        }))
+        proc = subprocess.run([sys.executable, "-m", "jaxrl.run.cli", "train", str(config)], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1
+    [row] = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    # the untrained model never writes "ANSWER: <digit>": the harness tells it so, and the episode goes on
+    assert row["step"] == 1 and row["completion/turns"] > 1 and row["env/agent/action_errors"] >= 1
