@@ -16,7 +16,10 @@ run_pytest() {
 }
 
 bash scripts/setup.sh test || exit 1
-run_pytest .venv/bin/python -m pytest -q --durations=30 --ignore=tests/vllm "$@"
+# Two workers (a test file stays on one: its module fixtures are built once), in conftest's order: a
+# serial run kept one of the machine's two cores idle half the time, waiting on the processes it started.
+run_pytest .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
+  --ignore=tests/vllm "$@"
 main_status=$?
 
 bash scripts/setup_vllm.sh || exit 1
