@@ -99,7 +99,9 @@ async def run_episode(
                 break
             traj.append(result.append_ids, [], False, ENV_VERSION)
             if traj.num_turns >= params.max_turns:
-                traj.finish_reason = "max_turns"
+                # Unanswered, the turn was cut by max_tokens (a "stop" ended the episode above): the
+                # episode ends by its length, and no one is told to raise rollout.max_turns.
+                traj.finish_reason = "max_turns" if result.append_ids else "length"
                 break
             if len(traj.completion_ids) >= budget:
                 traj.finish_reason = "length"

@@ -45,6 +45,14 @@ class ToolHook:
 PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
 
 
+class SilentHook(ToolHook):
+    """An environment that answers nothing and is not done (a TRL class without tools)."""
+
+    async def turn(self, completion_ids):
+        self.turns.append(list(completion_ids))
+        return TurnResult([], False, {})
+
+
 def test_single_turn_episode_is_the_engine_completion(engine):
     traj = asyncio.run(run_episode(engine, "g", 0, [1, 2, 3], PARAMS))
     [[direct]] = asyncio.run(engine.generate([[1, 2, 3]], dataclasses.replace(PARAMS, seed=derive_seed(0, 0))))
@@ -88,6 +96,12 @@ def test_each_turn_samples_with_a_seed_of_its_own(engine):
         [[direct]] = asyncio.run(engine.generate([context], dataclasses.replace(PARAMS, seed=seed)))
         assert direct.token_ids == turn
         context += turn + TOOL_RESULT
+
+
+def test_a_turn_cut_by_max_tokens_that_nothing_answers_ends_by_length_not_max_turns(engine):
+    traj = asyncio.run(run_episode(engine, "g", 0, [1], dataclasses.replace(PARAMS, max_turns=1), SilentHook()))
+    assert len(traj.completion_ids) == PARAMS.max_tokens and traj.num_turns == 1  # cut, not stopped
+    assert traj.finish_reason == "length"
 
 
 def test_episodes_end_at_max_turns_and_at_the_token_budget(engine):
