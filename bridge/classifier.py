@@ -10,7 +10,6 @@ transformers reads it (a template that ends turns with that token is read before
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.engines.base import read_off_loop
+from bridge.batching import Batcher
 from bridge.envs.render import prompt_ids
 from jaxrl.compilation import bucket
 from jaxrl.models import load_classifier, load_tokenizer
@@ -49,10 +48,8 @@ class RewardClassifier:
         self.graphdef, self.params = nnx.split(model)
         self.head_DxL = head_DxL
         self.max_seq_len = bucket(max_seq_len, MIN_BUCKET)
-        self.rows, self.batch_window_s = rows, batch_window_s
-        self._pending: list[tuple[list[int], asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self.stats = {"episodes": 0, "batches": 0, "score_s": 0.0}
+        self.rows = rows
+        self.batcher = Batcher(self._run, rows, batch_window_s)
         self._scores = jax.jit(self._last_token_scores)
         start = time.perf_counter()
         lengths = [MIN_BUCKET]
@@ -95,29 +92,4 @@ class RewardClassifier:
                              f"{self.max_seq_len} (the engine's max_seq_len): raise bridge.engine_kwargs.max_seq_len")
         if not ids:
             raise ValueError("the reward model's chat template rendered the conversation as no tokens")
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((ids, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._serve())
-        return await future
-
-    async def _serve(self) -> None:
-        """Runs the pending conversations `rows` at a time, off the event loop, until none is left."""
-        while self._pending:
-            if len(self._pending) < self.rows:
-                await asyncio.sleep(self.batch_window_s)  # episodes of a group finish close together
-            batch, self._pending = self._pending[:self.rows], self._pending[self.rows:]
-            start = time.perf_counter()
-            try:
-                results = await read_off_loop(self._run, [ids for ids, _ in batch])
-            except Exception as e:  # every episode of the batch learns why
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-                continue
-            self.stats["batches"] += 1
-            self.stats["episodes"] += len(batch)
-            self.stats["score_s"] += time.perf_counter() - start
-            for (_, future), value in zip(batch, results):
-                if not future.done():
-                    future.set_result(value)
+        return await self.batcher.submit(ids)

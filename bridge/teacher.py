@@ -8,7 +8,6 @@ distillation advantage (`jaxrl.losses`, `distill_weight`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.engines.base import read_off_loop
+from bridge.batching import Batcher
 from jaxrl.logprobs import chunked_logprobs
 from jaxrl.models import load_pretrained
 
@@ -35,10 +34,8 @@ class Teacher:
             raise ValueError(f"teacher {model_dir}: a vocabulary of {model.cfg.vocab_size} tokens, the student's has "
                              f"{vocab_size}; the teacher must share the student's tokenizer")
         self.graphdef, self.params = nnx.split(model)
-        self.max_seq_len, self.rows, self.batch_window_s = max_seq_len, rows, batch_window_s
-        self._pending: list[tuple[list[int], asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self.stats = {"episodes": 0, "batches": 0, "score_s": 0.0}
+        self.max_seq_len, self.rows = max_seq_len, rows
+        self.batcher = Batcher(self._run, rows, batch_window_s)
         self._logprobs = jax.jit(self._next_token_logprobs)
         start = time.perf_counter()
         self._run([[0]])  # compiles the one program
@@ -67,30 +64,5 @@ class Teacher:
         n = len(prompt_ids) + len(completion_ids)
         if n > self.max_seq_len:
             raise ValueError(f"an episode of {n} tokens is longer than the teacher's {self.max_seq_len}")
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((list(prompt_ids) + list(completion_ids), future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._serve())
-        logp = await future
+        logp = await self.batcher.submit(list(prompt_ids) + list(completion_ids))
         return logp[len(prompt_ids) - 1:].astype(np.float32)
-
-    async def _serve(self) -> None:
-        """Runs the pending episodes `rows` at a time, off the event loop, until none is left."""
-        while self._pending:
-            if len(self._pending) < self.rows:
-                await asyncio.sleep(self.batch_window_s)  # episodes of a group finish close together
-            batch, self._pending = self._pending[:self.rows], self._pending[self.rows:]
-            start = time.perf_counter()
-            try:
-                results = await read_off_loop(self._run, [seq for seq, _ in batch])
-            except Exception as e:  # every episode of the batch learns why
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-                continue
-            self.stats["batches"] += 1
-            self.stats["episodes"] += len(batch)
-            self.stats["score_s"] += time.perf_counter() - start
-            for (_, future), logp in zip(batch, results):
-                if not future.done():
-                    future.set_result(logp)

@@ -53,7 +53,7 @@ def test_scores_equal_transformers_on_the_conversation_its_chat_template_renders
 
     scores = asyncio.run(score_all())
     assert compiles() == before, "the classifier compiled its programs before the first conversation"
-    assert classifier.stats["episodes"] == 5 and classifier.stats["batches"] == 2  # 4 rows, then 1
+    assert classifier.batcher.stats["episodes"] == 5 and classifier.batcher.stats["batches"] == 2  # 4 rows, then 1
     reference = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir)
     for conversation, score in zip(CONVERSATIONS, scores):
         ids = classifier.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)

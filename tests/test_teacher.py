@@ -30,7 +30,7 @@ def test_the_teacher_scores_each_completion_token_as_the_learner_does(model_dir)
 
     scores = asyncio.run(score_all())
     assert compiles() == before, "the teacher compiled its program before the first episode"
-    assert teacher.stats["episodes"] == 6 and teacher.stats["batches"] == 2  # 4 rows, then 2
+    assert teacher.batcher.stats["episodes"] == 6 and teacher.batcher.stats["batches"] == 2  # 4 rows, then 2
     model = load_pretrained(model_dir)
     for (prompt, completion), logp in zip(episodes, scores):
         ref, _ = completion_logprobs(model, np.asarray([prompt]), np.ones((1, len(prompt)), np.int32),
