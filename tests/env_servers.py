@@ -4,6 +4,10 @@ freeze one, play an episode on its own session, see that no session is left acti
 import contextlib
 import os
 import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -56,3 +60,26 @@ async def solve_episode(endpoint, seed):
 
 def idle(endpoint):
     return endpoint.metrics["sessions_active"] == 0
+
+
+@contextlib.contextmanager
+def worker_server(*command: str):
+    """A server started by `command`, which prints "ENV_LISTENING URL" once bound: its process and URL
+    once /health answers (the socket is bound before uvicorn serves on it); terminated at the end."""
+    proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ENV_LISTENING "), line
+        url = line.split()[1]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{command[0]} did not answer /health"
+                time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.terminate()
+        proc.wait(10)

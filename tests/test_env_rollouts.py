@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from bridge.server import serve
 from bridge.wire import BridgeLaunch, PromptGroup
 from jaxrl.tiny import build_tiny_model
 from jaxrl.tiny_tokenizer import build_tokenizer
+from env_servers import worker_server
 from scripted_engine import TOKEN, ScriptedEngine, guess_number_policy, tool_call
 
 WORKER = Path(__file__).parent / "workers" / "custom_env_server.py"
@@ -111,25 +111,8 @@ def test_bad_environment_config_fails_at_bridge_start_up(tmp_path):
 # -- the generic URL path: environments this project does not know -------------------------------
 
 
-@contextlib.contextmanager
 def custom_server(name: str, *args: str):
-    proc = subprocess.Popen([sys.executable, str(WORKER), name, *args], stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("ENV_LISTENING "), line
-        url = line.split()[1]
-        deadline = time.monotonic() + 60
-        while True:  # the socket is bound before uvicorn serves on it
-            try:
-                urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "custom environment server did not answer /health"
-                time.sleep(0.2)
-        yield proc, url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return worker_server(str(WORKER), name, *args)
 
 
 @contextlib.contextmanager

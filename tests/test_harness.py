@@ -11,18 +11,19 @@ import json
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+import websockets
 
 from bridge.engines.base import PromptTooLong, SamplingParams
+from bridge.envs import harness
 from bridge.envs.harness import HarnessConnector, HarnessError, env_reward
 from bridge.envs.rollout_fn import run_rollout_fn
 from bridge.envs.spec import EnvSpec
 from bridge.tool_calls import get_parser
 from jaxrl.tiny_tokenizer import build_tokenizer
+from env_servers import worker_server
 from scripted_engine import ScriptedEngine, segments
 
 TOK = build_tokenizer()
@@ -39,24 +40,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def harness_server(llm_port: int):
-    proc = subprocess.Popen([sys.executable, str(WORKER), "--llm-port", str(llm_port)], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("ENV_LISTENING "), line
-        url = line.split()[1]
-        deadline = time.monotonic() + 60
-        while True:  # the socket is bound before uvicorn serves on it
-            try:
-                urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the harness server did not answer /health"
-                time.sleep(0.2)
+    with worker_server(str(WORKER), "--llm-port", str(llm_port)) as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +51,20 @@ def server():
         yield url, port
 
 
-def play(server, policy, message="Pick a digit.", seed=0, engine=ScriptedEngine):
+async def episode(server, policy, message="Pick a digit.", seed=0, engine=ScriptedEngine):
     url, port = server
     spec = EnvSpec(name="agent", harness=url, harness_port=port, harness_message="{text}")
     connector = HarnessConnector(spec, get_parser())
+    await connector.start()
+    try:
+        return await run_rollout_fn(connector.fn, connector.label, engine(TOK, policy), TOK, "g", 0,
+                                    "agent", {"text": message, "seed": seed}, PARAMS)
+    finally:
+        await connector.aclose()
 
-    async def episode():
-        await connector.start()
-        try:
-            return await run_rollout_fn(connector.fn, connector.label, engine(TOK, policy), TOK, "g", 0,
-                                        "agent", {"text": message, "seed": seed}, PARAMS)
-        finally:
-            await connector.aclose()
 
-    return asyncio.run(episode())
+def play(server, policy, **kwargs):
+    return asyncio.run(episode(server, policy, **kwargs))
 
 
 def test_an_episode_is_the_harnesss_calls_token_for_token_with_the_environments_reward(server):
@@ -96,6 +81,29 @@ def test_an_episode_is_the_harnesss_calls_token_for_token_with_the_environments_
     assert "Pick a digit." in TOK.decode(t.prompt_ids.tolist())
     assert list(t.sampler_logprobs[t.loss_mask == 1]) == [-0.5] * (len(first) + len(second))
     assert (t.sampler_logprobs[t.loss_mask == 0] == 0).all()
+
+
+def test_a_session_the_server_has_not_freed_yet_is_waited_for(server, monkeypatch):
+    # The server frees a session after its socket has closed: the next episode can find it still taken
+    # (under load, most of a group's episodes did). Here another client holds it until the first refusal.
+    refusals = []
+
+    def noted(attempt, first_s, max_s):
+        refusals.append(attempt)
+        return 0.01
+
+    monkeypatch.setattr(harness, "backoff_s", noted)
+
+    async def held_then_freed():
+        async with websockets.connect(server[0].replace("http", "ws", 1) + "/harness") as held:
+            assert json.loads(await held.recv())["type"] == "session_started"
+            playing = asyncio.create_task(episode(server, lambda p: "ANSWER: 7"))
+            while not refusals and not playing.done():
+                await asyncio.sleep(0.01)
+        return await playing
+
+    t = asyncio.run(held_then_freed())
+    assert refusals and not t.error and t.rewards == {"env": 1.0}
 
 
 def test_a_harness_that_never_gets_an_answer_still_ends_with_its_reward(server):

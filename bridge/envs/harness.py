@@ -28,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from typing import Any
 
 import websockets
 
 from bridge.envs.chat_endpoint import ChatEndpoint
+from bridge.envs.endpoint import CAPACITY_REACHED
 from bridge.envs.rollout_fn import Episode, GenerationHandle, Turn
+from bridge.envs.session import backoff_s
 from bridge.envs.spec import EnvSpec
 from bridge.tool_calls import ToolCallParser
 
@@ -86,25 +89,37 @@ class HarnessConnector:
                                "fix harness_message or the data file's columns") from None
 
     async def play(self, message: str) -> list[dict[str, Any]]:
-        """The events of one harness turn on a fresh session, through `turn_complete`."""
+        """The events of one harness turn on a fresh session, through `turn_complete`. The server frees
+        the previous episode's session only after its socket has closed: a refusal at capacity is
+        waited out (session.capacity_* back-off) rather than fail the episode."""
         url = "ws" + self.spec.harness[len("http"):] + "/harness"
         session = self.spec.session
-        async with websockets.connect(url, open_timeout=session.connect_timeout_s, max_size=None,
-                                      ping_interval=session.ping_interval_s,
-                                      ping_timeout=session.ping_timeout_s) as ws:
-            started = json.loads(await ws.recv())
-            if started.get("type") != "session_started":
+        deadline, attempt = time.monotonic() + session.capacity_wait_s, 0
+        while True:
+            async with websockets.connect(url, open_timeout=session.connect_timeout_s, max_size=None,
+                                          ping_interval=session.ping_interval_s,
+                                          ping_timeout=session.ping_timeout_s) as ws:
+                started = json.loads(await ws.recv())
+                if started.get("type") == "session_started":
+                    return await self._turn(ws, url, message)
+            at_capacity = (started.get("data") or {}).get("code") == CAPACITY_REACHED
+            if not at_capacity or time.monotonic() >= deadline:
                 raise HarnessError(f"{url} refused the session: {_said(started)}")
-            await ws.send(json.dumps({"type": "message", "content": message}))
-            events = []
-            async for frame in ws:
-                event = json.loads(frame)
-                events.append(event)
-                if event.get("type") == "turn_complete":
-                    return events
-                if event.get("type") == "protocol_error" or (
-                        event.get("type") == "error" and not event.get("data", {}).get("recoverable")):
-                    raise HarnessError(f"the harness at {url} failed the turn: {_said(event)}")
+            await asyncio.sleep(backoff_s(attempt, session.capacity_backoff_s, session.capacity_backoff_max_s))
+            attempt += 1
+
+    @staticmethod
+    async def _turn(ws, url: str, message: str) -> list[dict[str, Any]]:
+        await ws.send(json.dumps({"type": "message", "content": message}))
+        events = []
+        async for frame in ws:
+            event = json.loads(frame)
+            events.append(event)
+            if event.get("type") == "turn_complete":
+                return events
+            if event.get("type") == "protocol_error" or (
+                    event.get("type") == "error" and not event.get("data", {}).get("recoverable")):
+                raise HarnessError(f"the harness at {url} failed the turn: {_said(event)}")
         raise HarnessError(f"{url} closed the session before turn_complete")
 
 
