@@ -856,6 +856,7 @@ def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int, widt
     return tokenizer.decode(answer, skip_special_tokens=True)
 
 
+@pytest.mark.timeout(900)  # three models compiled besides the policy's: ~45 s quiet, past 300 s beside 3 others
 def test_a_run_with_a_classifier_and_judges_rewards_them_as_the_models_do_outside_it(model_dir, tmp_path):
     from bridge.classifier import RewardClassifier
     from bridge.envs.spec import RewardSpec
