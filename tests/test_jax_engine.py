@@ -11,6 +11,7 @@ from flax import nnx
 
 from bridge.engines.base import SamplingParams, SnapshotRefused
 from bridge.engines.jax_engine import JaxEngine
+from bridge.engines.scheduler import MIN_BATCH
 from jaxrl.compilation import compiles
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import load_pretrained
@@ -71,20 +72,20 @@ def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_d
 
 
 def test_one_program_per_batch_size_compiled_by_the_warm_up(model_dir, tmp_path):
-    engine = JaxEngine(model_dir, max_batch=4, max_seq_len=128, prefill_chunk=16, warm_up=True)
-    assert engine.shapes.batches() == [1, 2, 4]
+    engine = JaxEngine(model_dir, max_batch=2 * MIN_BATCH, max_seq_len=128, prefill_chunk=16, warm_up=True)
+    assert engine.shapes.batches() == [MIN_BATCH, 2 * MIN_BATCH]
     before = compiles()
-    for length, max_tokens, n in ((3, 5, 1), (40, 2, 3), (100, 20, 2), (7, 60, 4)):
+    for length, max_tokens, n in ((3, 5, 1), (40, 2, 3), (100, 20, 2), (7, 60, 12)):
         run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=max_tokens, seed=0, n=n)))
-    more = run(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=9, seed=0, n=3)))  # 6 rows, 4 slots
-    assert [[len(c.token_ids) for c in group] for group in more] == [[9] * 3] * 2
+    more = run(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=9, seed=0, n=9)))  # 18 rows, 16 slots
+    assert [[len(c.token_ids) for c in group] for group in more] == [[9] * 9] * 2
     assert compiles() == before
     model = load_pretrained(model_dir)  # generation with swapped-in weights compiles nothing either
     with contextlib.closing(SnapshotWriter(tmp_path, model.cfg)) as writer:
         writer.publish(nnx.split(model)[1], 1)
     run(engine.load_snapshot(str(tmp_path), 1))
     before = compiles()
-    for n in (1, 2, 4):
+    for n in (1, 9):
         run(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0, n=n)))
     assert compiles() == before
 

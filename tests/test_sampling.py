@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from bridge.engines.sampler import Shapes, Slots
-from bridge.engines.scheduler import Row
+from bridge.engines.scheduler import MIN_BATCH, Row
 from jaxrl.models import Decoder, KVCache, positions_from_mask
 from jaxrl.tiny import tiny_config
 
@@ -205,27 +205,28 @@ def test_a_row_samples_the_same_tokens_alone_batched_or_from_the_prefix_cache(mo
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_row_inserted_into_running_slots_samples_what_it_samples_alone(model, temperature):
-    """Rows join and leave the slots around the target: it is inserted while three rows run,
+    """Rows join and leave the slots around the target: it is inserted while eleven rows run,
     they end while it runs (and it moves down to the first slot), and new rows join after."""
     graphdef, params = nnx.split(model)
     target = Row([7, 8, 9, 10, 11], 12, 2**40 + 5, temperature)
     [alone] = run(model, [Row(target.prompt, 12, target.seed, temperature)])
-    slots = slots_for(model)
-    slots.add([Row([1, 2, 3], 4, 1), Row(list(range(1, 12)), 5, 2), Row([4], 6, 3)])
+    slots = slots_for(model, Shapes(max_seq_len=32, chunk=4, max_batch=2 * MIN_BATCH, decode_steps=3))
+    others = [Row([1 + i % 5, 2, 3][:1 + i % 3], 4 + i % 3, i) for i in range(MIN_BATCH + 3)]
+    slots.add(others)
     slots.step(graphdef, params, 0)
     slots.add([target])
     slots.step(graphdef, params, 0)
-    # Inserted into the last free slot (a row's lists are filled when it ends).
-    assert slots.rows[3] is target and slots.scheduler.length[3] == 3
+    # Inserted into the first free slot (a row's lists are filled when it ends).
+    assert slots.rows[len(others)] is target and slots.scheduler.length[len(others)] == 3
     while len([r for r in slots.rows if r is not None]) > 1:
         slots.step(graphdef, params, 0)
     slots.step(graphdef, params, 0)
-    assert slots.rows[0] is target  # moved down: one slot decoded
+    assert slots.rows[0] is target  # moved down: MIN_BATCH slots decoded, not 2 * MIN_BATCH
     slots.add([Row([3, 1], 6, 9), Row([2, 2, 2], 3, 10)])
     while slots.busy():
         slots.step(graphdef, params, 0)
     same(target, alone)
-    assert slots.stats["rows"] == 6
+    assert slots.stats["rows"] == len(others) + 3
 
 
 def test_a_dropped_row_frees_its_slot_for_a_waiting_one(model):

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from bridge.engines.scheduler import PrefixIndex, Row, Scheduler, prefill_order
+from bridge.engines.scheduler import MIN_BATCH, PrefixIndex, Row, Scheduler, prefill_order
 
 
 def output(plan, sampled: dict[int, list[int]], live: set[int], logp: float = -0.5):
@@ -29,7 +29,7 @@ def test_new_rows_take_the_first_slots_and_the_decode_batch_is_a_power_of_two():
     rows = [Row([1, 2, 3], 4, seed=i) for i in range(3)]
     s.add(rows)
     plan = s.schedule(version=0)
-    assert plan.batch == 4 and plan.new == rows
+    assert plan.batch == 8 and plan.new == rows  # MIN_BATCH
     assert plan.slot.tolist() == [0, 1, 2] and plan.cached.tolist() == [0, 3, 3]
     assert plan.leader.tolist() == [0, 0, 0]  # one prompt: the first row prefills it for the others
     assert len(plan.save_slot) == len(plan.move_from) == 0 and s.rows[:3] == rows
@@ -45,22 +45,23 @@ def test_output_becomes_tokens_versions_and_ended_rows():
     assert stop.logprobs == [-0.5, -0.5] and long.tokens == []  # a row's lists are filled when it ends
     plan = s.schedule(version=4)  # new weights: the first token came from logits of version 3
     assert plan.save_slot.tolist() == [0] and plan.save_row.tolist() == [s.prefix.scratch]
-    assert plan.move_from.tolist() == [1] and plan.move_to.tolist() == [0] and plan.batch == 1
-    assert s.update_from_output(plan, *output(plan, {0: [3, 3, 3]}, live=set()), version=4) == [long]
+    assert plan.move_from.tolist() == [] and plan.batch == 4  # MIN_BATCH past max_batch: nothing to move down
+    assert s.update_from_output(plan, *output(plan, {1: [3, 3, 3]}, live=set()), version=4) == [long]
     assert long.tokens == [1, 2, 3, 3, 3] and long.versions == [3, 3, 3, 4, 4] and long.finish_reason == "length"
 
 
 def test_live_rows_move_down_into_the_first_slots():
-    s = Scheduler(max_batch=4, max_seq_len=64, pool_rows=0)
-    rows = [Row([i + 1], 9, seed=i) for i in range(4)]
+    s = Scheduler(max_batch=16, max_seq_len=64, pool_rows=0)
+    rows = [Row([i + 1], 9, seed=i) for i in range(16)]
     s.add(rows)
     plan = s.schedule(0)
-    s.update_from_output(plan, *output(plan, {0: [1], 1: [1], 2: [1], 3: [1]}, live={3}), 0)
+    assert plan.batch == 16
+    s.update_from_output(plan, *output(plan, {i: [1] for i in range(16)}, live={12}), 0)
     plan = s.schedule(0)
-    assert plan.batch == 1 and plan.save_slot.tolist() == [0, 1, 2]
-    assert (plan.move_from.tolist(), plan.move_to.tolist()) == ([3], [0]) and s.rows[0] is rows[3]
+    assert plan.batch == MIN_BATCH and plan.save_slot.tolist() == [i for i in range(16) if i != 12]
+    assert (plan.move_from.tolist(), plan.move_to.tolist()) == ([12], [0]) and s.rows[0] is rows[12]
     s.update_from_output(plan, *output(plan, {0: [7, 8]}, live=set()), 0)
-    assert rows[3].tokens == [1, 7, 8]  # the tokens moved with the row
+    assert rows[12].tokens == [1, 7, 8]  # the tokens moved with the row
 
 
 def test_a_next_turn_reuses_its_episodes_pool_row_in_place():
@@ -148,3 +149,8 @@ def test_prefill_order_puts_leaders_with_work_first_in_blocks():
                                           real_rows=12, chunk=4, width=16)
     assert order[:8].tolist() == [0, 2, 4, 5, 6, 7, 8, 10]  # padding (rows 12 on) prefills nothing
     assert steps == 6 and block_I[:6].tolist() == [0, 0, 1, 2, 3, 3]  # blocks of two: each its longest rest
+
+
+def test_a_tick_runs_a_power_of_two_of_rows_from_min_batch_up_to_max_batch():
+    assert [Scheduler(64, 64, 0).batch(n) for n in (1, 8, 9, 17, 64)] == [MIN_BATCH, 8, 16, 32, 64]
+    assert Scheduler(4, 64, 0).batch(1) == 4  # never past max_batch

@@ -47,9 +47,15 @@ class Row:
     finish_reason: str | None = None  # "stop" or "length" once it ended
 
 
+# The fewest rows a tick runs: a decode step of one row costs about what one of eight does (the
+# call's overhead on a CPU, the weights' reads on an accelerator), and every smaller size would be
+# two more programs to compile before serving.
+MIN_BATCH = 8
+
+
 def bucket(n: int) -> int:
-    """The power of two at or above n (n >= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
+    """The power of two at or above n (n >= 1), and at least MIN_BATCH."""
+    return max(MIN_BATCH, 1 << max(n - 1, 0).bit_length())
 
 
 def prefill_block_rows(batch: int) -> int:
