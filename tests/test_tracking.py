@@ -107,6 +107,20 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     assert ("reward/mean", 2, 0.75) in scalars
 
 
+def test_tensorboard_costs_a_run_no_pytorch_import_and_leaves_torch_importable(tmp_path):
+    code = f"""
+import sys
+from jaxrl.run.tracking import MetricsLogger
+with MetricsLogger({str(tmp_path)!r}) as logger:
+    logger.log(1, {{"reward/mean": 0.5}})
+assert "torch" not in sys.modules, "tensorboardX imported torch"
+import torch
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("reward/mean", 1, 0.5) in _tensorboard_scalars(tmp_path)
+
+
 def test_wandb_gets_the_metrics_when_configured(tmp_path, monkeypatch):
     calls = []
 

@@ -31,6 +31,21 @@ from tqdm import tqdm
 from jaxrl.run.run_dir import RunDir
 
 
+def _summary_writer(logdir: Path, purge_step: int | None):
+    """tensorboardX's writer, imported with PyTorch hidden: where torch is installed tensorboardX
+    imports it (~2 s of CPU at every run's start) only to accept torch tensors, which jaxrl never
+    logs. A process that has imported torch already keeps it."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter(str(logdir), purge_step=purge_step)
+
+
 class MetricsLogger:
     """Logs each step's metrics to RUN/metrics.jsonl, TensorBoard and optionally W&B.
 
@@ -54,10 +69,7 @@ class MetricsLogger:
         self._samples = open(samples_path, "a")
         self._tensorboard = None
         if tensorboard:
-            # tensorboardX imports torch when it is installed (~1 s): only pay that when asked.
-            from tensorboardX import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
+            self._tensorboard = _summary_writer(self.run_dir / "tensorboard", resume_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records `metrics` (numbers: Python, NumPy or JAX scalars) at `step`."""
