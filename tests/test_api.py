@@ -1,7 +1,10 @@
 """The Python API: configs built in code with the CLI's validation, and a script's own loop over a
-real bridge process (generate, episodes, batch, update, publish, evaluate, save and load)."""
+real bridge process (generate, episodes, batch, update, publish, evaluate, save and load), LoRA's
+included."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import numpy as np
@@ -60,3 +63,26 @@ def test_a_scripts_own_loop_over_a_bridge(tmp_path):
     assert api.load_learner(fresh, tmp_path / "ckpt") == 1
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(fresh.state.params),
                                                     jax.tree.leaves(learner.state.params)))
+
+
+def test_a_scripts_lora_adapters_name_the_model_its_bridge_serves(tmp_path):
+    """Published adapters name the model the bridge serves as their base: model.dir, also for a config
+    whose `jaxrl train` would put them over its warm-started model (a script warm-starts nothing)."""
+    from jaxrl.snapshots import SnapshotReader
+
+    model_dir = build_tiny_model(tmp_path / "tiny", "qwen3")
+    cfg = api.config({**base(tmp_path, model_dir), "envs": [{**ECHO, "solver": "echo"}]},
+                     {"compilation_cache": None, "learner.lora": {"rank": 4, "alpha": 8}, "sft.steps": 2,
+                      "sft.train_all": True})
+    assert cfg.full_warm_start
+    learner = api.make_learner(cfg)
+    with api.start_bridge(cfg) as bridge:
+        groups = bridge.episodes(step=0)
+        learner.update(api.rl_batch([t for g in groups for t in g], cfg, bridge.tokenizer.pad_token_id))
+        version = bridge.publish(learner)
+        assert bridge.episodes(step=1)[0][0].policy_version == version == 2
+    served = re.search(r"engine on model (\S+) \(LoRA adapters over it\)",
+                       (tmp_path / "run" / "logs" / "bridge.log").read_text())
+    adapters = SnapshotReader(tmp_path / "run" / "snapshots").load(version)
+    assert adapters.adapter_config["r"] == 4 and all(".lora_A." in n or ".lora_B." in n for n in adapters.tensors)
+    assert served is not None and adapters.adapter_config["base_model_name_or_path"] == served[1] == str(model_dir)

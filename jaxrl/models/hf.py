@@ -231,13 +231,15 @@ def read_safetensors(path: str | Path) -> dict[str, jax.Array]:
     return tensors
 
 
+def load_model_config(path: str | Path, param_dtype: str | None = None, dtype: str | None = None) -> ModelConfig:
+    """The config of a Hugging Face model directory, as `load_pretrained` builds its model."""
+    cfg = ModelConfig.from_hf(read_config(path), source=str(Path(path) / "config.json"))
+    return cfg.replace(**{k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v})
+
+
 def load_pretrained(path: str | Path, param_dtype: str | None = None, dtype: str | None = None) -> Decoder:
     """Loads a Hugging Face model directory; dtypes default to the checkpoint's."""
-    hf_config = read_config(path)
-    cfg = ModelConfig.from_hf(hf_config, source=str(Path(path) / "config.json"))
-    overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
-    cfg = cfg.replace(**overrides)
-    return from_hf_tensors(cfg, read_safetensors(path), source=str(path))
+    return from_hf_tensors(load_model_config(path, param_dtype, dtype), read_safetensors(path), source=str(path))
 
 
 def load_classifier(path: str | Path, dtype: str | None = None) -> tuple[Decoder, jax.Array]:

@@ -252,7 +252,8 @@ def _eval(args) -> int:
         cfg, snapshot = found
         from bridge.client import BridgeError
         from bridge.envs.spec import RewardError, RolloutFnError
-        from jaxrl.run.evaluation import EvaluationFailed, evaluate_weights
+        from jaxrl.run.api import evaluate_weights
+        from jaxrl.run.evaluation import EvaluationFailed
         from jaxrl.run.processes import ChildStartError
         from jaxrl.run.run_dir import RunDir
         from jaxrl.run.services import StartupError
@@ -340,10 +341,10 @@ def _env_prompt(args) -> int:
         handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
     from bridge.envs.spec import EnvConfigError, first_prompt_ids
     from jaxrl.models import load_tokenizer
+    from jaxrl.run.api import ensure_model
     from jaxrl.run.services import StartupError
     from jaxrl.run.supervision import EnvServers
     from jaxrl.run.tasks import TaskError, TaskSource
-    from jaxrl.run.train import ensure_model
 
     if args.task < 0:
         print(f"jaxrl env prompt: error: --task {args.task}: a task is numbered from 0 (the run's first group)",

@@ -10,21 +10,16 @@ reported, never scored as failures; an evaluation in which every episode errored
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 
-from jaxrl.compilation import use_persistent_cache
-from jaxrl.models import load_tokenizer
 from jaxrl.run.collection import check_rewards, most_common_error
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
 from jaxrl.run.rollout_client import RolloutClient
-from jaxrl.run.services import bridge_token, check_services, start_services
-from jaxrl.run.tasks import Task, TaskSource
+from jaxrl.run.tasks import Task
 
 
 class EvaluationFailed(RuntimeError):
@@ -82,27 +77,3 @@ def evaluate(client: RolloutClient, tasks: list[Task], cfg: TrainConfig, version
         turns=float(np.mean([t.num_turns for t in episodes])) if episodes else math.nan,
         finish_reasons=dict(collections.Counter(t.finish_reason for t in episodes)))
 
-
-def evaluate_weights(cfg: TrainConfig, logs: Path, snapshot: tuple[Path, int] | None = None,
-                     env: str | None = None, split: str = "test", model_dir: Path | None = None) -> EvalResult:
-    """`jaxrl eval`: the run's services started on `model_dir` (default `model.dir`; a LoRA run's
-    adapters sit on `jaxrl.run.warm_start.lora_base`), logs in `logs`, the bridges given snapshot
-    `(directory, version)` if any, then the held-out tasks of `env` (default: every environment, as
-    `jaxrl train` evaluates) from `split`."""
-    check_services(cfg)
-    model_dir = Path(model_dir or cfg.model.dir)
-    tokenizer = load_tokenizer(model_dir)
-    bridge_env = use_persistent_cache(cfg.compilation_cache)
-    token = bridge_token(cfg)
-    with contextlib.ExitStack() as stack:
-        root = snapshot[0] if snapshot is not None else None
-        started = start_services(cfg, model_dir, logs, stack, token, root, bridge_env)
-        client = RolloutClient(started.addresses, cfg.bridge, token, started.bridges, timeout_s=cfg.rollout_timeout_s,
-                               streamed_groups=cfg.streamed_groups)
-        stack.callback(client.close)
-        version = 0
-        if snapshot is not None:
-            client.load_snapshot(str(snapshot[0]), snapshot[1])
-            version = snapshot[1]
-        tasks = TaskSource(cfg).held_out(env, split=split)
-        return evaluate(client, tasks, cfg, version, (tokenizer.eos_token_id,))

@@ -26,12 +26,12 @@ children's logs in RUN/logs/process-<i>/. A run resumes on any process count.
 `train` is the spine, read top to bottom as a run goes (check, start, train, finish), with the
 order in which everything shuts down in one place; `_train_steps` is one step's phases (rollouts,
 update, publish and evaluate, log and checkpoint). State lives in local variables and return
-values: `_Job` holds what never changes during a run, `_Publisher` the version the bridges serve.
+values: `_Job` holds what never changes during a run, its `jaxrl.run.api.Bridge` the version the
+bridges serve. Starting the services, publishing and evaluating are the API's, as a script's are.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -48,45 +48,41 @@ from flax import nnx
 
 from bridge.client import BridgeClient
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
-from jaxrl.compilation import compiles, programs, use_persistent_cache
+from jaxrl.compilation import compiles, programs
 from jaxrl.learner import Learner
-from jaxrl.models import load_pretrained, load_tokenizer
+from jaxrl.models import load_pretrained
 from jaxrl.models.lora import adapter_config, add_lora
 from jaxrl.run import report
+from jaxrl.run.api import SNAPSHOTS_KEPT, Bridge, ensure_model, open_bridge
 from jaxrl.run.batches import prompt_width, rl_batch
 from jaxrl.run.collection import Collector, EnvironmentsDown, Share, StepRollouts, rollout_metrics
 from jaxrl.run.config import DistributedConfig, TrainConfig
 from jaxrl.run.distributed import Exchange, exchange_step, initialize, share_of
-from jaxrl.run.evaluation import evaluate
 from jaxrl.run.record import record_session
 from jaxrl.run.rewards import RewardWeights, SignalWatch
 from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
-from jaxrl.run.services import StartupError, bridge_token, check_services, start_services
+from jaxrl.run.services import StartupError, check_services
 from jaxrl.run.stopping import GracefulStop
-from jaxrl.run.supervision import EnvServers
-from jaxrl.run.tasks import TaskSource, checked_tasks
+from jaxrl.run.tasks import checked_tasks
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows
 from jaxrl.run.typed_config import dump_yaml
 from jaxrl.run.warm_start import demonstrations, lora_base, warm_start, write_base_model
 from jaxrl.sharding import make_mesh
-from jaxrl.snapshots import SnapshotWriter, copy_snapshot, delete_snapshot, snapshot_versions
+from jaxrl.snapshots import copy_snapshot, delete_snapshot, snapshot_versions
 
 log = logging.getLogger("jaxrl.train")
-SNAPSHOTS_KEPT = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """What the phases of one run read; nothing in it changes while the run trains."""
+    """What the phases of one run read; nothing in it changes while the run trains but the version
+    its bridge serves."""
 
     cfg: TrainConfig
     run: RunDir
     ckpt: TrainCheckpointer
-    client: RolloutClient
-    tasks: TaskSource
-    tokenizer: Any
-    env_servers: EnvServers  # the bundled environment servers, restarted when they die
+    bridge: Bridge  # the bridges, the bundled environment servers (restarted when they die), the tasks
     share: Share  # this process's groups of every step (all of them with one process)
     out: Any
 
@@ -96,61 +92,40 @@ class _Job:
         return jax.process_index() == 0
 
     @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return (self.tokenizer.eos_token_id,)
-
-    @property
     def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        tokenizer = self.bridge.tokenizer
+        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def evaluate(self, version: int, what: str | None = None):
+    def evaluate(self, what: str | None = None):
         """The held-out evaluation on the served weights; printed when it has a name."""
-        result = evaluate(self.client, self.tasks.held_out(), self.cfg, version, self.stop_ids)
+        result = self.bridge.evaluate()
         if what is not None:
             print(f"eval {what}: {result.line()}", file=self.out, flush=True)
         return result
 
 
-class _Publisher:
-    """The weights the bridges serve: a new version is written as a snapshot and loaded by every
-    bridge. Closed, it also leaves the served snapshot in RUN/snapshots when the snapshots live
-    elsewhere (for `jaxrl eval RUN`, `jaxrl export`), however the run ended."""
+def _forget_after(job: _Job, step: int) -> None:
+    """Drops the snapshots published after the checkpoint of `step` (a resumed run's future)."""
+    writer, run = job.bridge.snapshot_writer(), job.run
+    for stale in [v for v in writer.versions() if v > step]:
+        writer.delete(stale)
+    if job.bridge.snapshots != run.snapshots.absolute() and job.primary:
+        for stale in [v for v in snapshot_versions(run.snapshots) if v > step + 1]:
+            delete_snapshot(run.snapshots, stale)
 
-    def __init__(self, job: _Job, snapshots: Path | str, model_cfg):
-        self.job, self.snapshots = job, snapshots  # where the bridges read them (see snapshot_directory)
-        # A LoRA run publishes its adapters alone: `params` are the learner's, adapters or all weights.
-        self.writer = SnapshotWriter(snapshots, model_cfg, keep=SNAPSHOTS_KEPT, lora=job.cfg.learner.lora,
-                                     base_model=str(lora_base(job.cfg, job.run)))
-        self.version = 0  # the bridges start on the model directory
 
-    def publish(self, params, version: int) -> float:
-        """Snapshot `version` of `params`, served by every bridge; returns the seconds it took."""
-        t0 = time.perf_counter()
-        self.writer.publish(params, version)
-        self.job.client.load_snapshot(str(self.snapshots), version)
-        self.version = version
-        return time.perf_counter() - t0
-
-    def forget_after(self, step: int) -> None:
-        """Drops the snapshots published after the checkpoint of `step` (a resumed run's future)."""
-        for stale in [v for v in self.writer.versions() if v > step]:
-            self.writer.delete(stale)
-        run = self.job.run
-        if self.snapshots != run.snapshots.absolute() and self.job.primary:
-            for stale in [v for v in snapshot_versions(run.snapshots) if v > step + 1]:
-                delete_snapshot(run.snapshots, stale)
-
-    def close(self) -> None:
-        self.writer.close()
-        run = self.job.run
-        if self.snapshots == run.snapshots.absolute() or not self.job.primary:
-            return
-        try:
-            if self.version in self.writer.versions():
-                copy_snapshot(self.snapshots, self.version, run.snapshots, keep=self.writer.keep)
-        except (OSError, ValueError) as e:  # TensorStore's errors (a bucket that stopped answering) are ValueErrors
-            if not disk_full(e):  # when it is, the run's own error says so
-                log.warning("copying snapshot %d to %s failed: %s", self.version, run.snapshots, e)
+def _keep_served(job: _Job) -> None:
+    """Leaves the served snapshot in RUN/snapshots when the snapshots live elsewhere (for `jaxrl
+    eval RUN`, `jaxrl export`), however the run ended."""
+    bridge, run = job.bridge, job.run
+    if bridge.snapshots == run.snapshots.absolute() or not job.primary:
+        return
+    try:
+        if bridge.version in snapshot_versions(bridge.snapshots):
+            copy_snapshot(bridge.snapshots, bridge.version, run.snapshots, keep=SNAPSHOTS_KEPT)
+    except (OSError, ValueError) as e:  # TensorStore's errors (a bucket that stopped answering) are ValueErrors
+        if not disk_full(e):  # when it is, the run's own error says so
+            log.warning("copying snapshot %d to %s failed: %s", bridge.version, run.snapshots, e)
 
 
 def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
@@ -179,33 +154,37 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     summary: dict[str, Any] = {"run_dir": str(run.path)}
     with GracefulStop() as stop, contextlib.ExitStack() as stack:
         # Shutdown order: the stack closes last-in first-out, so a run ends with the progress bar,
-        # the metrics logger, the collector (its prefetch), the publisher (the served snapshot kept
-        # in RUN/snapshots), the rollout client, the children (bridges, environment servers), the
-        # snapshot directory, the checkpointer and train.log. `_train_steps` checkpoints the steps
-        # taken before any of it.
+        # the metrics logger, the collector (its prefetch), the served snapshot kept in
+        # RUN/snapshots, the bridge (its snapshot writer, the rollout client, the children: bridges,
+        # environment servers), the snapshot directory, the checkpointer and train.log.
+        # `_train_steps` checkpoints the steps taken before any of it.
         stack.enter_context(log_file(logs / "train.log"))
         stack.callback(ckpt.close)
         snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
         # Start: environment servers and bridges, the base model's evaluation, the learner.
-        job = _start(cfg, run, ckpt, share, served, logs, snapshots, stack, out, tasks)
+        job = _Job(cfg, run, ckpt, open_bridge(cfg, served, logs, snapshots, stack, tasks), share, out)
+        if job.primary:
+            job.bridge.tokenizer.save_pretrained(run.tokenizer)
         startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
         model = load_pretrained(served, param_dtype=cfg.model.dtype)
         if cfg.learner.lora is not None and not base_to_come:  # fresh adapters: the base model, as served
             add_lora(model, cfg.learner.lora)
-        publisher = stack.enter_context(contextlib.closing(_Publisher(job, snapshots, model.cfg)))
+        job.bridge.snapshot_writer()  # a snapshot directory it cannot write stops the run before the warm start
+        stack.callback(_keep_served, job)
         if start_step is None and cfg.bridge.addresses:  # running bridges may serve anything: give them ours
-            publisher.publish(nnx.state(model, nnx.LoRAParam) if cfg.learner.lora else nnx.split(model)[1], 0)
-        learner, step, meta = _make_learner(job, publisher, model, start_step, summary)
+            job.bridge.publish_weights(nnx.state(model, nnx.LoRAParam) if cfg.learner.lora else nnx.split(model)[1], 0)
+        learner, step, meta = _make_learner(job, model, start_step, summary)
         del model
         startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
         _print_startup(startup, out)
-        collector = stack.enter_context(contextlib.closing(Collector(cfg, job.client, job.tasks, job.stop_ids, share)))
+        collector = stack.enter_context(contextlib.closing(
+            Collector(cfg, job.bridge.client, job.bridge.tasks, job.bridge.stop_ids, share)))
         logger = stack.enter_context(MetricsLogger(run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                                    resume_step=step + 1)) if job.primary else None
         progress = (stack.enter_context(Progress(cfg.steps, initial=step))
                     if cfg.log.progress and job.primary else None)
         # Train.
-        step, late_programs = _train_steps(job, learner, publisher, collector, logger, progress, stop, step, meta)
+        step, late_programs = _train_steps(job, learner, collector, logger, progress, stop, step, meta)
         # Finish: the last checkpoint (collective with several processes), the final evaluation.
         if ckpt.latest_step() != step:
             ckpt.save(step, learner.state, {**meta, "step": step}, force=True)
@@ -214,7 +193,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         if late_programs is not None:
             summary["programs_after_first_step"] = late_programs
         if step >= cfg.steps and cfg.eval.episodes and job.primary:
-            summary.update(_final_evaluation(job, publisher.version, logger, step, summary))
+            summary.update(_final_evaluation(job, logger, step, summary))
         if step < cfg.steps:  # stopped: by a signal to this process or to another one
             summary["stopped"] = (stop.signal or signal.SIGTERM).name  # `jaxrl train` exits 128 + its number
     summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
@@ -266,35 +245,15 @@ def _snapshot_room(cfg: TrainConfig, run: RunDir, model_dir: Path):
                               needs_bytes=(SNAPSHOTS_KEPT + 1) * weights_bytes)
 
 
-def _start(cfg: TrainConfig, run: RunDir, ckpt: TrainCheckpointer, share: Share, model_dir: Path, logs: Path,
-           snapshots: Path | str, stack: contextlib.ExitStack, out, tasks: TaskSource) -> _Job:
-    """The environment servers and bridges serving `model_dir` (seconds: imports, model load,
-    compiles), started while this process loads the tokenizer; their stop and the client's close go
-    on `stack`."""
-    services = stack.enter_context(contextlib.ExitStack())
-    token = bridge_token(cfg)  # a fresh one for bridges of our own
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
-        started = pool.submit(start_services, cfg, model_dir, logs, services, token, snapshots,
-                              use_persistent_cache(cfg.compilation_cache))
-        tokenizer = load_tokenizer(model_dir)
-        if jax.process_index() == 0:
-            tokenizer.save_pretrained(run.tokenizer)
-        client = RolloutClient(started.result().addresses, cfg.bridge, token, started.result().bridges,
-                               check=started.result().env_servers.check, timeout_s=cfg.rollout_timeout_s,
-                               streamed_groups=cfg.streamed_groups)
-    stack.callback(client.close)
-    return _Job(cfg, run, ckpt, client, tasks, tokenizer, started.result().env_servers, share, out)
-
-
 def _evaluate_base(job: _Job) -> dict[str, float]:
     """The base model's held-out success (process 0's; the others' is empty)."""
     if not (job.cfg.eval.before and job.cfg.eval.episodes and job.primary):
         return {}
-    before = job.evaluate(0, "before training")
+    before = job.evaluate("before training")
     return {"eval_before": before.success, "eval_before_stderr": before.stderr}
 
 
-def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | None,
+def _make_learner(job: _Job, model, start_step: int | None,
                   summary: dict[str, Any]) -> tuple[Learner, int, dict[str, Any]]:
     """The learner on `model`, warm-started on demonstrations or restored from a checkpoint, its
     weights published when they differ from the base model's: (learner, its step, the metadata
@@ -306,14 +265,14 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
     warm = bool(cfg.sft.steps) and start_step is None
     if warm:
         model, summary["sft"] = _timed(startup, "warm_start_s", lambda: warm_start(
-            model, demonstrations(job.client, job.tasks, cfg), cfg, mesh, job.pad_id))
+            model, demonstrations(job.bridge.client, job.bridge.tasks, cfg), cfg, mesh, job.pad_id))
         print(f"warm start: {json.dumps(summary['sft'])}", file=job.out, flush=True)
     if start_step is None:
         summary.update(_timed(startup, "eval_before_s", _evaluate_base, job))
     if warm and cfg.full_warm_start:  # the adapters' base, on disk and served (see the module's docstring)
         base = lora_base(cfg, job.run)
         _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
-        _timed(startup, "bridges_restart_s", job.client.bridges.relaunch, base)
+        _timed(startup, "bridges_restart_s", job.bridge.relaunch, base)
     t0 = time.perf_counter()
     learner, step = Learner(model, cfg.learner_config(), mesh), 0
     if start_step is not None:
@@ -331,13 +290,13 @@ def _make_learner(job: _Job, publisher: _Publisher, model, start_step: int | Non
                  "lora_over_warm_start": cfg.full_warm_start} if cfg.learner.lora else {}
     meta = {"model_config": model.cfg.to_hf(), **lora_meta,
             **{k: summary[k] for k in ("eval_before", "eval_before_stderr") if k in summary}}
-    publisher.forget_after(step)
+    _forget_after(job, step)
     if step > 0 or warm:
-        publisher.publish(learner.state.params, step + 1)
+        job.bridge.publish_weights(learner.state.params, step + 1)
     startup["learner_s"] = round(time.perf_counter() - t0, 2)
     if warm and cfg.eval.episodes and job.primary:
         summary["eval_after_warm_start"] = _timed(startup, "eval_after_warm_start_s", job.evaluate,
-                                                  publisher.version, "after the warm start").success
+                                                  "after the warm start").success
     return learner, step, meta
 
 
@@ -356,7 +315,7 @@ def _print_startup(startup: dict[str, float], out) -> None:
           f"start-up: first step at {startup['first_step_at_s']:.1f} s ({phases})", file=out, flush=True)
 
 
-def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: Collector,
+def _train_steps(job: _Job, learner: Learner, collector: Collector,
                  logger: MetricsLogger | None, progress: Progress | None, stop: GracefulStop, step: int,
                  meta: dict[str, Any]) -> tuple[int, int | None]:
     """Rollouts, update, publish, evaluate, log, checkpoint: one step at a time until done or
@@ -369,7 +328,7 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
     """
     cfg = job.cfg
     exchange = Exchange(cfg.distributed.timeout_s)
-    programs_seen = _Programs(job.client)
+    programs_seen = _Programs(job.bridge.client)
     signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
     agreed_stop = False
     # One process stops when it is asked to; several at the step they agreed on in the exchange.
@@ -379,7 +338,7 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
             t0 = time.perf_counter()
             # Rollouts: this process's groups (the next step's start meanwhile), then the step as
             # every process sees it.
-            result = _collect(job, collector, step, publisher.version)
+            result = _collect(job, collector, step, job.bridge.version)
             view, batch, share_s = _exchange(job, exchange, result, stop.requested)
             agreed_stop = view.stop
             signal_metrics = signal_watch.observe(step + 1, view.groups, view.counts["episodes_unscored"],
@@ -395,16 +354,19 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
             # lose the step's metrics and samples, which are written before the run stops.
             failure = None
             try:
-                metrics["time/sync_s"] = (publisher.publish(learner.state.params, step + 1) if
-                                          step % cfg.sync_every == 0 or step == cfg.steps or stopping() else 0.0)
+                metrics["time/sync_s"] = 0.0
+                if step % cfg.sync_every == 0 or step == cfg.steps or stopping():
+                    t_sync = time.perf_counter()
+                    job.bridge.publish_weights(learner.state.params, step + 1)
+                    metrics["time/sync_s"] = time.perf_counter() - t_sync
                 metrics.update(programs_seen.since_last())
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and job.primary:
-                    metrics.update(job.evaluate(publisher.version).metrics())
+                    metrics.update(job.evaluate().metrics())
             except Exception as e:
                 failure = e
             # Log, then checkpoint.
             metrics.update({**view.maxima, "time/learn_s": learn_s, "time/step_s": time.perf_counter() - t0,
-                            "version": float(publisher.version)})
+                            "version": float(job.bridge.version)})
             if jax.process_count() > 1:
                 metrics["time/share_s"] = share_s  # the exchange and this process's rows of the batch
             _log_step(job, logger, step, metrics, result)
@@ -421,11 +383,11 @@ def _train_steps(job: _Job, learner: Learner, publisher: _Publisher, collector: 
 
 def _collect(job: _Job, collector: Collector, step: int, version: int) -> StepRollouts:
     """This process's groups of `step`; the next step's start collecting in the background."""
-    job.env_servers.check()  # a bundled environment server that keeps dying stops the run
+    job.bridge.env_servers.check()  # a bundled environment server that keeps dying stops the run
     try:
         result = collector.collect(step, version)
     except EnvironmentsDown:
-        job.env_servers.check()  # ... and is why the step's episodes failed
+        job.bridge.env_servers.check()  # ... and is why the step's episodes failed
         raise
     if step + 1 < job.cfg.steps:
         collector.prefetch_next(step + 1, version)
@@ -438,7 +400,7 @@ def _exchange(job: _Job, exchange: Exchange, result: StepRollouts, stop_requeste
     t0 = time.perf_counter()
     trajs = [t for g in result.groups for t in g]
     view = exchange_step(exchange, result, prompt_width(trajs, job.cfg), stop_requested,
-                         job.env_servers.metrics() | job.client.metrics(),
+                         job.bridge.env_servers.metrics() | job.bridge.client.metrics(),
                          {"time/rollout_s": result.wall_s, "time/generate_s": result.generate_s,
                           "time/env_s": result.env_s, "time/reward_model_s": result.reward_s,
                           "rollout/staleness_max": float(result.staleness_max)})
@@ -453,7 +415,7 @@ def _log_step(job: _Job, logger: MetricsLogger | None, step: int, metrics: dict[
         return
     logger.log(step, metrics)
     if job.cfg.log.samples_per_step:
-        logger.samples(step, sample_rows(result.groups, job.tokenizer, job.cfg.log.samples_per_step))
+        logger.samples(step, sample_rows(result.groups, job.bridge.tokenizer, job.cfg.log.samples_per_step))
 
 
 class _Programs:
@@ -485,9 +447,9 @@ class _Programs:
         return new
 
 
-def _final_evaluation(job: _Job, version: int, logger: MetricsLogger, step: int,
+def _final_evaluation(job: _Job, logger: MetricsLogger, step: int,
                       summary: dict[str, Any]) -> dict[str, float]:  # process 0's
-    after = job.evaluate(version, "after training")
+    after = job.evaluate("after training")
     logger.log(step, after.metrics())
     stderr = after.stderr
     if "eval_before_stderr" in summary:
@@ -505,30 +467,3 @@ def _keep_steps(ckpt: TrainCheckpointer, learner: Learner, step: int, meta: dict
         except Exception as e:
             if not disk_full(e):  # a full disk is what stopped the run, and its error says so
                 log.warning("final checkpoint at step %d failed: %s", step, e)
-
-
-def ensure_model(cfg: TrainConfig) -> Path:
-    """The model directory, built from `model.tiny` when it does not exist yet."""
-    model_dir = Path(cfg.model.dir)
-    t = cfg.model.tiny
-    if t is None:
-        if not (model_dir / "config.json").is_file():
-            raise StartupError(f"model.dir {model_dir}: not a model directory (no config.json); point it at a "
-                               "Hugging Face model directory, or set model.tiny to build a tiny one")
-        return model_dir
-    if (model_dir / "config.json").is_file():
-        built = json.loads((model_dir / "config.json").read_text())
-        want = {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-                "num_hidden_layers": t.num_layers}
-        differ = {k: (built.get(k), v) for k, v in want.items() if built.get(k) != v}
-        if differ:
-            raise StartupError(f"model.dir {model_dir} holds a tiny model that differs from model.tiny "
-                               f"({', '.join(f'{k}: {a} != {b}' for k, (a, b) in differ.items())}); delete it "
-                               "to rebuild, or point model.dir elsewhere")
-        return model_dir
-    from jaxrl.tiny import build_tiny_model
-
-    print(f"jaxrl: building tiny {t.family} model in {model_dir}", file=sys.stderr)
-    build_tiny_model(model_dir, t.family, seed=t.seed, hidden_size=t.hidden_size,
-                     intermediate_size=t.intermediate_size, num_layers=t.num_layers)
-    return model_dir
