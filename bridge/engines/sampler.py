@@ -44,6 +44,7 @@ from flax import nnx
 
 from bridge.engines.scheduler import NO_STOP, Plan, Row, Scheduler, bucket, prefill_block_rows, prefill_order
 from jaxrl.models import Decoder, KVCache, ModelConfig
+from jaxrl.models.decoder import attention_windows
 
 
 def _filter_logits(logits_BxV, top_p_B, top_k_B):
@@ -219,12 +220,13 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     return pool, state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps"), donate_argnames=("state",))
-def generate(params, graphdef, state: DecodeState, rows: int, steps: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps", "width"), donate_argnames=("state",))
+def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width: int):
     """Advances the first `rows` slots up to `steps` tokens each (b = rows): a live slot samples from its
     logits, then feeds the token back, until it stops or reaches its max_tokens; a row's last token is
     not fed back, so its cache then holds exactly what a continuation reuses. Ends early once no slot
-    is live.
+    is live. The b slots' lengths plus `steps` must fit in the cache's first `width` slots: the decode
+    reads and writes only those (a wider slot is cut to them).
 
     Returns the state, the tokens sampled (b, steps; -1 where a slot sampled nothing) with their
     logprobs, and which of the b slots are still live.
@@ -244,13 +246,22 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int):
         position_b = position_b + live_b
         stopped_b = jnp.any(token_b[:, None] == s.stop_ids, axis=-1)
         live_b = live_b & ~stopped_b & (position_b < s.max_tokens)
-        logits, cache = model(token_b[:, None], cache.length_B[:, None], live_b[:, None], cache)
+        logits, cache = model(token_b[:, None], cache.length_B[:, None], live_b[:, None], cache, windowed=False)
         return i + 1, logits[:, 0], cache, live_b, position_b, out_tokens, out_logp
 
-    init = (jnp.int32(0), part.logits, part.cache, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
+    # Cut once per call and written back at its end: cutting the attention's window out of the whole
+    # cache at every step was most of a step's time. A width chosen on the device (a switch over
+    # windows) made XLA copy the whole cache into the chosen branch, which cost more than it saved.
+    wide = part.cache
+    narrow = wide._replace(k_BxKxHxS=tuple(k[..., :width] for k in wide.k_BxKxHxS),
+                           v_BxKxSxH=tuple(v[:, :, :width] for v in wide.v_BxKxSxH))
+    init = (jnp.int32(0), part.logits, narrow, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
             jnp.zeros((rows, steps), jnp.float32))
-    _, logits, cache, live, position, out_tokens, out_logp = jax.lax.while_loop(
+    _, logits, narrow, live, position, out_tokens, out_logp = jax.lax.while_loop(
         lambda carry: (carry[0] < steps) & jnp.any(carry[3]), body, init)
+    cache = KVCache(tuple(jax.lax.dynamic_update_slice_in_dim(k, n, 0, 3) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
+                    tuple(jax.lax.dynamic_update_slice_in_dim(v, n, 0, 2) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
+                    narrow.length_B)
     part = part._replace(cache=cache, logits=logits, live=live, position=position)
     state = jax.tree.map(lambda whole, p: jax.lax.dynamic_update_slice_in_dim(whole, p, 0, 0), state, part)
     return state, out_tokens, out_logp, live
@@ -295,6 +306,14 @@ class Shapes:
     def batches(self) -> list[int]:
         """Every batch size a run can use: what a warm-up compiles."""
         return sorted({self.batch(n) for n in range(1, self.max_batch + 1)})
+
+    def windows(self) -> tuple[int, ...]:
+        """Every cache width a decode call may be cut to: what a warm-up compiles, with each batch size."""
+        return attention_windows(self.width)
+
+    def window(self, used: int) -> int:
+        """The narrowest of `windows()` that holds `used` slots."""
+        return next((w for w in self.windows() if w >= used), self.width)
 
 
 class Slots:
@@ -352,8 +371,12 @@ class Slots:
                                            chunk=self.shapes.chunk)
         if not plan.batch:
             return []
-        self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch,
-                                                      steps=self.shapes.decode_steps)
+        # The device's lengths are the host's: a slot past the batch's rows is free (length 0).
+        sched, steps = self.scheduler, self.shapes.decode_steps
+        used = max((len(sched.prompt[s]) + int(sched.length[s]) for s in range(plan.batch) if sched.rows[s] is not None),
+                   default=0) + steps
+        self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
+                                                      width=self.shapes.window(used))
         return self.scheduler.update_from_output(plan, *jax.device_get((tokens, logprobs, live)), version)
 
     def _insert_arrays(self, plan: Plan, batch: int | None = None) -> InsertArrays:
@@ -389,6 +412,8 @@ class Slots:
             plan = Plan(none, none, none, none, [], none, none, none, none, n)
             self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
                                            chunk=self.shapes.chunk)
-            self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps)
+            for width in self.shapes.windows():
+                self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
+                                          width=width)
         self.reset()
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
