@@ -44,6 +44,7 @@ from flax import nnx
 
 from bridge.engines.scheduler import NO_STOP, Plan, Row, Scheduler, bucket, prefill_block_rows, prefill_order
 from jaxrl.models import Decoder, KVCache, ModelConfig
+from jaxrl.models.decoder import attention_windows
 
 
 def _filter_logits(logits_BxV, top_p_B, top_k_B):
@@ -142,19 +143,28 @@ class InsertArrays(NamedTuple):
     settings: RowSettings
 
 
-def _copy_rows(dst, src, from_N, to_N, n):
+def _copy_rows(dst, src, from_N, to_N, n, width: int):
     """Row to_N[i] of the arrays of `dst` becomes row from_N[i] of those of `src` (None: of `dst`
-    itself, as it is by then), for i < n. One row at a time, in place: XLA:CPU's scatter of whole
-    rows was several times slower."""
+    itself, as it is by then), for i < n, a cache's keys and values only in their first `width` slots.
+    One row at a time, in place: XLA:CPU's scatter of whole rows was several times slower."""
+    slot_axis = {"k_BxKxHxS": 3, "v_BxKxSxH": 2}
+
+    def row(path, x, i):
+        size = [1, *x.shape[1:]]
+        for key in path:
+            if getattr(key, "name", None) in slot_axis:
+                size[slot_axis[key.name]] = width
+        return jax.lax.dynamic_slice(x, (i,) + (0,) * (x.ndim - 1), size)
+
     def body(i, dst):
-        return jax.tree.map(lambda d, s: jax.lax.dynamic_update_slice_in_dim(
-            d, jax.lax.dynamic_slice_in_dim(s, from_N[i], 1), to_N[i], 0), dst, dst if src is None else src)
+        return jax.tree_util.tree_map_with_path(lambda path, d, s: jax.lax.dynamic_update_slice(
+            d, row(path, s, from_N[i]), (to_N[i],) + (0,) * (d.ndim - 1)), dst, dst if src is None else src)
 
     return jax.lax.fori_loop(0, n, body, dst)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("pool", "state"))
-def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArrays, chunk: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "width"), donate_argnames=("pool", "state"))
+def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArrays, chunk: int, width: int):
     """Runs a tick's inserts, in this order: copies the caches of slots plan.save_slot[k] to pool rows
     plan.save_row[k] and frees those slots (k < n_save); prefills n_new new rows into slots plan.slot[k]
     and writes their settings there; moves slot move_from[k] to move_to[k], settings and all (k < n_move).
@@ -167,19 +177,23 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     token. A row whose prompt is in its cache already, run again by an overlapping block, changes nothing:
     its chunk is all padding, written past its length.
 
+    Every cache slot the inserts read or write lies in the first `width` (a new row's prompt and a chunk
+    past it, a saved or moved row's sequence): they copy and prefill only those, not the whole width.
+
     Returns the pool and the decode state.
     """
     model: Decoder = nnx.merge(graphdef, params)
     K = plan.tokens.shape[0]
     R = prefill_block_rows(K)
-    pool = _copy_rows(pool, state.cache, plan.save_slot, plan.save_row, plan.n_save)
+    pool = _copy_rows(pool, state.cache, plan.save_slot, plan.save_row, plan.n_save, width)
     # A free slot's length 0 keeps the decode's attention window to the slots in use.
     state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.save_slot].set(0, mode="drop")),
                            live=state.live.at[plan.save_slot].set(False, mode="drop"))
 
     leads_K = plan.leader == jnp.arange(K)
-    cache = jax.tree.map(lambda x: x[plan.src], pool)
-    cache = cache._replace(length_B=jnp.where(leads_K, plan.cached, plan.prompt_len))
+    cache = KVCache(tuple(k[plan.src, :, :, :width] for k in pool.k_BxKxHxS),
+                    tuple(v[plan.src, :, :width] for v in pool.v_BxKxSxH),
+                    jnp.where(leads_K, plan.cached, plan.prompt_len))
 
     def prefill_body(carry):
         i, cache, logits_KxV = carry
@@ -193,7 +207,7 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
         start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
         tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(rows(plan.tokens), start_R)
         slot_RxC = start_R[:, None] + jnp.arange(chunk)
-        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
+        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part, windowed=False)
         last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
         h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         ends_here_R = (start_R < prompt_len_R) & (last_R < chunk)
@@ -205,7 +219,7 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     _, cache, logits_KxV = jax.lax.while_loop(
         lambda carry: carry[0] < plan.prefill_steps, prefill_body, (jnp.int32(0), cache, logits_KxV))
     new_cache, new_logits = _copy_rows((state.cache, state.logits), (cache, logits_KxV), plan.leader, plan.slot,
-                                       plan.n_new)
+                                       plan.n_new, width)
     state = state._replace(
         cache=new_cache, logits=new_logits, live=state.live.at[plan.slot].set(True, mode="drop"),
         position=state.position.at[plan.slot].set(0, mode="drop"),
@@ -213,18 +227,19 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
                               plan.settings))
     # Moves last (their sources and targets are none of the slots above): every loop that writes the
     # slots in place then follows every read of them (unordered, XLA copied every slot to be safe).
-    state = _copy_rows(state, None, plan.move_from, plan.move_to, plan.n_move)
+    state = _copy_rows(state, None, plan.move_from, plan.move_to, plan.n_move, width)
     state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.move_from].set(0, mode="drop")),
                            live=state.live.at[plan.move_from].set(False, mode="drop"))
     return pool, state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps"), donate_argnames=("state",))
-def generate(params, graphdef, state: DecodeState, rows: int, steps: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps", "width"), donate_argnames=("state",))
+def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width: int):
     """Advances the first `rows` slots up to `steps` tokens each (b = rows): a live slot samples from its
     logits, then feeds the token back, until it stops or reaches its max_tokens; a row's last token is
     not fed back, so its cache then holds exactly what a continuation reuses. Ends early once no slot
-    is live.
+    is live. The b slots' lengths plus `steps` must fit in the cache's first `width` slots: the decode
+    reads and writes only those (a wider slot is cut to them).
 
     Returns the state, the tokens sampled (b, steps; -1 where a slot sampled nothing) with their
     logprobs, and which of the b slots are still live.
@@ -244,13 +259,22 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int):
         position_b = position_b + live_b
         stopped_b = jnp.any(token_b[:, None] == s.stop_ids, axis=-1)
         live_b = live_b & ~stopped_b & (position_b < s.max_tokens)
-        logits, cache = model(token_b[:, None], cache.length_B[:, None], live_b[:, None], cache)
+        logits, cache = model(token_b[:, None], cache.length_B[:, None], live_b[:, None], cache, windowed=False)
         return i + 1, logits[:, 0], cache, live_b, position_b, out_tokens, out_logp
 
-    init = (jnp.int32(0), part.logits, part.cache, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
+    # Cut once per call and written back at its end: cutting the attention's window out of the whole
+    # cache at every step was most of a step's time. A width chosen on the device (a switch over
+    # windows) made XLA copy the whole cache into the chosen branch, which cost more than it saved.
+    wide = part.cache
+    narrow = wide._replace(k_BxKxHxS=tuple(k[..., :width] for k in wide.k_BxKxHxS),
+                           v_BxKxSxH=tuple(v[:, :, :width] for v in wide.v_BxKxSxH))
+    init = (jnp.int32(0), part.logits, narrow, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
             jnp.zeros((rows, steps), jnp.float32))
-    _, logits, cache, live, position, out_tokens, out_logp = jax.lax.while_loop(
+    _, logits, narrow, live, position, out_tokens, out_logp = jax.lax.while_loop(
         lambda carry: (carry[0] < steps) & jnp.any(carry[3]), body, init)
+    cache = KVCache(tuple(jax.lax.dynamic_update_slice_in_dim(k, n, 0, 3) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
+                    tuple(jax.lax.dynamic_update_slice_in_dim(v, n, 0, 2) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
+                    narrow.length_B)
     part = part._replace(cache=cache, logits=logits, live=live, position=position)
     state = jax.tree.map(lambda whole, p: jax.lax.dynamic_update_slice_in_dim(whole, p, 0, 0), state, part)
     return state, out_tokens, out_logp, live
@@ -295,6 +319,14 @@ class Shapes:
     def batches(self) -> list[int]:
         """Every batch size a run can use: what a warm-up compiles."""
         return sorted({self.batch(n) for n in range(1, self.max_batch + 1)})
+
+    def windows(self) -> tuple[int, ...]:
+        """Every cache width a decode call may be cut to: what a warm-up compiles, with each batch size."""
+        return attention_windows(self.width)
+
+    def window(self, used: int) -> int:
+        """The narrowest of `windows()` that holds `used` slots."""
+        return next((w for w in self.windows() if w >= used), self.width)
 
 
 class Slots:
@@ -348,12 +380,17 @@ class Slots:
         """One tick with these weights; returns the rows that ended."""
         plan = self.scheduler.schedule(version)
         if plan.inserts:
+            used = max([plan.span] + [len(row.prompt) + self.shapes.chunk for row in plan.new])
             self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan),
-                                           chunk=self.shapes.chunk)
+                                           chunk=self.shapes.chunk, width=self.shapes.window(used))
         if not plan.batch:
             return []
-        self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch,
-                                                      steps=self.shapes.decode_steps)
+        # The device's lengths are the host's: a slot past the batch's rows is free (length 0).
+        sched, steps = self.scheduler, self.shapes.decode_steps
+        used = max((len(sched.prompt[s]) + int(sched.length[s]) for s in range(plan.batch) if sched.rows[s] is not None),
+                   default=0) + steps
+        self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
+                                                      width=self.shapes.window(used))
         return self.scheduler.update_from_output(plan, *jax.device_get((tokens, logprobs, live)), version)
 
     def _insert_arrays(self, plan: Plan, batch: int | None = None) -> InsertArrays:
@@ -386,9 +423,11 @@ class Slots:
         """Compiles (or loads from the persistent cache) every insert and decode program."""
         none = np.zeros(0, np.int32)
         for n in self.shapes.batches():
-            plan = Plan(none, none, none, none, [], none, none, none, none, n)
-            self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
-                                           chunk=self.shapes.chunk)
-            self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps)
+            plan = Plan(none, none, none, none, [], none, none, none, none, n, 0)
+            for width in self.shapes.windows():
+                self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
+                                               chunk=self.shapes.chunk, width=width)
+                self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
+                                          width=width)
         self.reset()
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)

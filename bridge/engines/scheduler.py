@@ -178,7 +178,8 @@ class Plan:
     """One tick. Applied in this order by the device: save slots `save_slot` to pool rows `save_row`
     and free them; prefill the new rows (`new`, each from pool row `src` of which `cached` tokens are
     its prompt's first ones; a row whose `leader` is another copies that row's prefill) into slots
-    `slot`; move slots `move_from` to `move_to`; then decode the first `batch` slots (0: no decode)."""
+    `slot`; move slots `move_from` to `move_to`; then decode the first `batch` slots (0: no decode).
+    `span`: the cache slots in use of the rows saved (to a pool row that keeps them) or moved."""
 
     save_slot: np.ndarray
     save_row: np.ndarray
@@ -190,6 +191,7 @@ class Plan:
     cached: np.ndarray
     leader: np.ndarray
     batch: int
+    span: int
 
     @property
     def inserts(self) -> bool:
@@ -264,6 +266,8 @@ class Scheduler:
         moves = list(zip([s for s in live if s >= b], free))  # live rows into the first b slots
         for src, dst in moves:
             self._move(src, dst)
+        span = max([len(sequence) for _, _, sequence, _ in ended if sequence is not None]
+                   + [len(self.prompt[dst]) + int(self.length[dst]) for _, dst in moves], default=0)
         slots = np.asarray(free[len(moves):len(moves) + len(new)], np.int32)
         src, cached, leader = (np.full(len(new), scratch, np.int32), np.zeros(len(new), np.int32),
                                np.arange(len(new), dtype=np.int32))
@@ -290,7 +294,7 @@ class Scheduler:
         self.stats["insert_calls"] += bool(ended or moves or new)
         return Plan(np.asarray([s for s, _, _, _ in ended], np.int32), np.asarray([r for _, r, _, _ in ended], np.int32),
                     np.asarray([s for s, _ in moves], np.int32), np.asarray([d for _, d in moves], np.int32),
-                    new, slots, src, cached, leader, b)
+                    new, slots, src, cached, leader, b, span)
 
     def update_from_output(self, plan: Plan, tokens_bxN: np.ndarray, logprobs_bxN: np.ndarray, live_b: np.ndarray,
                            version: int) -> list[Row]:

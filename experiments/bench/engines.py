@@ -6,7 +6,7 @@ Same model, prompts and sampling (temperature 1, no stop, every sequence runs to
 `--new-tokens`) for: the JAX engine in-process, the JAX engine behind a real bridge process
 (`bridge_over_inproc` = bridge tokens/s / in-process tokens/s), transformers' `generate`, and
 vLLM's CPU build when it is importable (run from `.venv-vllm` for that figure; otherwise null).
-Each figure is the median of `--repeats` timed runs after one warm-up run (compilation);
+Each figure is the median of `--repeats` timed runs after the engines' warm-up and one warm-up run;
 in-process and bridge runs alternate. `jax_over_floor`: the in-process figure over the machine's
 floor (`experiments.bench.roofline`, measured in the same run) for a decode step of all the
 sequences at their mean context (prompt and half the new tokens): 1 would be the machine's limit.
@@ -57,7 +57,9 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
     """Medians of in-process and bridge runs, alternated so machine noise hits both alike."""
     from jaxrl.run.api import BridgeClient, BridgeLaunch, BridgeProcess
 
-    engine = JaxEngine(model_dir, max_batch=max_batch)
+    # Every program compiled up front, as the bridge's engine is: one warm-up run does not reach them all
+    # (a second run's prefix-cache hits and longer rows pick other cache widths).
+    engine = JaxEngine(model_dir, max_batch=max_batch, warm_up=True)
     tokens = len(prompts) * params.max_tokens
     bandwidth = memory_bandwidth()
 

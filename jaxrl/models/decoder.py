@@ -179,7 +179,8 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
         if layer_cache is not None:
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
-            out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
+            out = (cached_attention(q, *layer_cache, keys.visible_BxTxS) if keys.window is None
+                   else windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window))
         elif keys.segments_BxT is not None:
             out = packed_attention(q, k, v, keys.segments_BxT, keys.window)
         else:
@@ -379,7 +380,8 @@ class _KeySlots(NamedTuple):
     mask_BxT: jax.Array  # True on real tokens
     start_B: jax.Array | None  # with a cache: each row's slot of its first new token
     visible_BxTxS: jax.Array | None  # with a cache: query t may attend to key slot s
-    # With a cache: the attention_windows entry that holds every visible slot; packed: the packed_windows one.
+    # With a cache: the attention_windows entry that holds every visible slot (None: the whole cache);
+    # packed: the packed_windows one.
     window: jax.Array | None = None
     segments_BxT: jax.Array | None = None  # packed rows: each token's segment (0: padding)
 
@@ -398,7 +400,7 @@ class Decoder(nnx.Module):
             else _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, "normal")
         )
 
-    def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None):
+    def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True):
         """Final normed hidden states (B, T, D) and the updated cache.
 
         mask_BxT is 1 on real tokens and 0 on padding. Without a cache, causality follows slot
@@ -406,7 +408,9 @@ class Decoder(nnx.Module):
         new tokens are right-padded (each row's real ones first, at positions length_B + t): they
         are written at slots [length_B, length_B + T), each attends to the slots up to its own,
         and a row's length grows by its real tokens (the padding's slots are overwritten later).
-        The cache needs T free slots past every row's length.
+        The cache needs T free slots past every row's length. Queries attend over the smallest
+        attention window that holds the slots in use, or with `windowed=False` over the whole cache
+        (a caller that already cut the cache to what it uses: a window's slice is a copy).
         """
         B, T = tokens_BxT.shape
         mask_BxT = mask_BxT.astype(bool)
@@ -415,10 +419,10 @@ class Decoder(nnx.Module):
         else:
             slots = cache.v_BxKxSxH[0].shape[2]
             query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
-            used = jnp.max(cache.length_B) + T
-            window = jnp.searchsorted(jnp.asarray(attention_windows(slots)), used)
-            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None],
-                             jnp.minimum(window, len(attention_windows(slots)) - 1))
+            windows = attention_windows(slots)
+            window = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(cache.length_B) + T),
+                                 len(windows) - 1) if windowed else None
+            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None], window)
 
         x = self._embed(tokens_BxT)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
@@ -469,8 +473,8 @@ class Decoder(nnx.Module):
     def logits(self, h_BxTxD):
         return head_logits(h_BxTxD, self.head_weight())
 
-    def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None):
-        h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache)
+    def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True):
+        h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache, windowed)
         return self.logits(h), cache
 
 
