@@ -321,8 +321,10 @@ class Shapes:
         return sorted({self.batch(n) for n in range(1, self.max_batch + 1)})
 
     def windows(self) -> tuple[int, ...]:
-        """Every cache width a decode call may be cut to: what a warm-up compiles, with each batch size."""
-        return attention_windows(self.width)
+        """Every cache width a decode call may be cut to: what a warm-up compiles, with each batch size.
+        Down to a quarter of the whole at most: each width is two programs per batch size to compile
+        before serving (at 2,112 slots, halving to 128 made 5 widths: 40 programs for 4 batch sizes)."""
+        return attention_windows(self.width, smallest=max(128, self.width // 4))
 
     def window(self, used: int) -> int:
         """The narrowest of `windows()` that holds `used` slots."""
