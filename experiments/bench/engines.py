@@ -59,7 +59,10 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
 
     # Every program compiled up front, as the bridge's engine is: one warm-up run does not reach them all
     # (a second run's prefix-cache hits and longer rows pick other cache widths).
-    engine = JaxEngine(model_dir, max_batch=max_batch, warm_up=True)
+    # Sequences as long as the longest prompt and its new tokens, as a run sizes its bridge's engine
+    # (rollout.max_prompt_tokens + max_total_tokens), not the engine's default of 2,048.
+    max_seq_len = max(map(len, prompts)) + params.max_tokens
+    engine = JaxEngine(model_dir, max_batch=max_batch, max_seq_len=max_seq_len, warm_up=True)
     tokens = len(prompts) * params.max_tokens
     bandwidth = memory_bandwidth()
 
@@ -67,7 +70,8 @@ def jax_inproc_and_bridge(model_dir, prompts, params, repeats, max_batch):
         out = asyncio.run(engine.generate(prompts, params))
         return sum(len(c.token_ids) for group in out for c in group)
 
-    with BridgeProcess.start(BridgeLaunch(model_dir, engine="jax", max_batch=max_batch)) as proc:
+    with BridgeProcess.start(BridgeLaunch(model_dir, engine="jax", max_batch=max_batch,
+                                                  engine_kwargs={"max_seq_len": max_seq_len})) as proc:
         client = BridgeClient(proc.address, timeout_s=600, token=proc.token)
 
         def bridged():
