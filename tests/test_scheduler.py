@@ -154,3 +154,13 @@ def test_prefill_order_puts_leaders_with_work_first_in_blocks():
 def test_a_tick_runs_a_power_of_two_of_rows_from_min_batch_up_to_max_batch():
     assert [Scheduler(64, 64, 0).batch(n) for n in (1, 8, 9, 17, 64)] == [MIN_BATCH, 8, 16, 32, 64]
     assert Scheduler(4, 64, 0).batch(1) == 4  # never past max_batch
+
+
+def test_the_slots_in_use_are_the_longest_live_sequence():
+    s = Scheduler(max_batch=8, max_seq_len=64, pool_rows=0)
+    rows = [Row([1, 2, 3], 9, seed=0), Row([4, 5, 6, 7, 8], 9, seed=1)]
+    s.add(rows)
+    plan = s.schedule(0)
+    assert s.in_use(range(plan.batch)) == 5 and s.in_use([0]) == 3 and s.in_use([]) == 0
+    s.update_from_output(plan, *output(plan, {0: [1, 1, 1, 1], 1: [2]}, live={0, 1}), 0)
+    assert s.in_use(range(plan.batch)) == 3 + 4  # prompt and tokens sampled

@@ -388,9 +388,8 @@ class Slots:
         if not plan.batch:
             return []
         # The device's lengths are the host's: a slot past the batch's rows is free (length 0).
-        sched, steps = self.scheduler, self.shapes.decode_steps
-        used = max((len(sched.prompt[s]) + int(sched.length[s]) for s in range(plan.batch) if sched.rows[s] is not None),
-                   default=0) + steps
+        steps = self.shapes.decode_steps
+        used = self.scheduler.in_use(range(plan.batch)) + steps
         self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
                                                       width=self.shapes.window(used))
         return self.scheduler.update_from_output(plan, *jax.device_get((tokens, logprobs, live)), version)

@@ -248,6 +248,10 @@ class Scheduler:
     def batch(self, rows: int) -> int:
         return min(bucket(rows), self.max_batch)
 
+    def in_use(self, slots) -> int:
+        """The cache slots the longest of these slots' sequences holds (prompt and tokens sampled)."""
+        return max((len(self.prompt[s]) + int(self.length[s]) for s in slots if self.rows[s] is not None), default=0)
+
     def schedule(self, version: int) -> Plan:
         """The next tick's plan, with weights `version`; the slots' host state moves as the plan does."""
         scratch = self.prefix.scratch
@@ -267,7 +271,7 @@ class Scheduler:
         for src, dst in moves:
             self._move(src, dst)
         span = max([len(sequence) for _, _, sequence, _ in ended if sequence is not None]
-                   + [len(self.prompt[dst]) + int(self.length[dst]) for _, dst in moves], default=0)
+                   + [self.in_use([dst for _, dst in moves])], default=0)
         slots = np.asarray(free[len(moves):len(moves) + len(new)], np.int32)
         src, cached, leader = (np.full(len(new), scratch, np.int32), np.zeros(len(new), np.int32),
                                np.arange(len(new), dtype=np.int32))
