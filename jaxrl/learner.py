@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -42,15 +44,29 @@ def check_finite(metrics: dict[str, float], step: int) -> None:
         )
 
 
+def prompt_widths(max_prompt_tokens: int, steps: int) -> tuple[int, ...]:
+    """The prompt widths a run's padded batches take (`LearnerConfig.prompt_widths`): the `steps`
+    fractions of `max_prompt_tokens` rounded up to whole pairs of query blocks. A step's batch is as
+    wide as the first that holds its longest prompt, so the model runs on about the prompt slots the
+    step needs, not always on the widest; `Learner` compiles them all at its first step."""
+    unit = 2 * QUERY_BLOCK
+    return tuple(sorted({min(max_prompt_tokens, -(-max_prompt_tokens * k // (steps * unit)) * unit)
+                         for k in range(1, steps + 1)}))
+
+
 class Learner:
     """Holds the train state on a mesh; `update(batch)` takes one jitted train step.
 
     With `cfg.lora` the model gets adapters (`add_lora`; a warm start's are kept): the train state
     holds them alone, and the base weights are `frozen`, placed on the mesh beside them and passed
-    to every step undonated, so they stay bitwise as loaded."""
+    to every step undonated, so they stay bitwise as loaded.
 
-    def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh):
-        self.cfg, self.mesh = cfg, mesh
+    `widths`: the prompt widths of the padded batches to come (`prompt_widths`); the step's programs
+    for all of them compile with the first batch of one of them. A batch of another width (a prompt
+    longer than the run's widest) compiles its own on arrival."""
+
+    def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh, widths: Sequence[int] = ()):
+        self.cfg, self.mesh, self.widths = cfg, mesh, tuple(widths)
         self.frozen = self.frozen_shardings = None
         if cfg.lora is None:
             self.graphdef, params = nnx.split(model)
@@ -79,7 +95,8 @@ class Learner:
         if cfg.pack_tokens is not None and self.pack_rows % self.num_batch_shards:
             raise ValueError(f"learner.pack_rows={cfg.pack_rows} must be a multiple of the mesh's "
                              f"{self.num_batch_shards} batch shards")
-        self._step_fns: dict[int, object] = {}  # by prompt_group: rows sharing each prompt
+        # By (rows sharing each prompt, prompt width).
+        self._step_fns: dict[tuple[int, int], jax.stages.Compiled] = {}
 
     @property
     def step(self) -> int:
@@ -108,6 +125,25 @@ class Learner:
             packed[key] = multihost_utils.process_allgather(packed[key]).max(axis=0).astype(np.int32)
         return packed
 
+    def _compiled(self, arrays: dict[str, jax.Array], group: int) -> jax.stages.Compiled:
+        """The step for these arrays' shapes; with the first of `widths`, those of every width (packed
+        batches have one: their prompts' width does not size the model's work)."""
+        P = arrays["prompt_BxP"].shape[1]
+        if (group, P) not in self._step_fns:
+            jitted = jit_train_step(self.graphdef, self.cfg, self.tx, self.shardings,
+                                    batch_shardings(self.mesh, arrays), group, self.frozen_shardings)
+            packed = self.cfg.pack_tokens is not None
+            lowered = {}
+            for width in self.widths if P in self.widths and not packed else (P,):
+                shapes = {k: jax.ShapeDtypeStruct((a.shape[0], width, *a.shape[2:]) if k.endswith("_BxP") else a.shape,
+                                                  a.dtype, sharding=a.sharding) for k, a in arrays.items()}
+                with jax.set_mesh(self.mesh):
+                    lowered[(group, width)] = jitted.lower(self.state, shapes, self.frozen)
+            # XLA compiles outside the GIL: the widths side by side where the host has the cores.
+            with ThreadPoolExecutor(len(lowered)) as pool:
+                self._step_fns.update(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
+        return self._step_fns[(group, P)]
+
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One train step on this process's rows of the batch; returns host metrics."""
         validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
@@ -118,15 +154,11 @@ class Learner:
         if jax.process_count() > 1:  # every process must run the same program
             group = int(multihost_utils.process_allgather(np.int32(group)).min())
         arrays = put_batch(batch, self.mesh)
-        if group not in self._step_fns:
-            self._step_fns[group] = jit_train_step(
-                self.graphdef, self.cfg, self.tx, self.shardings, batch_shardings(self.mesh, arrays), group,
-                self.frozen_shardings,
-            )
+        step_fn = self._compiled(arrays, group)
         step = self.step
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self._step_fns[group](self.state, arrays, self.frozen)
+            self.state, metrics = step_fn(self.state, arrays, self.frozen)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - start
         tokens = int(np.sum(batch["prompt_mask_BxP"]) + np.sum(batch["completion_mask_BxC"]))

@@ -50,6 +50,11 @@ class LearnerConfig:
     shared_prompts: bool = option(
         "run a group's prompt through the model once for its group_size samples when they share it (a batch whose "
         "groups' prompts differ runs one per sample, compiled apart)", default=True)
+    prompt_widths: int = option(
+        "how many prompt widths padded batches take: 1, all rollout.max_prompt_tokens wide (one program); N, its "
+        "N fractions rounded up to 128, each step the narrowest that holds its prompts, all compiled at the first "
+        "step (a train step's compile each): pays over a long run whose prompts fall well short of the widest",
+        default=1)
     loss: LossConfig = option("policy loss", default=LossConfig())
     advantages: AdvantageConfig = option("how rewards become advantages", default=AdvantageConfig())
     optimizer: OptimizerConfig = option("AdamW and its learning-rate schedule", default=OptimizerConfig())
@@ -65,7 +70,7 @@ class LearnerConfig:
         "snapshots carry the adapters alone (PEFT's layout); null: every weight trains", default=None)
 
     def __post_init__(self):
-        for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk"):
+        for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk", "prompt_widths"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"learner.{key}={value!r} must be an integer >= 1")

@@ -8,7 +8,9 @@ import pytest
 from bridge.envs.spec import RewardSpec
 from bridge.wire import TrajectoryData
 from jaxrl.compilation import bucket
-from jaxrl.run.batches import learner_batch
+from jaxrl.run.batches import learner_batch, learner_widths, prompt_width
+from jaxrl.run.config import TrainConfig
+from jaxrl.run.typed_config import from_dict
 from jaxrl.run.rewards import RewardWeights
 
 
@@ -54,3 +56,14 @@ def test_what_does_not_fit_is_an_error_never_cut_model_tokens():
         learner_batch([traj([5], [8, 9, 10], [1, 1, 1])], 1, 4, 2, 0)
     with pytest.raises(ValueError, match="2 trajectories do not fit a batch of 1 rows"):
         learner_batch([traj([5], [8], [1])] * 2, 1, 4, 2, 0)
+
+
+def test_a_steps_prompt_width_is_the_narrowest_of_the_runs_that_holds_its_prompts():
+    base = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
+    assert learner_widths(from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}})) == (512,)
+    cfg = from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}, "learner": {"prompt_widths": 4}})
+    assert learner_widths(cfg) == (128, 256, 384, 512)
+    assert [prompt_width([traj([1] * n, [1], [1]) for n in (3, k)], cfg) for k in (100, 129, 384, 385, 512, 600)] == \
+        [128, 256, 384, 512, 512, 600]  # longer than the widest: widened to it
+    packed = from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}, "learner": {"pack_tokens": 1024, "prompt_widths": 4}})
+    assert learner_widths(packed) == (512,) and prompt_width([traj([1] * 100, [1], [1])], packed) == 512

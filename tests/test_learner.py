@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.learner import Learner, NonFiniteMetricError, check_finite
+from jaxrl.compilation import programs
+from jaxrl.learner import Learner, NonFiniteMetricError, check_finite, prompt_widths
 from jaxrl.models import Decoder
 from jaxrl.optim import OptimizerConfig
 from jaxrl.sharding import MeshConfig, make_mesh
@@ -37,6 +38,41 @@ def test_diverging_run_stops_with_a_clear_error_instead_of_logging_nan():
     learner.update(batch)
     with pytest.raises(NonFiniteMetricError, match=r"step 1: metric\(s\) \[.*'grad_norm'"):
         learner.update(batch)
+
+
+def test_prompt_widths_are_fractions_of_the_widest_in_pairs_of_query_blocks():
+    assert prompt_widths(512, 4) == (128, 256, 384, 512) and prompt_widths(512, 1) == (512,)
+    assert prompt_widths(300, 4) == (128, 256, 300) and prompt_widths(1024, 2) == (512, 1024)
+    assert prompt_widths(64, 4) == (64,) and prompt_widths(128, 4) == (128,)
+
+
+def _left_widened(batch: dict, width: int) -> dict:
+    pad = width - batch["prompt_BxP"].shape[1]
+    return {**batch, **{k: np.pad(batch[k], ((0, 0), (pad, 0))) for k in ("prompt_BxP", "prompt_mask_BxP")}}
+
+
+def test_every_prompt_width_compiles_at_the_first_step_and_takes_the_same_step():
+    # The same episodes left-padded to two widths: the narrow batch's step is the wide one's, and a
+    # run whose steps change width compiles nothing after its first step.
+    cfg = LearnerConfig(group_size=4)
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    cfg_model = tiny_config("qwen3", vocab_size=VOCAB)
+    narrow = make_batch(sampler=False)
+    wide = _left_widened(narrow, 128)
+    one = Learner(Decoder(cfg_model, nnx.Rngs(0)), cfg, mesh, widths=(8, 128))
+    other = Learner(Decoder(cfg_model, nnx.Rngs(0)), cfg, mesh)
+    m_one = one.update(_left_widened(narrow, 8))
+    before = programs()
+    m_one2 = one.update(wide)
+    assert programs() == before, "a width of the set compiled after the first step"
+    m_other = other.update(wide)
+    m_other2 = other.update(wide)
+    for a, b in ((m_one, m_other), (m_one2, m_other2)):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
+                                         one.state.params, other.state.params))
+    assert max(diffs) < 1e-6
+    assert {w for _, w in one._step_fns} == {8, 128}
 
 
 def _free_port():

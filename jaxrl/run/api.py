@@ -41,7 +41,7 @@ from jaxrl.host_memory import restart_tuned
 from jaxrl.learner import Learner
 from jaxrl.models import load_pretrained, load_tokenizer
 from jaxrl.models.hf import load_model_config
-from jaxrl.run.batches import rl_batch
+from jaxrl.run.batches import learner_widths, rl_batch
 from jaxrl.run.collection import StepRollouts, rollout_metrics
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
 from jaxrl.run.distributed import Exchange, exchange_step
@@ -155,7 +155,7 @@ def make_learner(cfg: TrainConfig) -> Learner:
     """A learner on `model.dir` (built first when `model.tiny` says so) with the config's loss,
     optimizer and mesh. `learner.update(batch)` takes one step and returns its metrics."""
     model = load_pretrained(ensure_model(cfg), param_dtype=cfg.model.dtype)
-    return Learner(model, cfg.learner_config(), make_mesh(cfg.mesh))
+    return Learner(model, cfg.learner_config(), make_mesh(cfg.mesh), learner_widths(cfg))
 
 
 def save_learner(learner: Learner, directory: str | Path) -> Path:

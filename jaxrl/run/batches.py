@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bridge.wire import TrajectoryData
+from jaxrl.learner import prompt_widths
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
 
@@ -72,9 +73,9 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
 def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, rows: int | None = None,
              prompt_len: int | None = None) -> dict[str, np.ndarray]:
     """A training step's batch as `cfg` shapes it: groups_per_step x group_size rows (or `rows`, a
-    process's share of them; rows beyond `trajs` are padding), prompts `rollout.max_prompt_tokens`
-    wide (one shape for the whole run; a longer prompt widens its step, to `prompt_len` when the
-    processes of a run agreed on one), completions `rollout.max_total_tokens` wide, rewards weighed
+    process's share of them; rows beyond `trajs` are padding), prompts `prompt_width` wide (one of a
+    few widths fixed by the config; a prompt longer than `rollout.max_prompt_tokens` widens its step;
+    `prompt_len` when the processes of a run agreed on one), completions `rollout.max_total_tokens` wide, rewards weighed
     by `rewards[]`, sampler logprobs when the loss corrects by importance sampling."""
     prompt_len = prompt_width(trajs, cfg) if prompt_len is None else prompt_len
     return learner_batch(trajs, cfg.groups_per_step_rows if rows is None else rows, prompt_len,
@@ -83,6 +84,15 @@ def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, row
                          teacher_logp=cfg.learner.loss.distill_weight > 0)
 
 
+def learner_widths(cfg: TrainConfig) -> tuple[int, ...]:
+    """The prompt widths of the run's batches (`jaxrl.learner.prompt_widths`); packed, one: the model
+    runs on real tokens whatever the padded layout's width."""
+    widest = cfg.rollout.max_prompt_tokens
+    return (widest,) if cfg.learner.pack_tokens is not None else prompt_widths(widest, cfg.learner.prompt_widths)
+
+
 def prompt_width(trajs: Sequence[TrajectoryData], cfg: TrainConfig) -> int:
-    """The prompt width `trajs` need: `rollout.max_prompt_tokens`, or their longest prompt."""
-    return max([cfg.rollout.max_prompt_tokens] + [len(t.prompt_ids) for t in trajs])
+    """The prompt width `trajs` need: the narrowest of `learner_widths` that holds their longest
+    prompt, or that prompt's length when it is longer than `rollout.max_prompt_tokens`."""
+    longest = max((len(t.prompt_ids) for t in trajs), default=1)
+    return next((w for w in learner_widths(cfg) if w >= longest), longest)

@@ -151,7 +151,8 @@ class RolloutConfig:
     max_total_tokens: int = option("all turns of an episode, environment tokens included", default=256)
     max_prompt_tokens: int = option(
         "longest episode prompt (task prompt and the environment's first observation): the learner batch's prompt "
-        "width (one shape all run), and a started jax engine holds max_prompt_tokens + max_total_tokens per sequence",
+        "width (the widest of learner.prompt_widths), and a started jax engine holds max_prompt_tokens + "
+        "max_total_tokens per sequence",
         default=512)
     max_staleness: int = option(
         "async, stream: drop groups with a token more than this many versions older than the learner", default=1)

@@ -54,7 +54,7 @@ from jaxrl.models import load_pretrained
 from jaxrl.models.lora import adapter_config, add_lora
 from jaxrl.run import report
 from jaxrl.run.api import SNAPSHOTS_KEPT, Bridge, ensure_model, open_bridge
-from jaxrl.run.batches import prompt_width, rl_batch
+from jaxrl.run.batches import learner_widths, prompt_width, rl_batch
 from jaxrl.run.collection import Collector, EnvironmentsDown, Share, StepRollouts, rollout_metrics
 from jaxrl.run.config import DistributedConfig, TrainConfig
 from jaxrl.run.distributed import Exchange, exchange_step, initialize, share_of
@@ -274,7 +274,7 @@ def _make_learner(job: _Job, model, start_step: int | None,
         _timed(startup, "base_model_s", write_base_model, model, Path(cfg.model.dir), base)
         _timed(startup, "bridges_restart_s", job.bridge.relaunch, base)
     t0 = time.perf_counter()
-    learner, step = Learner(model, cfg.learner_config(), mesh), 0
+    learner, step = Learner(model, cfg.learner_config(), mesh, learner_widths(cfg)), 0
     if start_step is not None:
         learner.state, meta = job.ckpt.restore(abstract_like(learner.state, learner.shardings))
         step = int(meta["step"])
