@@ -282,6 +282,28 @@ def test_failed_and_stale_groups_are_dropped():
     assert counts == {"groups_stale": 1, "groups_failed": 1, "groups_foreign_version": 1}
 
 
+def test_async_mode_requests_the_next_step_while_this_one_trains_and_not_past_the_last():
+    requested = []
+
+    class Client:
+        def request(self, tasks, ids, group_size, params, min_version, policy=""):
+            requested.append((ids[0].split("-")[0], min_version))
+            return [[traj(i, k, [1], [1], [1], {"env": float(k)}, version=max(min_version, 3)) for k in range(group_size)]
+                    for i in ids]
+
+    cfg = config(rollout={"mode": "async", "max_staleness": 1}, learner={"loss": {"is_level": "token"}}, steps=2)
+    collector = Collector(cfg, Client(), TaskSource(cfg), (0,))
+    try:
+        first = collector.collect(0, 3)
+        second = collector.collect(1, 4)  # the groups requested while step 0 trained, at version 3
+    finally:
+        collector.close()
+    # Step 0 at the version just published; step 1 requested once, behind step 0, at most max_staleness behind
+    # the version it trains at; no step 2.
+    assert requested == [("0", 3), ("1", 2)]
+    assert len(first.groups) == len(second.groups) == 2 and second.staleness_max == 1
+
+
 def test_sync_mode_trains_only_on_the_version_just_published():
     collector = Collector(config(), client=None, tasks=None, stop_ids=(0,))
     counts = collections.Counter()

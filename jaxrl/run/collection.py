@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 SESSION_WAITS = ("pool_waits", "pool_wait_s", "capacity_refusals")
 
 
+def oldest_trainable(cfg: TrainConfig, learner_version: int) -> int:
+    """The oldest policy version a step at `learner_version` may train on: that version in sync mode,
+    at most `rollout.max_staleness` behind it in async and stream modes."""
+    return max(0, learner_version - (cfg.rollout.max_staleness if cfg.rollout.mode != "sync" else 0))
+
+
 class EnvironmentsDown(RuntimeError):
     """Too few episodes succeed: the environments (or the bridge's sessions to them) are failing."""
 
@@ -80,8 +86,8 @@ class Share:
 
 
 class Collector:
-    """One step's groups (this process's share of them): request, filter, refill; in async mode the
-    next step is prefetched."""
+    """One step's groups (this process's share of them): request, filter, refill, from the source the
+    rollout mode names (`SOURCES`), picked once."""
 
     def __init__(self, cfg: TrainConfig, client: RolloutClient, tasks: TaskSource, stop_ids: tuple[int, ...],
                  share: Share | None = None):
@@ -93,10 +99,8 @@ class Collector:
         self.rewards = RewardWeights(cfg.rewards)
         # Seeds each group by the run seed and its id (step-slot): the same episodes on every rerun.
         self.params = cfg.sampling_params(stop_ids)
-        self.prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        self.pending: tuple[int, concurrent.futures.Future] | None = None
-        self.stream: GroupStream | None = None  # stream mode's, from its first step on
         self.watch = EnvWatch(cfg.rollout.max_turns, {e.name: e for e in cfg.envs}, self.task_of)
+        self.source = SOURCES[cfg.rollout.mode](self)
 
     def task_of(self, group_id: str) -> dict[str, Any]:
         """The task fields of training group `group_id` (STEP-SLOT: every mode numbers them so)."""
@@ -107,9 +111,8 @@ class Collector:
         if any(t.finish_reason == "error" for t in group):
             counts["groups_failed"] += 1
             return False
-        # Sync mode trains on the version just published only; async and stream on versions at most
-        # max_staleness behind. A newer version than the learner's was never published by this run.
-        oldest = learner_version - (self.cfg.rollout.max_staleness if self.cfg.rollout.mode != "sync" else 0)
+        # A newer version than the learner's was never published by this run.
+        oldest = oldest_trainable(self.cfg, learner_version)
         versions = [t.token_versions[t.loss_mask.astype(bool)] for t in group]
         versions = np.concatenate(versions) if versions else np.zeros(0, np.int64)
         if len(versions) and versions.max() > learner_version:
@@ -147,7 +150,14 @@ class Collector:
                 f"step {step}: only {len(episodes) - len(failed)} of {len(episodes)} episodes succeeded "
                 f"(rollout.min_success_fraction={fraction}); most common error {most_common_error(failed)}")
 
-    def _collect(self, step: int, min_version: int, learner_version_at_use: int) -> StepRollouts:
+    def request(self, step: int, slots: list[int], min_version: int) -> list[Group]:
+        """Groups of training tasks (step, slot) from the bridges, sampled by weights >= min_version."""
+        tasks = [self.tasks.train(step, slot) for slot in slots]
+        return self.client.request(tasks, [f"{step}-{slot}" for slot in slots], self.cfg.learner.group_size,
+                                   self.params, min_version)
+
+    def requested(self, step: int, min_version: int, learner_version_at_use: int) -> StepRollouts:
+        """`step`'s groups requested now, refilled as the filters drop some."""
         r = self.cfg.rollout
         need, taken = self.share.count, 0
         kept: list[Group] = []
@@ -156,11 +166,8 @@ class Collector:
         episodes_all: list[TrajectoryData] = []
         for attempt in range(r.max_refills + 1):
             n = need - len(kept)
-            slots = [self.share.slot(taken + i) for i in range(n)]
-            tasks = [self.tasks.train(step, slot) for slot in slots]
-            ids = [f"{step}-{slot}" for slot in slots]
+            groups = self.request(step, [self.share.slot(taken + i) for i in range(n)], min_version)
             taken += n
-            groups = self.client.request(tasks, ids, self.cfg.learner.group_size, self.params, min_version)
             counts["requests"] += 1
             episodes = [t for g in groups for t in g]
             self._tally(episodes, counts)
@@ -172,19 +179,16 @@ class Collector:
         counts["refills"] = max(counts["requests"] - 1, 0)
         return self._result(kept, counts, start, episodes_all, learner_version_at_use)
 
-    def _take_streamed(self, step: int, learner_version: int) -> StepRollouts:
-        """Stream mode: the first groups to complete that may be trained at `learner_version`; at
-        most (max_refills + 1) x the share's groups are looked at, as the other modes request."""
+    def streamed(self, step: int, learner_version: int, stream: GroupStream) -> StepRollouts:
+        """The first groups of `stream` to complete that may be trained at `learner_version`; at most
+        (max_refills + 1) x the share's groups are looked at, as the other modes request."""
         need = self.share.count
-        if self.stream is None:
-            self.stream = GroupStream(self, first_step=step)
-        self.stream.version = learner_version
         kept: list[Group] = []
         counts: collections.Counter = collections.Counter()
         start = time.perf_counter()
         episodes_all: list[TrajectoryData] = []
         for _ in range(need * (self.cfg.rollout.max_refills + 1)):
-            group = self.stream.take()
+            group = stream.take(learner_version)
             self._tally(group, counts)
             episodes_all += group
             if self._keep(group, learner_version, counts):
@@ -215,34 +219,72 @@ class Collector:
                             int(lags.max()) if len(lags) else 0)
 
     def collect(self, step: int, learner_version: int) -> StepRollouts:
-        """The groups of `step`; async mode returns the prefetched ones, stream mode the first to
-        complete."""
-        if self.cfg.rollout.mode == "sync":
-            return self._collect(step, learner_version, learner_version)
-        if self.cfg.rollout.mode == "stream":
-            return self._take_streamed(step, learner_version)
-        if self.pending is not None and self.pending[0] == step:
-            result = self.pending[1].result()
-        else:
-            result = self._collect(step, learner_version, learner_version)
-        self.pending = None
-        return result
-
-    def prefetch_next(self, step: int, learner_version: int) -> None:
-        """Async mode: generate `step`'s groups with the current weights while the learner trains.
-
-        Used after the update, at version learner_version + 1: trajectories older than
-        `max_staleness` versions by then are dropped.
-        """
-        if self.cfg.rollout.mode != "async" or self.pending is not None:
-            return
-        min_version = max(0, learner_version - self.cfg.rollout.max_staleness)
-        self.pending = (step, self.prefetch.submit(self._collect, step, min_version, learner_version + 1))
+        """The groups of `step` to train at `learner_version`."""
+        return self.source.take(step, learner_version)
 
     def close(self) -> None:
-        self.prefetch.shutdown(wait=False, cancel_futures=True)
-        if self.stream is not None:
-            self.stream.close()
+        self.source.close()
+
+
+class SyncSource:
+    """sync: a step's groups requested when it starts, sampled by the weights just published."""
+
+    def __init__(self, collector: Collector):
+        self.collector = collector
+
+    def take(self, step: int, learner_version: int) -> StepRollouts:
+        return self.collector.requested(step, learner_version, learner_version)
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncSource:
+    """async: the next step's groups are generated with the current weights while this step trains
+    (taken at the next version: tokens more than `max_staleness` versions behind it are dropped)."""
+
+    def __init__(self, collector: Collector):
+        self.collector = collector
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._next: tuple[int, concurrent.futures.Future] | None = None
+
+    def take(self, step: int, learner_version: int) -> StepRollouts:
+        c = self.collector
+        if self._next is not None and self._next[0] == step:
+            result = self._next[1].result()
+        else:  # the first step, or one whose prefetch the run did not take
+            result = c.requested(step, learner_version, learner_version)
+        self._next = None
+        if step + 1 < c.cfg.steps:
+            self._next = (step + 1, self._pool.submit(c.requested, step + 1, oldest_trainable(c.cfg, learner_version),
+                                                      learner_version + 1))
+        return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StreamSource:
+    """stream: groups taken as they complete from a `GroupStream`, started at the first step taken
+    (groups are numbered on from its)."""
+
+    def __init__(self, collector: Collector):
+        self.collector = collector
+        self._stream: GroupStream | None = None
+
+    def take(self, step: int, learner_version: int) -> StepRollouts:
+        c = self.collector
+        if self._stream is None:
+            self._stream = GroupStream(c.request, c.share, c.cfg, first_step=step, learner_version=learner_version)
+        return c.streamed(step, learner_version, self._stream)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+
+
+SOURCES: dict[str, Callable[[Collector], SyncSource | AsyncSource | StreamSource]] = {
+    "sync": SyncSource, "async": AsyncSource, "stream": StreamSource}
 
 
 class GroupStream:
@@ -252,40 +294,40 @@ class GroupStream:
     while the learner trains. Groups are numbered on from the first step's (STEP-SLOT ids and tasks
     as the other modes draw them), in the order they are requested; they complete in any order."""
 
-    def __init__(self, collector: Collector, first_step: int):
-        self.collector = collector
-        self.version = 0  # the learner's; a request may be served by weights max_staleness older
-        self._next = first_step * collector.share.count
+    def __init__(self, request: Callable[[int, list[int], int], list[Group]], share: Share, cfg: TrainConfig,
+                 first_step: int, learner_version: int):
+        self._request, self._share, self._cfg = request, share, cfg
+        self._version = learner_version  # a request may be served by weights max_staleness older
+        self._next = first_step * share.count
         self._lock = threading.Lock()
         self._done: queue.Queue[Group | BaseException] = queue.Queue()
         self._closed = threading.Event()
         # This process's part of the run's groups under way (all of them with one process).
-        self._n = max(1, collector.cfg.streamed_groups * collector.share.count // collector.share.total)
+        self._n = max(1, cfg.streamed_groups * share.count // share.total)
         self._room = threading.Semaphore(self._n)  # a group takes one until a step takes the group
         self._pool = concurrent.futures.ThreadPoolExecutor(self._n, thread_name_prefix="stream")
         for _ in range(self._n):
             self._pool.submit(self._supply)
 
     def _supply(self) -> None:
-        c, r = self.collector, self.collector.cfg.rollout
         while True:
             self._room.acquire()
             if self._closed.is_set():
                 return
             with self._lock:
-                step, i = divmod(self._next, c.share.count)
+                step, i = divmod(self._next, self._share.count)
                 self._next += 1
-            slot = c.share.slot(i)
             try:
-                [group] = c.client.request([c.tasks.train(step, slot)], [f"{step}-{slot}"], c.cfg.learner.group_size,
-                                           c.params, max(0, self.version - r.max_staleness))
+                [group] = self._request(step, [self._share.slot(i)], oldest_trainable(self._cfg, self._version))
             except BaseException as e:  # the step that takes it raises it
                 self._done.put(e)
                 return
             self._done.put(group)
 
-    def take(self) -> Group:
-        """The next group to complete (waits for one); raises what stopped a request."""
+    def take(self, learner_version: int) -> Group:
+        """The next group to complete (waits for one), the requests from now on for `learner_version`;
+        raises what stopped a request."""
+        self._version = learner_version
         item = self._done.get()
         if isinstance(item, BaseException):
             raise item

@@ -382,16 +382,13 @@ def _train_steps(job: _Job, learner: Learner, collector: Collector,
 
 
 def _collect(job: _Job, collector: Collector, step: int, version: int) -> StepRollouts:
-    """This process's groups of `step`; the next step's start collecting in the background."""
+    """This process's groups of `step`."""
     job.bridge.env_servers.check()  # a bundled environment server that keeps dying stops the run
     try:
-        result = collector.collect(step, version)
+        return collector.collect(step, version)
     except EnvironmentsDown:
         job.bridge.env_servers.check()  # ... and is why the step's episodes failed
         raise
-    if step + 1 < job.cfg.steps:
-        collector.prefetch_next(step + 1, version)
-    return result
 
 
 def _exchange(job: _Job, exchange: Exchange, result: StepRollouts, stop_requested: bool):
