@@ -89,3 +89,22 @@ def test_a_failing_solver_ends_its_episode_as_an_error(tok):
 
     traj = asyncio.run(play())
     assert traj.finish_reason == "error" and traj.error.startswith("solver: ")
+
+
+def test_a_solver_the_environment_does_not_stop_in_time_ends_as_an_error(tok, monkeypatch):
+    import bridge.envs.solver
+
+    monkeypatch.setattr(bridge.envs.solver, "MAX_SOLVER_TURNS", 1)  # guess_number's solver needs several guesses
+    spec = in_process("guess_number")
+    runtime = EnvRuntime([spec], tok, get_parser())
+
+    async def play():
+        await runtime.start()
+        try:
+            return await solver_episode(runtime, "g", 0, spec.name, {"seed": 0, "split": "train"})  # five guesses
+        finally:
+            await runtime.aclose()
+
+    traj = asyncio.run(play())
+    assert traj.finish_reason == "error" and traj.num_turns == 1
+    assert traj.error == "solver: the environment did not end the episode within 1 turns (it ended by 'max_turns')"

@@ -1,9 +1,10 @@
-"""Solver episodes: an environment's own solver plays through the real episode hook.
+"""Solver episodes: an environment's own solver plays through the real episode loop and hook.
 
-The trajectory is what `bridge.rollout.run_episode` would record had the model written the
-solver's replies (tokenized, plus EOS): the chat-template prompt, the replies (loss mask 1) and
-what the environment answers (loss mask 0), token for token what the policy sees in RL. The
-warm start trains on these (`RolloutRequest.policy = "solver"`).
+The solver is an engine (`SolverEngine`) that `bridge.rollout.run_episode` plays as it plays the
+model, so the trajectory is what an episode records had the model written the solver's replies
+(tokenized, plus EOS): the chat-template prompt, the replies (loss mask 1) and what the environment
+answers (loss mask 0), token for token what the policy sees in RL. The warm start trains on these
+(`RolloutRequest.policy = "solver"`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
-
+from bridge.engines.base import Completion, EngineError, SamplingParams
 from bridge.envs.bundled import BUNDLED
-from bridge.wire import ENV_VERSION, TrajectoryData
+from bridge.rollout import run_episode
+from bridge.wire import TrajectoryData
 
 MAX_SOLVER_TURNS = 64  # a solver that has not finished by then is broken, not slow
 
@@ -39,36 +40,41 @@ def reply_text(action: Any, connector: Any) -> str:
     raise ValueError(f"environment {connector.spec.name!r}: cannot demonstrate action mode {mode!r}")
 
 
+class SolverEngine:
+    """An engine whose every turn is the environment's solver's reply to what the episode has observed:
+    `run_episode` plays it as it plays the model (version 0, logprobs 0, ended by EOS)."""
+
+    name, policy_version = "solver", 0
+
+    def __init__(self, solve: Any, hook: Any, tokenizer: Any):
+        self.solve, self.hook, self.tokenizer = solve, hook, tokenizer
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        text = reply_text(self.solve(self.hook.episode.record.observations), self.hook.connector)
+        reply = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return [[Completion(reply, [0.0] * len(reply), "stop", self.policy_version)] for _ in prompts]
+
+    async def load_snapshot(self, path: str, version: int) -> float:
+        raise EngineError("a solver has no weights to load")
+
+    async def close(self) -> None:
+        pass
+
+
 async def solver_episode(runtime: Any, group_id: str, index: int, env: str, task: dict[str, Any],
                          retry_on: tuple[type[BaseException], ...] = ()) -> TrajectoryData:
-    """One episode of `env` on `task` with its solver as the policy; failures end it as 'error'.
+    """One episode of `env` on `task` with its solver as the policy; failures, and an episode the
+    environment did not end within MAX_SOLVER_TURNS, end it as 'error'.
 
     Like `run_episode`, `retry_on` exceptions (a lost session) propagate for the caller to replay.
     """
-    solve = BUNDLED[runtime.specs[env].solver].solve
-    tok = runtime.tokenizer
     hook = runtime.hook(env, task)
-    traj = TrajectoryData(group_id, index, np.zeros(0, np.int32), env=env)
-    try:
-        traj.prompt_ids = np.asarray(await hook.start(), np.int32)
-        while True:
-            if traj.num_turns >= MAX_SOLVER_TURNS:
-                raise RuntimeError(f"the solver did not end the episode within {MAX_SOLVER_TURNS} turns")
-            text = reply_text(solve(hook.episode.record.observations), hook.connector)
-            reply = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-            traj.append(reply, [0.0] * len(reply), True, 0)
-            traj.num_turns += 1
-            result = await hook.turn(reply)
-            if result.done:
-                break
-            traj.append(result.append_ids, [], False, ENV_VERSION)
-        traj.finish_reason = "env_done"
-        traj.rewards.update(await hook.finish(traj))
-    except retry_on:
-        raise
-    except Exception as e:
-        traj.finish_reason, traj.error = "error", f"solver: {type(e).__name__}: {e}"
-    finally:
-        traj.metrics.update(hook.metrics)
-        await hook.close()
+    engine = SolverEngine(BUNDLED[runtime.specs[env].solver].solve, hook, runtime.tokenizer)
+    unbounded = SamplingParams(max_tokens=1 << 30, max_turns=MAX_SOLVER_TURNS, max_total_tokens=1 << 30)
+    traj = await run_episode(engine, group_id, index, [], unbounded, hook, env, retry_on)
+    if traj.finish_reason == "error":
+        traj.error = f"solver: {traj.error}"
+    elif traj.finish_reason != "env_done":
+        traj.finish_reason, traj.error = "error", (f"solver: the environment did not end the episode within "
+                                                   f"{MAX_SOLVER_TURNS} turns (it ended by {traj.finish_reason!r})")
     return traj
