@@ -6,7 +6,8 @@ from benches import tiny_figures
 
 KEYS = ("round_trip_ratio", "round_trip_warm_ratio", "publish_s", "load_s", "publish_ratio", "load_ratio",
         "publish_same_work_ratio", "load_warm_s", "load_warm_ratio", "numpy_save_s", "numpy_publish_s",
-        "numpy_load_s", "numpy_load_warm_s", "convert_s", "checksum_s", "size_mb")
+        "numpy_load_s", "numpy_load_warm_s", "convert_s", "checksum_s", "size_mb", "orbax_round_trip_ratio",
+        "orbax_save_s", "orbax_load_s", "orbax_save_ratio", "orbax_load_ratio", "orbax_load_warm_ratio")
 
 
 def test_tiny_benchmark_prints_figures(tmp_path):

@@ -35,6 +35,9 @@ the files, copies out of the mappings into freshly faulted arrays, checksums eve
 Orbax's Python: about twice numpy's CPU, so on a busy machine it swings the most.
 `publish_ratio` (and so `round_trip_ratio`) charges us for the cast and the transposes that
 numpy's baseline is spared; `publish_same_work_ratio` is the like-for-like figure.
+`orbax_*`: stock Orbax (`PyTreeCheckpointer`) saving and restoring the finished serving tensors,
+the same job as numpy's (no conversion), timed beside it: what writing the snapshots through
+Orbax's own API instead of TensorStore would cost (`orbax_round_trip_ratio` against numpy's).
 `--dir /dev/shm` measures where `jaxrl train` puts the snapshots of a run that starts its own
 bridges: tmpfs has no page cache to drop, so there cold and warm are the same memory reads. `convert_s` and `checksum_s` time those
 two publish steps alone (the checksum is also the verification cost of a load).
@@ -56,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl.models import Decoder, ModelConfig
@@ -170,24 +174,26 @@ def run(args) -> dict:
         def record(key, seconds):
             times.setdefault(key, []).append(seconds)
 
+        orbax = ocp.PyTreeCheckpointer()
         writes = {
             "publish": lambda v: writer.publish(params, v),
             "numpy_save": lambda v: numpy_save(root / f"numpy-{v}", host),
             "numpy_publish": lambda v: numpy_publish(root / f"numpy-publish-{v}", cfg, params),
+            "orbax_save": lambda v: orbax.save(root / f"orbax-{v}", host),
         }
         for version in range(1, args.repeats + 1):
-            np_dir = root / f"numpy-{version}"
-            ours_first = version % 2 == 1
-            names = list(writes)[version % 3:] + list(writes)[:version % 3]  # each goes first in turn
+            np_dir, orbax_dir = root / f"numpy-{version}", root / f"orbax-{version}"
+            names = list(writes)[version % 4:] + list(writes)[:version % 4]  # each goes first in turn
             for name in names:
                 settle(args.settle_s)
                 record(name, timed(writes[name], version)[0])
             shutil.rmtree(root / f"numpy-publish-{version}")
-            drop_from_page_cache(np_dir)
-            drop_from_page_cache(root / "ours" / str(version))
+            for directory in (np_dir, orbax_dir, root / "ours" / str(version)):
+                drop_from_page_cache(directory)
+            readers = ["ours", "numpy", "orbax"]
             for cache in ("cold", "warm"):
-                for ours in (ours_first, not ours_first):
-                    if ours:
+                for reader in readers[version % 3:] + readers[:version % 3]:
+                    if reader == "ours":
                         seconds, snapshot = timed(SnapshotReader(root / "ours").load, version)
                         record(f"load_{cache}", seconds)
                         if version == 1 and cache == "cold":
@@ -195,9 +201,12 @@ def run(args) -> dict:
                                 got = snapshot.tensors[name]
                                 np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
                         del snapshot
-                    else:
+                    elif reader == "numpy":
                         record(f"numpy_load_{cache}", timed(numpy_load, np_dir, host)[0])
+                    else:
+                        record(f"orbax_load_{cache}", timed(orbax.restore, orbax_dir)[0])
             shutil.rmtree(np_dir)
+            shutil.rmtree(orbax_dir)
             shutil.rmtree(root / "ours" / str(version - 1))
             print(f"round {version}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
         writer.close()
@@ -215,13 +224,21 @@ def run(args) -> dict:
         # Median of the per-round ratios: each pair ran back to back, under the same load.
         return statistics.median(a / b for a, b in zip(times[ours], times[theirs]))
 
-    def round_trip(load, numpy_load):
+    def round_trip(load, numpy_load, publish="publish"):
         return statistics.median((p + l) / (s + n) for p, l, s, n in zip(
-            times["publish"], times[load], times["numpy_save"], times[numpy_load]))
+            times[publish], times[load], times["numpy_save"], times[numpy_load]))
 
     return {
         "round_trip_ratio": round_trip("load_cold", "numpy_load_cold"),
         "round_trip_warm_ratio": round_trip("load_warm", "numpy_load_warm"),
+        # Stock Orbax (PyTreeCheckpointer) saving and restoring the finished serving tensors: numpy's
+        # job, so against numpy's figures; ours also converts (publish_same_work_ratio compares that).
+        "orbax_round_trip_ratio": round_trip("orbax_load_cold", "numpy_load_cold", "orbax_save"),
+        "orbax_save_s": med["orbax_save"],
+        "orbax_load_s": med["orbax_load_cold"],
+        "orbax_save_ratio": ratio("orbax_save", "numpy_save"),
+        "orbax_load_ratio": ratio("orbax_load_cold", "numpy_load_cold"),
+        "orbax_load_warm_ratio": ratio("orbax_load_warm", "numpy_load_warm"),
         "publish_s": med["publish"],
         "load_s": med["load_cold"],
         "publish_ratio": ratio("publish", "numpy_save"),
