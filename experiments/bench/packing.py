@@ -14,11 +14,13 @@ Sides, each the GRPO step (dapo loss, AdamW) on the same batch, timed alternatel
   padded   the learner as `jaxrl train` runs it by default: rows `rollout.max_prompt_tokens` (256, as
            vs_trl sets it) + the completion width, each group's prompt run once (shared prompts),
            `--grad-accum` micro-batches;
+  narrow   padded with `learner.prompt_widths: 4`: the prompts cut to the narrowest quarter of the
+           width (rounded up to 128) that holds them, as a run with that setting cuts them;
   packed   `learner.pack_tokens` / `pack_rows`: each episode a segment of a packed row;
   torch    transformers' Qwen3 (float32) on the same packed rows, padding-free: position ids that
            restart per episode and no attention mask, from which transformers builds each row's
            block-causal mask (`masking_utils.find_packed_sequence_indices`).
-The gradient norms of the three agree (the same loss). Printed per side: the token positions the
+The gradient norms of the four agree (the same loss). Printed per side: the token positions the
 model runs (`computed_tokens`) against the real ones. Last line, JSON: `ratios` (packed over
 padded, packed over torch, in real tokens per second) first.
 """
@@ -132,7 +134,7 @@ def main(argv=None) -> dict:
     import torch
     from flax import nnx
 
-    from jaxrl.learner import Learner
+    from jaxrl.learner import Learner, prompt_widths
     from jaxrl.losses import LossConfig
     from jaxrl.models import Decoder
     from jaxrl.packing import pack
@@ -157,15 +159,19 @@ def main(argv=None) -> dict:
     packed_cfg = base.__class__(**{**base.__dict__, "pack_tokens": pack_tokens, "pack_rows": args.pack_rows})
     layout = pack(batch, pack_tokens, args.pack_rows)
     torch_step = TorchPackedStep(model, batch, layout, base)  # copies the weights before the learners move them
-    sides = {"padded": Learner(model, base.__class__(**{**base.__dict__, "grad_accum": grad_accum}), mesh),
+    padded_cfg = base.__class__(**{**base.__dict__, "grad_accum": grad_accum})
+    narrow_width = next(w for w in prompt_widths(width, 4) if w >= batch["prompt_mask_BxP"].sum(1).max())
+    batches = {"padded": batch, "packed": batch,
+               "narrow": {**batch, **{k: batch[k][:, width - narrow_width:] for k in ("prompt_BxP", "prompt_mask_BxP")}}}
+    sides = {"padded": Learner(model, padded_cfg, mesh), "narrow": Learner(model, padded_cfg, mesh),
              "packed": Learner(model, packed_cfg, mesh)}
-    grad_norms = {name: learner.update(batch)["grad_norm"] for name, learner in sides.items()}
+    grad_norms = {name: learner.update(batches[name])["grad_norm"] for name, learner in sides.items()}
     grad_norms["torch"] = torch_step()["grad_norm"]
     times = {name: [] for name in (*sides, "torch")}
     for _ in range(args.steps):
         for name, learner in sides.items():
             start = time.perf_counter()
-            learner.update(batch)
+            learner.update(batches[name])
             times[name].append(time.perf_counter() - start)
         start = time.perf_counter()
         torch_step()
@@ -173,16 +179,20 @@ def main(argv=None) -> dict:
     step_s = {name: statistics.median(t) for name, t in times.items()}
     rows_used = int(layout["micro_batches"]) * args.pack_rows
     P = batch["prompt_BxP"].shape[1]
-    computed = {"padded": groups * P + B * C, "packed": rows_used * pack_tokens, "torch": rows_used * pack_tokens}
+    computed = {"padded": groups * P + B * C, "narrow": groups * narrow_width + B * C, "packed": rows_used * pack_tokens,
+                "torch": rows_used * pack_tokens}
     figures = {
         "ratios": {"packed_over_padded": step_s["padded"] / step_s["packed"],
+                   "packed_over_narrow": step_s["narrow"] / step_s["packed"],
+                   "narrow_over_padded": step_s["padded"] / step_s["narrow"],
                    "packed_over_torch": step_s["torch"] / step_s["packed"]},
         "real_tokens_per_s": {name: real / s for name, s in step_s.items()},
         "step_s": step_s,
         "real_tokens": real,
         "computed_tokens": computed,
         "grad_norm_rel_diff": max(abs(v - grad_norms["padded"]) / grad_norms["padded"] for v in grad_norms.values()),
-        "workload": args.workload, "episodes": B, "prompt_width": P, "completion_width": C,
+        "workload": args.workload, "episodes": B, "prompt_width": P, "narrow_prompt_width": narrow_width,
+        "completion_width": C,
         "pack_tokens": pack_tokens, "pack_rows": args.pack_rows, "padded_grad_accum": grad_accum,
         "threads": threads, "load_average": round(os.getloadavg()[0], 2),
     }
