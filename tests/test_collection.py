@@ -45,11 +45,12 @@ def traj(group, i, prompt, completion, mask, rewards, finish="stop", version=0, 
 
 def test_metrics_per_environment_and_counts():
     cfg = config()
-    result = StepRollouts([[traj("a", 0, [1], [1, 2], [1, 1], {"env": 1.0}), traj("a", 1, [1], [3], [1], {"env": 0.0})]],
+    result = StepRollouts([[traj("a", 0, [1], [1, 2], [1, 1], {"env": 1.0}), traj("a", 1, [1, 4, 5], [3], [1], {"env": 0.0})]],
                           collections.Counter(episodes=2, groups_zero_variance=1), 1.0, 0.7, 0.3)
     m = rollout_metrics([t for g in result.summaries() for t in g], result.counts, cfg)
     assert m["reward/mean"] == 0.5 and m["env/coin/success"] == 0.5 and m["env/coin/tool_calls"] == 1.0
     assert m["rollout/groups_zero_variance"] == 1 and m["completion/model_tokens"] == 1.5
+    assert m["prompt/tokens"] == 2.0 and m["prompt/tokens_max"] == 3.0
 
 
 def test_session_waits_are_the_steps_totals():

@@ -335,36 +335,17 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: 
                      "tool_calls": m.get("env/guess/tool_calls", 0.0),
                      "tool_errors": m.get("env/guess/tool_errors", 0.0), "model_tokens": m.get("completion/model_tokens"),
                      "total_tokens": m.get("completion/total_tokens"), "turns": m.get("completion/turns"),
-                     "capped": m.get("completion/truncated"), "reward_mean": m.get("reward/mean")})
+                     "capped": m.get("completion/truncated"), "reward_mean": m.get("reward/mean"),
+                     "prompt_tokens": m.get("prompt/tokens")})
     if not rows:
         raise SystemExit(f"vs_trl: jaxrl wrote no step metrics to {run_dir / 'metrics.jsonl'}")
     # The first step began step_s before its row was logged.
     first_begin = rows[0]["time"] - rows[0]["step_s"]
-    prompt_tokens = _prompt_tokens(run_dir, model_dir)
-    for r in rows:
-        r["prompt_tokens"] = prompt_tokens
     out = summarize(rows, launch, first_begin, end, args.skip)
     out.update(framework=f"jaxrl ({mode}{', pinned' * pinned})", run_wall_s=summary.get("wall_s"),
                startup_phases=summary.get("startup"), programs_after_first_step=summary.get("programs_after_first_step"),
                log=str(tmp / f"{name}.log"))
     return out
-
-
-def _prompt_tokens(run_dir: Path, model_dir: Path) -> float | None:
-    """Prompt length of the logged samples (jaxrl's metrics do not carry it)."""
-    path = run_dir / "samples.jsonl"
-    if not path.is_file():
-        return None
-    from jaxrl.models import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    lengths = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        prompt = row.get("prompt")
-        if isinstance(prompt, str):
-            lengths.append(len(tok.encode(prompt, add_special_tokens=False)))
-    return round(statistics.fmean(lengths), 1) if lengths else None
 
 
 # -- the report ----------------------------------------------------------------------------------

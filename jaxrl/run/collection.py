@@ -478,11 +478,12 @@ class EpisodeSummary:
     model_tokens: int
     total_tokens: int
     policy_version: int
+    prompt_tokens: int
 
     @classmethod
     def of(cls, t: TrajectoryData) -> EpisodeSummary:
         return cls(t.env, dict(t.rewards), dict(t.metrics), t.finish_reason, t.num_turns, int(t.loss_mask.sum()),
-                   len(t.completion_ids), t.policy_version)
+                   len(t.completion_ids), t.policy_version, len(t.prompt_ids))
 
 
 def rollout_metrics(trajs: list[EpisodeSummary], counts: Mapping[str, float], cfg: TrainConfig) -> dict[str, float]:
@@ -523,6 +524,9 @@ def rollout_metrics(trajs: list[EpisodeSummary], counts: Mapping[str, float], cf
             if total:
                 out[f"env/{env}/{m}"] = float(total)
         out[f"env/{env}/episodes"] = float(len(ts))
+    # Against the learner's prompt width (learner/prompt_width): what padding the step pays for.
+    out["prompt/tokens"] = float(np.mean([t.prompt_tokens for t in trajs]))
+    out["prompt/tokens_max"] = float(max(t.prompt_tokens for t in trajs))
     out["completion/model_tokens"] = float(np.mean([t.model_tokens for t in trajs]))
     out["completion/total_tokens"] = float(np.mean([t.total_tokens for t in trajs]))
     out["completion/turns"] = float(np.mean([t.num_turns for t in trajs]))

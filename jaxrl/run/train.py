@@ -366,7 +366,7 @@ def _train_steps(job: _Job, learner: Learner, collector: Collector,
                 failure = e
             # Log, then checkpoint.
             metrics.update({**view.maxima, "time/learn_s": learn_s, "time/step_s": time.perf_counter() - t0,
-                            "version": float(job.bridge.version)})
+                            "version": float(job.bridge.version), "learner/prompt_width": float(view.prompt_len)})
             if jax.process_count() > 1:
                 metrics["time/share_s"] = share_s  # the exchange and this process's rows of the batch
             _log_step(job, logger, step, metrics, result)
