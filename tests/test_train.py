@@ -831,10 +831,11 @@ def primed_judge(out_dir: Path, tokenizer) -> Path:
     return out_dir
 
 
-def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int, width: int = 256) -> str:
-    """The model's greedy answer to `rubric` as one user message: full forward passes, no engine. One
-    padded width, one program: eager calls compiled every op for every length (minutes on a busy machine);
-    causal attention keeps what follows a position out of its logits."""
+def greedy_answerer(model_dir: Path, tokenizer, width: int = 256):
+    """`answer(rubric, max_tokens)`: the model's greedy answer to `rubric` as one user message: full forward
+    passes, no engine. The model loaded and its one program compiled once for every answer: one padded
+    width (eager calls compiled every op for every length: minutes on a busy machine); causal attention
+    keeps what follows a position out of its logits."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -844,16 +845,20 @@ def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int, widt
 
     model = load_pretrained(model_dir)
     forward = nnx.jit(lambda m, tokens: m(tokens, jnp.arange(width)[None], jnp.ones_like(tokens))[0])
-    ids = prompt_ids(tokenizer, [{"role": "user", "content": rubric}], None, {})
-    answer = []
-    for _ in range(max_tokens):
-        sequence = ids + answer
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :len(sequence)] = sequence
-        answer.append(int(np.argmax(forward(model, tokens)[0, len(sequence) - 1])))
-        if answer[-1] == tokenizer.eos_token_id:
-            break
-    return tokenizer.decode(answer, skip_special_tokens=True)
+
+    def answer(rubric: str, max_tokens: int) -> str:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": rubric}], None, {})
+        said = []
+        for _ in range(max_tokens):
+            sequence = ids + said
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, :len(sequence)] = sequence
+            said.append(int(np.argmax(forward(model, tokens)[0, len(sequence) - 1])))
+            if said[-1] == tokenizer.eos_token_id:
+                break
+        return tokenizer.decode(said, skip_special_tokens=True)
+
+    return answer
 
 
 @pytest.mark.timeout(900)  # three models compiled besides the policy's: ~45 s quiet, past 300 s beside 3 others
@@ -893,10 +898,10 @@ def test_a_run_with_a_classifier_and_judges_rewards_them_as_the_models_do_outsid
     assert len(samples) == 6
     outside = RewardClassifier(classifier_dir, 256)
     judge = Judge(RewardSpec(model=str(judge_dir), kind="judge", template=rubric), None, tok, {})
+    greedy_answer = greedy_answerer(judge_dir, tok)
     for sample in samples:
         episode = episodes[sample["completion"]]
         conversation = episode["prompt"] + episode["completion"]
         assert sample["rewards"]["rm"] == pytest.approx(asyncio.run(outside.score(conversation)), abs=1e-4)
-        answer = greedy_answer(judge_dir, tok, judge.rubric(episode["prompt"], episode["completion"], episode["task"]),
-                               4)
+        answer = greedy_answer(judge.rubric(episode["prompt"], episode["completion"], episode["task"]), 4)
         assert answer == "7" and sample["rewards"]["judge"] == parse_answer(answer, None) == 7.0
