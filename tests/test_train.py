@@ -512,21 +512,26 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_path):
+def test_sweep_of_two_by_two_overrides_dry_runs_four_then_two_run_at_once_and_compare(model_dir, tmp_path):
+    """The 2 x 2 grid resolved and written (dry run); then a grid of two real runs, at once: a third run
+    waiting for a free slot is test_launchers' (fake trainers), and the grid's product test_sweep's."""
     write_config(tmp_path / "base.yaml", model_dir, tmp_path / "unused", steps=1, eval={"episodes": 0})
+    spec = {"base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "dry"),
+            "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
+            "parallel": 2}  # two at a time, each on its own CPUs
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "sweeps"),
-        "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
-        "parallel": 2,  # two at a time, each on its own CPUs
-    }))
+    sweep.write_text(yaml.safe_dump(spec))
     dry = jaxrl("sweep", sweep, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert len([line for line in dry.stdout.splitlines() if line.startswith("jaxrl train ")]) == 4
+    assert len([p for p in (tmp_path / "dry").iterdir() if (p / "config.yaml").exists()]) == 4
+    sweep.write_text(yaml.safe_dump({**spec, "out_dir": str(tmp_path / "sweeps"),
+                                     "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4],
+                                              "rollout.temperature": [0.7]}}))
     proc = jaxrl("sweep", sweep, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p for p in (tmp_path / "sweeps").iterdir() if (p / "config.yaml").exists())
-    assert len(runs) == 4 and all(read_metrics(r) for r in runs)
+    assert len(runs) == 2 and all(read_metrics(r) for r in runs)
     assert all(json.loads((r / "launch.json").read_text())["state"] == "done" and (r / "run.json").exists()
                and any((r / "checkpoints").iterdir()) for r in runs)
     table = (tmp_path / "sweeps" / "summary.md").read_text()
