@@ -24,20 +24,13 @@ WORKER = Path(__file__).parent / "workers" / "resumable_run.py"
 
 
 def _start(run_dir, total, fsdp=2, tp=1, lora_rank=None):
-    # The three processes of a case share a persistent compilation cache (a run's default, as `jaxrl train`
-    # sets it for its bridges): the first compiles the train step, the other two load that executable.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
-           **use_persistent_cache_environ(run_dir.parent / "xla")}
+    # With the persistent compilation cache conftest gives every child: the first process of a case compiles
+    # the train step (none, once a session has), the other two load that executable.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(run_dir), str(total), str(fsdp), str(tp), *([str(lora_rank)] * bool(lora_rank))],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-
-
-def use_persistent_cache_environ(directory: Path) -> dict[str, str]:
-    """The variables `jaxrl.compilation.use_persistent_cache` gives a child, without setting this process's."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _finish(proc):
