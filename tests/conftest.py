@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,27 @@ def _resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:  # not Linux
         return 0
+
+
+# Where the processes the tests start keep their compiled programs (JAX's persistent compilation cache), as
+# `jaxrl train` gives its bridges one: the same programs compiled again in every bridge, engine and worker a
+# test starts were most of their CPU. Kept between sessions, as the run's own cache is.
+CHILD_COMPILATION_CACHE = Path.home() / ".cache" / "jaxrl" / "xla-tests"
+CHILD_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(CHILD_COMPILATION_CACHE),
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_share_a_compilation_cache():
+    """CHILD_CACHE_ENV in the environment every child inherits; not in this process's own JAX, which read
+    its settings when it was imported (its compile counts stay its own)."""
+    import jax  # noqa: F401  (imported before the variables are set)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in CHILD_CACHE_ENV.items():
+            mp.setenv(key, value)
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,6 +24,8 @@ WORKER = Path(__file__).parent / "workers" / "resumable_run.py"
 
 
 def _start(run_dir, total, fsdp=2, tp=1, lora_rank=None):
+    # With the persistent compilation cache conftest gives every child: the first process of a case compiles
+    # the train step (none, once a session has), the other two load that executable.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(run_dir), str(total), str(fsdp), str(tp), *([str(lora_rank)] * bool(lora_rank))],

@@ -1,5 +1,6 @@
 """Compile counting and the persistent compilation cache, across two processes."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(cache: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, cache], capture_output=True, text=True, timeout=120)
+    # Without the cache conftest gives every child: "none" is no cache at all.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, cache], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(maxsplit=4)
 

@@ -173,6 +173,12 @@ def _finished_checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
+# The long run's steps: enough that it is cancelled mid-way (right after its first checkpoint, at step 5:
+# it was at step 7 or 8 when cancelled on a quiet machine, ~0.4 s a step), and no more: it trains them all
+# once resumed (80 took ~30 s of that).
+LONG = 40
+
+
 def test_a_slurm_sweep_trains_and_a_cancelled_requeued_run_resumes(slurm_cluster, model_dir, tmp_path):
     (tmp_path / "base.yaml").write_text(textwrap.dedent(f"""
         run_dir: unused
@@ -189,7 +195,7 @@ def test_a_slurm_sweep_trains_and_a_cancelled_requeued_run_resumes(slurm_cluster
         base: base.yaml
         out_dir: {out}
         launcher: slurm
-        grid: {{steps: [3, 80]}}
+        grid: {{steps: [3, {LONG}]}}
         slurm: {{cpus_per_task: 1, time_min: 10, sbatch: {{comment: jaxrl-test}}}}
     """))
     submitted = _jaxrl("sweep", tmp_path / "sweep.yaml", "--no-wait")
@@ -197,7 +203,7 @@ def test_a_slurm_sweep_trains_and_a_cancelled_requeued_run_resumes(slurm_cluster
     jobs = [r["job_id"] for r in json.loads((out / "sweep.json").read_text())["runs"]]
     (script,) = (out / "slurm").glob("*/*_submission.sh")  # one job array
     assert "#SBATCH --comment=jaxrl-test" in script.read_text()
-    long_run = out / "steps=80"
+    long_run = out / f"steps={LONG}"
     try:
         deadline = time.monotonic() + 180
         while not _finished_checkpoints(long_run) or not read_metrics(long_run):
@@ -208,24 +214,25 @@ def test_a_slurm_sweep_trains_and_a_cancelled_requeued_run_resumes(slurm_cluster
             assert time.monotonic() < deadline
             time.sleep(0.2)
         cancelled_at = read_metrics(long_run)[-1]["step"]
-        assert 0 < cancelled_at < 80 and read_state(long_run)["state"] == "stopped"
+        assert 0 < cancelled_at < LONG and read_state(long_run)["state"] == "stopped"
         # Requeued; SLURM holds a requeued job for a while before it may start again: start it now.
         subprocess.run(["scontrol", "requeue", jobs[1]], check=True)
         subprocess.run(["scontrol", "update", f"jobid={jobs[1]}", "StartTime=now"], check=True)
         while any(r.state != "done" for r in status(out)):
             rows = status(out)
             assert time.monotonic() < deadline + 120 and not any(r.state in ("failed", "stopped") and r.name !=
-                                                                 "steps=80" for r in rows), status_table(rows)
+                                                                 f"steps={LONG}" for r in rows), status_table(rows)
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", *jobs], check=False)
     shown = _jaxrl("sweep", "status", out)
-    assert re.search(r"steps=3\s+done\s+3/3", shown.stdout) and re.search(r"steps=80\s+done\s+80/80", shown.stdout)
-    for run, steps in (("steps=3", 3), ("steps=80", 80)):
+    assert re.search(r"steps=3\s+done\s+3/3", shown.stdout)
+    assert re.search(rf"steps={LONG}\s+done\s+{LONG}/{LONG}", shown.stdout)
+    for run, steps in (("steps=3", 3), (f"steps={LONG}", LONG)):
         assert [r["step"] for r in read_metrics(out / run) if "loss" in r] == list(range(1, steps + 1))
     resumed = int(re.search(r"resumed from step (\d+)", (long_run / "logs" / "console.log").read_text()).group(1))
     assert 5 <= resumed <= cancelled_at
     sessions = json.loads((long_run / "run.json").read_text())["sessions"]
     assert [s["start_step"] for s in sessions] == [0, resumed]
     reported = _jaxrl("sweep", "report", out)
-    assert reported.returncode == 0 and "steps=80     80" in reported.stdout and (out / "summary.md").exists()
+    assert reported.returncode == 0 and f"steps={LONG}     {LONG}" in reported.stdout and (out / "summary.md").exists()

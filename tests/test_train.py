@@ -263,10 +263,11 @@ def test_a_lora_run_over_a_warm_start_of_every_weight_serves_restarts_resumes_ex
     merged = load_pretrained(export(run_dir, tmp_path / "merged", merged=True))
     ids = np.arange(40, 64, dtype=np.int32).reshape(2, 12)
     inputs = (ids, np.broadcast_to(np.arange(12), ids.shape), np.ones_like(ids))
-    np.testing.assert_allclose(merged(*inputs)[0], ours(*inputs)[0], atol=1e-4)
+    logits = nnx.jit(lambda model: model(*inputs)[0])  # a program per model graph, not an eager compile per op
+    np.testing.assert_allclose(logits(merged), logits(ours), atol=1e-4)
     run_dir.rename(tmp_path / "moved")  # the adapters' config names the base where it was: the run's own is used
     moved = load_pretrained(export(tmp_path / "moved", tmp_path / "merged-moved", merged=True))
-    np.testing.assert_array_equal(moved(*inputs)[0], merged(*inputs)[0])
+    np.testing.assert_array_equal(logits(moved), logits(merged))
 
 
 def _assert_snapshots_lived_in_memory(bridge_log: str) -> None:
@@ -512,21 +513,26 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_sweep_of_two_by_two_overrides_runs_four_and_compares(model_dir, tmp_path):
+def test_sweep_of_two_by_two_overrides_dry_runs_four_then_two_run_at_once_and_compare(model_dir, tmp_path):
+    """The 2 x 2 grid resolved and written (dry run); then a grid of two real runs, at once: a third run
+    waiting for a free slot is test_launchers' (fake trainers), and the grid's product test_sweep's."""
     write_config(tmp_path / "base.yaml", model_dir, tmp_path / "unused", steps=1, eval={"episodes": 0})
+    spec = {"base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "dry"),
+            "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
+            "parallel": 2}  # two at a time, each on its own CPUs
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "base": "base.yaml", "name": "grid", "out_dir": str(tmp_path / "sweeps"),
-        "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4], "rollout.temperature": [1.0, 0.7]},
-        "parallel": 2,  # two at a time, each on its own CPUs
-    }))
+    sweep.write_text(yaml.safe_dump(spec))
     dry = jaxrl("sweep", sweep, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert len([line for line in dry.stdout.splitlines() if line.startswith("jaxrl train ")]) == 4
+    assert len([p for p in (tmp_path / "dry").iterdir() if (p / "config.yaml").exists()]) == 4
+    sweep.write_text(yaml.safe_dump({**spec, "out_dir": str(tmp_path / "sweeps"),
+                                     "grid": {"learner.optimizer.learning_rate": [1e-3, 1e-4],
+                                              "rollout.temperature": [0.7]}}))
     proc = jaxrl("sweep", sweep, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p for p in (tmp_path / "sweeps").iterdir() if (p / "config.yaml").exists())
-    assert len(runs) == 4 and all(read_metrics(r) for r in runs)
+    assert len(runs) == 2 and all(read_metrics(r) for r in runs)
     assert all(json.loads((r / "launch.json").read_text())["state"] == "done" and (r / "run.json").exists()
                and any((r / "checkpoints").iterdir()) for r in runs)
     table = (tmp_path / "sweeps" / "summary.md").read_text()
@@ -831,10 +837,11 @@ def primed_judge(out_dir: Path, tokenizer) -> Path:
     return out_dir
 
 
-def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int, width: int = 256) -> str:
-    """The model's greedy answer to `rubric` as one user message: full forward passes, no engine. One
-    padded width, one program: eager calls compiled every op for every length (minutes on a busy machine);
-    causal attention keeps what follows a position out of its logits."""
+def greedy_answerer(model_dir: Path, tokenizer, width: int = 256):
+    """`answer(rubric, max_tokens)`: the model's greedy answer to `rubric` as one user message: full forward
+    passes, no engine. The model loaded and its one program compiled once for every answer: one padded
+    width (eager calls compiled every op for every length: minutes on a busy machine); causal attention
+    keeps what follows a position out of its logits."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -844,16 +851,20 @@ def greedy_answer(model_dir: Path, tokenizer, rubric: str, max_tokens: int, widt
 
     model = load_pretrained(model_dir)
     forward = nnx.jit(lambda m, tokens: m(tokens, jnp.arange(width)[None], jnp.ones_like(tokens))[0])
-    ids = prompt_ids(tokenizer, [{"role": "user", "content": rubric}], None, {})
-    answer = []
-    for _ in range(max_tokens):
-        sequence = ids + answer
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :len(sequence)] = sequence
-        answer.append(int(np.argmax(forward(model, tokens)[0, len(sequence) - 1])))
-        if answer[-1] == tokenizer.eos_token_id:
-            break
-    return tokenizer.decode(answer, skip_special_tokens=True)
+
+    def answer(rubric: str, max_tokens: int) -> str:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": rubric}], None, {})
+        said = []
+        for _ in range(max_tokens):
+            sequence = ids + said
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, :len(sequence)] = sequence
+            said.append(int(np.argmax(forward(model, tokens)[0, len(sequence) - 1])))
+            if said[-1] == tokenizer.eos_token_id:
+                break
+        return tokenizer.decode(said, skip_special_tokens=True)
+
+    return answer
 
 
 @pytest.mark.timeout(900)  # three models compiled besides the policy's: ~45 s quiet, past 300 s beside 3 others
@@ -893,10 +904,10 @@ def test_a_run_with_a_classifier_and_judges_rewards_them_as_the_models_do_outsid
     assert len(samples) == 6
     outside = RewardClassifier(classifier_dir, 256)
     judge = Judge(RewardSpec(model=str(judge_dir), kind="judge", template=rubric), None, tok, {})
+    greedy_answer = greedy_answerer(judge_dir, tok)
     for sample in samples:
         episode = episodes[sample["completion"]]
         conversation = episode["prompt"] + episode["completion"]
         assert sample["rewards"]["rm"] == pytest.approx(asyncio.run(outside.score(conversation)), abs=1e-4)
-        answer = greedy_answer(judge_dir, tok, judge.rubric(episode["prompt"], episode["completion"], episode["task"]),
-                               4)
+        answer = greedy_answer(judge.rubric(episode["prompt"], episode["completion"], episode["task"]), 4)
         assert answer == "7" and sample["rewards"]["judge"] == parse_answer(answer, None) == 7.0

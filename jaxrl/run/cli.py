@@ -231,7 +231,12 @@ def _eval_config(args, prog: str, scratch: Path):
             raise ConfigError("--version picks a run's snapshot; a model directory has none")
         base = {"run_dir": str(scratch), "model": {"dir": str(target)}, "envs": [env],
                 "rollout": {"max_turns": 16, "max_total_tokens": 1024}}
-        return from_dict(TrainConfig, apply_overrides(base, pairs)), None
+        cfg = from_dict(TrainConfig, apply_overrides(base, pairs))
+        # No run sizes this bridge: its engine holds the evaluation's samples at once (at most 64, as a
+        # run's does), not a default training step's 64, whose batch sizes it would compile for nothing.
+        samples = max(cfg.eval.episodes * cfg.eval.pass_k, 1)
+        max_batch = min(64, 1 << (samples - 1).bit_length())
+        return dataclasses.replace(cfg, bridge=dataclasses.replace(cfg.bridge, max_batch=max_batch)), None
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
