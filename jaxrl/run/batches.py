@@ -75,8 +75,9 @@ def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, row
     """A training step's batch as `cfg` shapes it: groups_per_step x group_size rows (or `rows`, a
     process's share of them; rows beyond `trajs` are padding), prompts `prompt_width` wide (one of a
     few widths fixed by the config; a prompt longer than `rollout.max_prompt_tokens` widens its step;
-    `prompt_len` when the processes of a run agreed on one), completions `rollout.max_total_tokens` wide, rewards weighed
-    by `rewards[]`, sampler logprobs when the loss corrects by importance sampling."""
+    `prompt_len` when the processes of a run agreed on one), completions `rollout.max_total_tokens`
+    wide, rewards weighed by `rewards[]`, sampler logprobs when the loss corrects by importance
+    sampling."""
     prompt_len = prompt_width(trajs, cfg) if prompt_len is None else prompt_len
     return learner_batch(trajs, cfg.groups_per_step_rows if rows is None else rows, prompt_len,
                          cfg.rollout.max_total_tokens, pad_id, RewardWeights(cfg.rewards),
