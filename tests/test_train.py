@@ -177,12 +177,11 @@ def test_a_lora_run_warm_starts_publishes_adapters_evaluates_resumes_streaming_a
 
 
 @pytest.mark.timeout(900)  # a run killed at step 3, resumed, evaluated and exported: 75 s on a loaded machine
-def test_a_lora_run_over_a_warm_start_of_every_weight_serves_restarts_resumes_exactly_and_exports(
-        model_dir, tmp_path):
+def test_a_lora_run_over_a_warm_start_of_every_weight_serves_restarts_resumes_and_exports(model_dir, tmp_path):
     """sft.train_all: the warm start trains every weight, written to RUN/base-model; the bridges
     (restarted on it, and again after a SIGKILL) serve the adapters over it with the learner's own
-    logprobs; SIGKILLed, the run resumes to the same adapters bitwise; `jaxrl eval` and export --merged
-    take the same base."""
+    logprobs; SIGKILLed, the run resumes to the same step and adapters; `jaxrl eval` and export
+    --merged take the same base."""
     import numpy as np
     from flax import nnx
 
@@ -242,12 +241,21 @@ def test_a_lora_run_over_a_warm_start_of_every_weight_serves_restarts_resumes_ex
     assert summary["steps"] == again and f"resumed from step {again - 1}\n" in resumed.stdout
     rows = read_metrics(run_dir)
     second = next(r for r in rows if r["step"] == again and "loss" in r)
-    assert first["grad_norm"] > 0 and {k: v for k, v in first.items() if compared(k)} == {
-        k: v for k, v in second.items() if compared(k)}
+    # The step taken again samples its episodes again: the same tokens and rewards, but logprobs that
+    # may differ in their last bits with the engine's batch and cache shapes, which follow timing
+    # (README, "Reproducible"), and with is_level set the loss reads them. So: equal to rounding.
+    before, after = ({k: v for k, v in r.items() if compared(k)} for r in (first, second))
+    assert first["grad_norm"] > 0 and before.keys() == after.keys()
+    assert {k: v for k, v in after.items() if v != pytest.approx(before[k], rel=1e-5, abs=1e-6)} == {}
+    assert {k: after[k] for k in after if k.startswith(("reward", "completion/", "prompt/"))} == {
+        k: before[k] for k in before if k.startswith(("reward", "completion/", "prompt/"))}  # the same episodes
     final = SnapshotReader(run_dir / "snapshots").load(again + 1)
     assert final.adapter_config["base_model_name_or_path"] == str(base)
     assert final.tensors.keys() == published.tensors.keys()
-    assert all(np.array_equal(final.tensors[k], published.tensors[k]) for k in final.tensors)
+    for k in final.tensors:  # a last-bit difference may round a bfloat16 adapter to its neighbour
+        rtol = 1e-4 if final.tensors[k].dtype == np.float32 else 2e-2
+        np.testing.assert_allclose(final.tensors[k].astype(np.float32), published.tensors[k].astype(np.float32),
+                                   rtol=rtol, atol=1e-6, err_msg=k)
 
     models = re.findall(r"jax engine on model (\S+) \(LoRA", (run_dir / "logs" / "bridge.log").read_text())
     assert models[3:] == [str(base)]  # resumed
