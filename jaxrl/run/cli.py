@@ -234,8 +234,9 @@ def _eval_config(args, prog: str, scratch: Path):
         cfg = from_dict(TrainConfig, apply_overrides(base, pairs))
         # No run sizes this bridge: its engine holds the evaluation's samples at once (at most 64, as a
         # run's does), not a default training step's 64, whose batch sizes it would compile for nothing.
-        samples = max(cfg.eval.episodes * cfg.eval.pass_k, 1)
-        max_batch = min(64, 1 << (samples - 1).bit_length())
+        from jaxrl.compilation import bucket
+
+        max_batch = min(64, bucket(cfg.eval.episodes * cfg.eval.pass_k, 1))
         return dataclasses.replace(cfg, bridge=dataclasses.replace(cfg.bridge, max_batch=max_batch)), None
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
