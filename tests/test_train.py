@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from object_store import s3_server
+from primed import primed_judge
 from processes import error_line, gone
 from jaxrl.run.run_dir import SHM, SHM_PREFIX
 from jaxrl.snapshots import snapshot_versions
@@ -810,39 +811,6 @@ def test_a_run_whose_environments_are_all_down_stops_with_a_clear_error(model_di
     last = max(r["step"] for r in read_metrics(run_dir))
     assert (run_dir / "checkpoints" / str(last)).is_dir()  # the steps taken are kept
     assert not [c for c in children if not gone(c)]
-
-
-def primed_judge(out_dir: Path, tokenizer) -> Path:
-    """A tiny judge that answers every rubric "7": no layer writes to the residual stream (o_proj and
-    down_proj are zero), so each position's final state is its own token's embedding, normed; the LM
-    head maps the generation prompt's last token to "7" and "7" to the end of the turn."""
-    import numpy as np
-    from flax import nnx
-
-    from jaxrl.models import Decoder, save_pretrained
-    from jaxrl.tiny import tiny_config
-
-    cfg = tiny_config(tied=False, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
-    model = Decoder(cfg, nnx.Rngs(4))
-    for layer in model.layers:
-        layer.self_attn.o_proj.kernel[...] = 0.0 * layer.self_attn.o_proj.kernel[...]
-        layer.mlp.down_proj.kernel[...] = 0.0 * layer.mlp.down_proj.kernel[...]
-    embed, norm = np.asarray(model.embed_tokens[...]), np.asarray(model.norm.weight[...])
-
-    def state(token):
-        x = embed[token]
-        return x / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps) * norm
-
-    last = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)[-1]
-    [seven] = tokenizer.encode("7", add_special_tokens=False)
-    head = np.zeros((cfg.hidden_size, cfg.vocab_size), np.float32)
-    head[:, seven], head[:, tokenizer.eos_token_id] = 10 * state(last), 10 * state(seven)
-    model.lm_head[...] = head
-    save_pretrained(model, out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 def greedy_answerer(model_dir: Path, tokenizer, width: int = 256):

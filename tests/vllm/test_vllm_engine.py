@@ -349,3 +349,27 @@ def test_lora_adapters_are_served_as_a_lora_request_per_version(loop, tmp_path):
             loop.run_until_complete(engine.load_snapshot(str(tmp_path / "whole"), 3))
     finally:
         loop.run_until_complete(engine.close())
+
+
+def test_a_judge_served_by_vllm_scores_its_greedy_answer(loop, tmp_path):
+    # The judge reward model on the GPU's engine: its rubric rendered by its own chat template, answered
+    # greedily to its end of turn; the answer's number is the reward, an answer without the verdict none.
+    from bridge.envs.spec import RewardSpec
+    from bridge.judge import Judge
+    from jaxrl.models import load_tokenizer
+    from primed import primed_judge
+
+    judge_dir = primed_judge(tmp_path / "judge", load_tokenizer(build_tiny_model(tmp_path / "policy")))
+    tok = load_tokenizer(judge_dir)
+    engine = VLLMEngine(judge_dir, CPU_ENGINE_KWARGS)
+    episode = ([{"role": "user", "content": "What is 2 + 2?"}], [{"role": "assistant", "content": "4"}], {})
+    try:
+        number = Judge(RewardSpec(model=str(judge_dir), kind="judge", template="Score 0-10: {conversation}",
+                                  max_tokens=4), engine, tok, {})
+        verdict = Judge(RewardSpec(model=str(judge_dir), kind="judge", template="Right? {completion}",
+                                   verdicts={"yes": 1, "no": 0}, max_tokens=4), engine, tok, {})
+        scores = [loop.run_until_complete(j.score(*episode)) for j in (number, number, verdict)]
+    finally:
+        loop.run_until_complete(engine.close())
+    assert scores == [7.0, 7.0, None]
+    assert number.stats == {"episodes": 2, "malformed": 0} and verdict.stats == {"episodes": 1, "malformed": 1}
