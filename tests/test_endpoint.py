@@ -46,6 +46,21 @@ def test_a_released_session_serves_the_next_episode_unless_reuse_is_off_or_it_wa
     assert fresh["sessions_opened"] == 4 and fresh["sessions_reused"] == 0 and fresh["sessions_active"] == 0
 
 
+def test_a_session_compresses_its_messages_only_when_told_to(echo):
+    async def extensions(config):
+        endpoint = Endpoint(echo.url, config, name="echo")
+        try:
+            env = await endpoint.open()
+            reply = await env.reset(seed=1, target="x" * 200)
+            await env.close()
+            return reply["observation"]["target"], [e.name for e in env._ws.protocol.extensions]
+        finally:
+            await endpoint.aclose()
+
+    assert asyncio.run(extensions(SessionConfig())) == ("x" * 200, [])
+    assert asyncio.run(extensions(SessionConfig(compress=True))) == ("x" * 200, ["permessage-deflate"])
+
+
 # -- capacity ----------------------------------------------------------------------------------
 
 

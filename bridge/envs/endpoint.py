@@ -242,7 +242,7 @@ class Endpoint:
                 self.ws_url, proxy=None if self._direct else True,
                 open_timeout=cfg.connect_timeout_s, ping_interval=cfg.ping_interval_s,
                 ping_timeout=cfg.ping_timeout_s, close_timeout=CLOSE_TIMEOUT_S,
-                max_size=cfg.max_message_bytes)
+                max_size=cfg.max_message_bytes, compression="deflate" if cfg.compress else None)
         except (OSError, TimeoutError, WebSocketException) as e:
             self.metrics["connect_failures"] += 1
             self.metrics["timeouts"] += isinstance(e, TimeoutError)

@@ -57,6 +57,8 @@ class SessionConfig:
     breaker_cooldown_s: float = _field(5.0, "seconds the open breaker waits before one trial session (success "
                                             "closes it, failure re-opens it)")
     max_message_bytes: int = _field(16 * 2**20, "largest WebSocket message accepted")
+    compress: bool = _field(False, "permessage-deflate on the session's WebSocket: worth its CPU only for large "
+                                   "observations over a slow network; off, neither side compresses")
     # As TRL reuses its environment_factory instances: no connect, handshake and server-side teardown
     # per episode.
     reuse: bool = _field(True, "an episode that ends leaves its session open for the next episode's reset "
