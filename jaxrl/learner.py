@@ -67,6 +67,8 @@ class Learner:
 
     def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh, widths: Sequence[int] = ()):
         self.cfg, self.mesh, self.widths = cfg, mesh, tuple(widths)
+        # A token's dense work in attention keys, as packing weighs a layout's tokens against its windows.
+        self.dense_keys = 2 * model.cfg.hidden_size
         self.frozen = self.frozen_shardings = None
         if cfg.lora is None:
             self.graphdef, params = nnx.split(model)
@@ -115,12 +117,14 @@ class Learner:
             longest = int(multihost_utils.process_allgather(np.int32(longest)).max())
         width = max(self.cfg.pack_tokens, -(-longest // QUERY_BLOCK) * QUERY_BLOCK)
         rows = len(batch["rewards_BxR"])
+        group = self.cfg.group_size if self.cfg.shared_prompts else 1
         if n == 1:
-            return pack(batch, width, self.pack_rows)
+            return pack(batch, width, self.pack_rows, group_size=group, dense_keys=self.dense_keys)
         total = rows * n
         first = min(index.indices(total)[0] for (index,) in
                     batch_sharding(self.mesh, 1).addressable_devices_indices_map((total,)).values())
-        packed = pack(batch, width, self.pack_rows // n, first, total)
+        whole_groups = first % group == 0 and rows % group == 0  # else a process's rows split groups
+        packed = pack(batch, width, self.pack_rows // n, first, total, group if whole_groups else 1, self.dense_keys)
         for key in ("micro_batches", "window_M"):  # every process runs as many, each over the widest window
             packed[key] = multihost_utils.process_allgather(packed[key]).max(axis=0).astype(np.int32)
         return packed

@@ -166,11 +166,12 @@ def completion_logprobs(
     return chunked_logprobs(h_BxCxD, w, completion_BxC, temperature, chunk, with_entropy, tied)
 
 
-def packed_logprobs(model: Decoder, tokens_RxL, positions_RxL, segments_RxL, window, temperature: float = 1.0,
-                    chunk: int = 128, with_entropy: bool = False):
-    """Log-probabilities (R, L - 1) of packed tokens 1..L-1, each given its segment's tokens before
-    it (`Decoder.packed_hidden`); the first token of a segment gets a number that means nothing."""
-    h_RxLxD = model.packed_hidden(tokens_RxL, positions_RxL, segments_RxL, window)
+def packed_logprobs(model: Decoder, tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window,
+                    temperature: float = 1.0, chunk: int = 128, with_entropy: bool = False):
+    """Log-probabilities (R, L - 1) of packed tokens 1..L-1, each given the tokens before it of its
+    segment and of its prefix segment (`Decoder.packed_hidden`); the first token of a segment gets a
+    number that means nothing."""
+    h_RxLxD = model.packed_hidden(tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window)
     tied = model.lm_head is None
     w = model.embed_tokens[...] if tied else model.lm_head[...]
     return chunked_logprobs(h_RxLxD[:, :-1], w, tokens_RxL[:, 1:], temperature, chunk, with_entropy, tied)

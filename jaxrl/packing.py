@@ -6,11 +6,17 @@ real prompt and completion tokens become one segment of a row of `pack_tokens` t
 positions (from 0) and attention within itself only; `target_RxL` says where each packed token's
 logprob goes in the (B, C) layout (B * C where it is no completion token).
 
-Rows come in micro-batches of `rows` rows, longest episodes first (first-fit decreasing), so that a
-micro-batch of short episodes attends over a short window: micro-batch m's `window_M[m]` indexes
-`attention_windows(pack_tokens)`, the smallest that holds its longest segment. Shapes depend only on
-(B, rows, pack_tokens): the micro-batches a step needs are a count (`micro_batches`), and the arrays
-hold the most any step can need, one episode per row.
+A group whose episodes share their prompt (`group_size` > 1, as GRPO's samples of one task do) can
+lay it out once (`pack` picks the cheaper layout): a segment of its tokens but the last, then each
+completion as a segment that starts with the prompt's last token (the completion's first logprob
+comes from it) and also sees the prompt's segment (`prefix_RxL`: the one other segment each token
+may attend to; its own otherwise). A group too long for a row is split, each part with its prompt.
+
+Rows come in micro-batches of `rows` rows, longest units (groups, or episodes) first (first-fit
+decreasing), so that a micro-batch of short ones attends over a short window: micro-batch m's
+`window_M[m]` indexes `packed_windows(pack_tokens)`, the smallest that holds its longest unit.
+Shapes depend only on (B, rows, pack_tokens): the micro-batches a step needs are a count
+(`micro_batches`), and the arrays hold the most any step can need, one episode per row.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import numpy as np
 
 from jaxrl.models.decoder import QUERY_BLOCK, packed_windows
 
-PACKED_KEYS = ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "target_MxRxL", "window_M", "micro_batches")
+# The arrays of one micro-batch (`micro_batches` is the step's count of them).
+PACKED_KEYS = ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "prefix_MxRxL", "target_MxRxL", "window_M")
 
 
 def max_micro_batches(batch_rows: int, rows: int) -> int:
@@ -41,58 +48,123 @@ def check_fits(batch: dict[str, np.ndarray], pack_tokens: int) -> None:
                          f"widths together")
 
 
-def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: int = 0,
-         total_rows: int | None = None) -> dict[str, np.ndarray]:
-    """The packed layout of `batch` (prompts left-padded, completions right-padded), in micro-batches
-    of `rows` rows of `pack_tokens` tokens. A process's share of a global batch packs its own rows:
-    they are rows `first_row`... of `total_rows`, which `target_MxRxL` counts in."""
-    check_fits(batch, pack_tokens)
-    prompt_BxP, pmask_BxP = np.asarray(batch["prompt_BxP"]), np.asarray(batch["prompt_mask_BxP"]).astype(bool)
-    comp_BxC, cmask_BxC = np.asarray(batch["completion_BxC"]), np.asarray(batch["completion_mask_BxC"]).astype(bool)
-    B, C = comp_BxC.shape
-    total = B if total_rows is None else total_rows
-    L = pack_tokens
-    length_B = segment_lengths(batch)
-    # First-fit decreasing: the longest episodes open rows first; each later one takes the first
-    # row with room. Rows keep their opening order, so micro-batches run longest first.
-    order = np.argsort(-length_B, kind="stable")
+def _units(prompts: list[np.ndarray], completions: list[np.ndarray], group_size: int, L: int) -> list[tuple]:
+    """(prompt or None, [episode, ...]) per unit laid out together: a group sharing its prompt (split
+    where it outgrows a row: p - 1 + sum(1 + c) tokens), or one episode with its own prompt."""
+    units = []
+    B = len(prompts)
+    for g in range(0, B, group_size):
+        members = [b for b in range(g, min(g + group_size, B)) if len(completions[b])]
+        shared = (group_size > 1 and len(members) > 1 and len(prompts[members[0]]) > 0
+                  and all(np.array_equal(prompts[b], prompts[members[0]]) for b in members))
+        if not shared:
+            units += [(None, [b]) for b in members]
+            continue
+        prompt = prompts[members[0]]
+        part, n = [], len(prompt) - 1
+        for b in members:
+            if part and n + 1 + len(completions[b]) > L:
+                units.append((prompt, part))
+                part, n = [], len(prompt) - 1
+            part.append(b)
+            n += 1 + len(completions[b])
+        units.append((prompt, part))
+    return units
+
+
+def _unit_length(unit: tuple, prompts: list[np.ndarray], completions: list[np.ndarray]) -> int:
+    prompt, members = unit
+    if prompt is None:
+        return len(prompts[members[0]]) + len(completions[members[0]])
+    return len(prompt) - 1 + sum(1 + len(completions[b]) for b in members)
+
+
+def _place(length_U: np.ndarray, L: int, rows: int) -> tuple[list[list[int]], np.ndarray, int]:
+    """First-fit decreasing: the longest units open rows first; each later one takes the first row
+    with room. Rows keep their opening order, so micro-batches run longest first. Returns the
+    units of each row, each micro-batch's window (an index of `packed_windows(L)`: the smallest
+    that reaches back from a query block's end to its longest unit's start) and their count."""
     free: list[int] = []
     placed: list[list[int]] = []
-    for b in order:
-        n = int(length_B[b])
-        if n == 0:
-            break
+    for u in np.argsort(-length_U, kind="stable"):
+        n = int(length_U[u])
         row = next((r for r, room in enumerate(free) if room >= n), None)
         if row is None:
             free.append(L)
             placed.append([])
             row = len(free) - 1
         free[row] -= n
-        placed[row].append(int(b))
+        placed[row].append(int(u))
+    micro_batches = -(-len(placed) // rows)
+    windows = packed_windows(L)
+    window_m = []
+    for m in range(micro_batches):
+        need = max(int(length_U[u]) for row in placed[m * rows:(m + 1) * rows] for u in row) + QUERY_BLOCK - 1
+        window_m.append(next(i for i, w in enumerate(windows) if w >= need or w == windows[-1]))
+    return placed, np.asarray(window_m, np.int32), micro_batches
+
+
+def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: int = 0,
+         total_rows: int | None = None, group_size: int = 1, dense_keys: int = 256) -> dict[str, np.ndarray]:
+    """The packed layout of `batch` (prompts left-padded, completions right-padded), in micro-batches
+    of `rows` rows of `pack_tokens` tokens. A process's share of a global batch packs its own rows:
+    they are rows `first_row`... of `total_rows` (whole groups), which `target_MxRxL` counts in.
+
+    With `group_size` > 1, groups of consecutive rows that share their prompt lay it out once where
+    that is the cheaper layout: fewer tokens, but a window that spans the group (its prompt and
+    every completion) rather than one episode. The cost of a layout: the token positions it runs,
+    each a token's dense work (`dense_keys`, counted in attention keys: ~2 x the hidden size on
+    CPU) plus the keys of its micro-batch's window."""
+    check_fits(batch, pack_tokens)
+    prompt_BxP, pmask_BxP = np.asarray(batch["prompt_BxP"]), np.asarray(batch["prompt_mask_BxP"]).astype(bool)
+    comp_BxC, cmask_BxC = np.asarray(batch["completion_BxC"]), np.asarray(batch["completion_mask_BxC"]).astype(bool)
+    B, C = comp_BxC.shape
+    total = B if total_rows is None else total_rows
+    L = pack_tokens
+    prompts = [prompt_BxP[b][pmask_BxP[b]] for b in range(B)]
+    c_idx = [np.flatnonzero(cmask_BxC[b]) for b in range(B)]
+    windows = np.asarray(packed_windows(L))
+    best = None
+    for size in sorted({1, group_size}):
+        units = _units(prompts, c_idx, size, L)
+        length_U = np.array([_unit_length(u, prompts, c_idx) for u in units], np.int64)
+        placed, window_M, micro_batches = _place(length_U, L, rows)
+        cost = rows * L * int((dense_keys + windows[window_M]).sum())
+        if best is None or cost < best[0]:
+            best = (cost, units, placed, window_M, micro_batches)
+    _, units, placed, window_m, micro_batches = best
     M = max_micro_batches(B, rows)
     shape = (M * rows, L)
     tokens, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-    segments, target = np.zeros(shape, np.int32), np.full(shape, total * C, np.int32)
-    for r, row_episodes in enumerate(placed):
-        at = 0
-        for s, b in enumerate(row_episodes, start=1):
-            prompt = prompt_BxP[b][pmask_BxP[b]]
-            c_idx = np.flatnonzero(cmask_BxC[b])
-            n = len(prompt) + len(c_idx)
-            tokens[r, at:at + len(prompt)] = prompt
-            tokens[r, at + len(prompt):at + n] = comp_BxC[b, c_idx]
-            positions[r, at:at + n] = np.arange(n)
-            segments[r, at:at + n] = s
-            target[r, at + len(prompt):at + n] = (first_row + b) * C + c_idx
-            at += n
-    micro_batches = -(-len(placed) // rows)
-    windows = packed_windows(L)
+    segments, prefix, target = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.full(shape, total * C, np.int32)
+
+    def lay(r, at, s, context, b, first_position, see):
+        """Episode b's completion after `context` as segment s from `at`; returns where it ends."""
+        n = len(context) + len(c_idx[b])
+        tokens[r, at:at + len(context)] = context
+        tokens[r, at + len(context):at + n] = comp_BxC[b, c_idx[b]]
+        positions[r, at:at + n] = first_position + np.arange(n)
+        segments[r, at:at + n], prefix[r, at:at + n] = s, see
+        target[r, at + len(context):at + n] = (first_row + b) * C + c_idx[b]
+        return at + n
+
+    for r, row_units in enumerate(placed):
+        at, s = 0, 0
+        for u in row_units:
+            prompt, members = units[u]
+            s += 1
+            if prompt is None:
+                at = lay(r, at, s, prompts[members[0]], members[0], 0, s)
+                continue
+            head = len(prompt) - 1
+            tokens[r, at:at + head], positions[r, at:at + head] = prompt[:-1], np.arange(head)
+            segments[r, at:at + head] = prefix[r, at:at + head] = shared = s
+            at += head
+            for b in members:
+                s += 1
+                at = lay(r, at, s, prompt[-1:], b, head, shared)
     window_M = np.zeros(M, np.int32)
-    for m in range(micro_batches):
-        longest = max(int(length_B[b]) for row in placed[m * rows:(m + 1) * rows] for b in row)
-        # A query block's keys end with it: the window must reach back to its segment's start.
-        need = longest + QUERY_BLOCK - 1
-        window_M[m] = next(i for i, w in enumerate(windows) if w >= need or w == windows[-1])
+    window_M[:micro_batches] = window_m
     return {"tokens_MxRxL": tokens.reshape(M, rows, L), "positions_MxRxL": positions.reshape(M, rows, L),
-            "segments_MxRxL": segments.reshape(M, rows, L), "target_MxRxL": target.reshape(M, rows, L),
-            "window_M": window_M, "micro_batches": np.int32(micro_batches)}
+            "segments_MxRxL": segments.reshape(M, rows, L), "prefix_MxRxL": prefix.reshape(M, rows, L),
+            "target_MxRxL": target.reshape(M, rows, L), "window_M": window_M, "micro_batches": np.int32(micro_batches)}

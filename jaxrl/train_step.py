@@ -24,6 +24,7 @@ from jaxrl.models.decoder import QUERY_BLOCK
 from jaxrl.models.lora import LoraConfig, training_mode
 from jaxrl.optim import OptimizerConfig, learning_rate_schedule
 from jaxrl.options import option
+from jaxrl.packing import PACKED_KEYS
 from jaxrl.sharding import BATCH_AXES
 
 # Batch arrays: prompts left-padded, completions right-padded; rewards NaN where a reward
@@ -49,7 +50,8 @@ class LearnerConfig:
     logp_chunk: int = option("sequence positions per chunk of the vocabulary projection (memory vs speed)", default=128)
     shared_prompts: bool = option(
         "run a group's prompt through the model once for its group_size samples when they share it (a batch whose "
-        "groups' prompts differ runs one per sample, compiled apart)", default=True)
+        "groups' prompts differ runs one per sample, compiled apart; packed, the prompt is laid out once before its "
+        "completions)", default=True)
     prompt_widths: int = option(
         "how many prompt widths padded batches take: 1, all rollout.max_prompt_tokens wide (one program); N, its "
         "N fractions rounded up to 128, each step the narrowest that holds its prompts, all compiled at the first "
@@ -60,8 +62,8 @@ class LearnerConfig:
     optimizer: OptimizerConfig = option("AdamW and its learning-rate schedule", default=OptimizerConfig())
     pack_tokens: int | None = option(
         "lay a step's episodes end to end in rows of this many tokens (a multiple of 64, at least 128), each "
-        "attending within itself, so that the model runs on real tokens rather than the padded prompt and "
-        "completion widths; micro-batches of pack_rows rows, as many as the step fills (grad_accum must be 1); "
+        "attending within itself (and to its group's prompt, with shared_prompts), so that the model runs on real "
+        "tokens rather than the padded prompt and completion widths; micro-batches of pack_rows rows, as many as the step fills (grad_accum must be 1); "
         "null: padded rows", default=None)
     pack_rows: int | None = option(
         "packed rows per micro-batch; null: one per batch shard of the mesh", default=None)
@@ -178,7 +180,7 @@ def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
 
 def _packed_micro_batch(packed: dict, m) -> dict:
     return {k: jax.lax.dynamic_index_in_dim(packed[k], m, keepdims=False)
-            for k in ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "target_MxRxL", "window_M")}
+            for k in PACKED_KEYS}
 
 
 def _to_rows(x_RxL, target_RxL, B: int, C: int):
@@ -329,7 +331,7 @@ def _packed_passes(batch, cfg: LearnerConfig, adv_B, loss_mask, model_of, loss_o
     def logprobs(params, mb, with_entropy=False, dropout_key=None):
         logp, entropy = packed_logprobs(
             model_of(params, dropout_key), mb["tokens_MxRxL"], mb["positions_MxRxL"], mb["segments_MxRxL"],
-            mb["window_M"], cfg.temperature, cfg.logp_chunk, with_entropy)
+            mb["prefix_MxRxL"], mb["window_M"], cfg.temperature, cfg.logp_chunk, with_entropy)
         target = mb["target_MxRxL"][:, 1:]
         present = _to_rows(jnp.ones_like(logp), target, B, C)
         return _to_rows(logp, target, B, C), entropy if entropy is None else _to_rows(entropy, target, B, C), present

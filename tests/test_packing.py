@@ -28,16 +28,22 @@ from batches import VOCAB
 MODEL_CFG = tiny_config("qwen3", vocab_size=VOCAB, num_layers=2)
 
 
-def episodes(seed=0, B=8, P=12, C=40, long_rows=()):
-    """Rows of random prompt and completion lengths (completions of `long_rows` fill C)."""
+def episodes(seed=0, B=8, P=12, C=40, long_rows=(), shared=()):
+    """Rows of random prompt and completion lengths (completions of `long_rows` fill C); the groups
+    of four rows numbered in `shared` have one prompt."""
     rng = np.random.default_rng(seed)
     prompt_len, completion_len = rng.integers(1, P + 1, B), rng.integers(1, C // 2, B)
     completion_len[list(long_rows)] = C
+    for g in shared:
+        prompt_len[4 * g:4 * g + 4] = P  # long: laying it out once is the cheaper layout
     pmask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
     cmask = (np.arange(C)[None] < completion_len[:, None]).astype(np.int32)
     loss_mask = cmask * (rng.random((B, C)) < 0.8)  # tool results: context, not trained on
     rewards = rng.normal(size=(B, 1)).astype(np.float32)
-    return {"prompt_BxP": (rng.integers(0, VOCAB, (B, P)) * pmask).astype(np.int32), "prompt_mask_BxP": pmask,
+    prompts = rng.integers(0, VOCAB, (B, P))
+    for g in shared:
+        prompts[4 * g:4 * g + 4] = prompts[4 * g]
+    return {"prompt_BxP": (prompts * pmask).astype(np.int32), "prompt_mask_BxP": pmask,
             "completion_BxC": (rng.integers(0, VOCAB, (B, C)) * cmask).astype(np.int32),
             "completion_mask_BxC": cmask, "loss_mask_BxC": loss_mask.astype(np.int32), "rewards_BxR": rewards,
             "sampler_logp_BxC": (-3 + 0.3 * rng.normal(size=(B, C)) * cmask).astype(np.float32),
@@ -74,6 +80,56 @@ def test_every_real_token_is_laid_out_once_with_its_own_positions_and_segment():
     assert packed["micro_batches"] == -(-len(np.unique(np.argwhere(segments > 0)[:, 0])) // 2)
 
 
+def test_a_group_that_shares_its_prompt_lays_it_out_once_before_its_completions():
+    batch = episodes(B=8, P=48, shared=(0,))  # rows 0-3 share a prompt; 4-7 have their own
+    packed = pack(batch, pack_tokens=256, rows=1, group_size=4)
+    tokens, positions, segments, prefix, target = (packed[k].reshape(-1, 256) for k in
+                                                   ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL",
+                                                    "prefix_MxRxL", "target_MxRxL"))
+    B, C = batch["completion_BxC"].shape
+    prompt = batch["prompt_BxP"][0][batch["prompt_mask_BxP"][0] == 1]
+    p = len(prompt)
+    heads = np.argwhere(positions == 0)  # where each unit starts: the shared prompt's first token
+    for b in range(B):
+        completion = batch["completion_BxC"][b][batch["completion_mask_BxC"][b] == 1]
+        r, first = np.argwhere((target >= b * C) & (target < (b + 1) * C))[0]
+        own = segments[r, first]
+        if b < 4:  # the prompt's last token opens the completion's segment; the rest is the group's
+            assert tokens[r, first - 1] == prompt[-1] and segments[r, first - 1] == own
+            seen = prefix[r, first]
+            assert seen != own and (prefix[r, segments[r] == own] == seen).all()
+            [[_, start]] = [h for h in heads if h[0] == r and segments[r, h[1]] == seen]
+            assert tokens[r, start:start + p - 1].tolist() == prompt[:-1].tolist()
+            assert (segments[r, start:start + p - 1] == seen).all()
+            assert positions[r, first - 1:first + len(completion)].tolist() == list(range(p - 1, p + len(completion)))
+        else:
+            assert (prefix[r, segments[r] == own] == own).all()
+        assert tokens[r, first:first + len(completion)].tolist() == completion.tolist()
+    real = sum(batch["prompt_mask_BxP"][b].sum() + batch["completion_mask_BxC"][b].sum() for b in range(B))
+    assert (segments > 0).sum() == real - 3 * (p - 1)  # the prompt once for four episodes, less one token each
+
+
+def test_a_group_too_long_for_a_row_is_split_each_part_with_its_prompt():
+    batch = episodes(B=4, P=48, C=100, long_rows=(0, 1, 2, 3), shared=(0,))  # 4 x 100 completion tokens
+    packed = pack(batch, pack_tokens=256, rows=1, group_size=4)
+    segments, prefix = packed["segments_MxRxL"].reshape(-1, 256), packed["prefix_MxRxL"].reshape(-1, 256)
+    p = int(batch["prompt_mask_BxP"][0].sum())
+    assert packed["micro_batches"] == 2  # two completions (and the prompt) a row
+    for r in range(2):
+        assert len(set(prefix[r][segments[r] > 0])) == 1 and (segments[r] > 0).sum() == p - 1 + 2 * 101
+
+
+def test_a_group_lays_its_prompt_out_once_only_where_that_is_the_cheaper_layout():
+    def shared(batch, pack_tokens):
+        packed = pack(batch, pack_tokens, rows=1, group_size=4)
+        return bool((packed["prefix_MxRxL"] != packed["segments_MxRxL"]).any())
+
+    # Long prompts, short completions: fewer rows at the same window.
+    assert shared(episodes(B=8, P=48, shared=(0, 1)), 128)
+    # Long completions: the same rows, but a window over the whole group instead of one episode.
+    assert not shared(episodes(B=8, P=12, C=100, long_rows=range(8), shared=(0, 1)), 512)
+
+
 def test_each_micro_batch_attends_over_the_smallest_window_that_holds_its_longest_episode():
     batch = episodes(B=16, P=8, C=200, long_rows=(0,))
     packed = pack(batch, pack_tokens=512, rows=1)
@@ -90,18 +146,20 @@ def test_an_episode_longer_than_a_packed_row_is_refused_in_one_line():
         pack(episodes(P=12, C=200, long_rows=(1,)), pack_tokens=128, rows=1)
 
 
-@pytest.mark.parametrize("pack_tokens,rows", [(128, 1), (512, 2)])
-def test_packed_logprobs_equal_the_padded_ones(pack_tokens, rows):
+@pytest.mark.parametrize("pack_tokens,rows,group_size", [(128, 1, 1), (512, 2, 1), (128, 1, 4), (512, 2, 4)])
+def test_packed_logprobs_equal_the_padded_ones(pack_tokens, rows, group_size):
     model = Decoder(MODEL_CFG, nnx.Rngs(0))
-    batch = episodes(B=8, long_rows=(3,))
+    batch = episodes(B=12, P=48, long_rows=(3,), shared=(0, 2))
+    batch["prompt_mask_BxP"][4:8], batch["prompt_BxP"][4:8] = 0, 0  # group 1: one prompt token, shared
+    batch["prompt_mask_BxP"][4:8, -1], batch["prompt_BxP"][4:8, -1] = 1, 7
     ref, _ = completion_logprobs(model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"],
                                  batch["completion_mask_BxC"])
-    packed = pack(batch, pack_tokens, rows)
+    packed = pack(batch, pack_tokens, rows, group_size=group_size)
     B, C = batch["completion_BxC"].shape
     ours = np.zeros(B * C + 1)
     for m in range(int(packed["micro_batches"])):
         logp, _ = packed_logprobs(model, *(packed[k][m] for k in ("tokens_MxRxL", "positions_MxRxL",
-                                                                   "segments_MxRxL")), packed["window_M"][m])
+                                                                   "segments_MxRxL", "prefix_MxRxL", "window_M")))
         np.add.at(ours, packed["target_MxRxL"][m][:, 1:].ravel(), np.asarray(logp).ravel())
     mask = batch["completion_mask_BxC"]
     np.testing.assert_allclose(ours[:B * C].reshape(B, C) * mask, np.asarray(ref) * mask, atol=2e-5)
@@ -117,7 +175,8 @@ def _gradients(cfg: LearnerConfig, batch: dict, mesh) -> tuple[dict, dict]:
         (graphdef, params), frozen = nnx.split(model), None
     tx = optax.sgd(1.0)
     if cfg.pack_tokens is not None:
-        batch = {**batch, **pack(batch, cfg.pack_tokens, cfg.pack_rows or 1)}
+        batch = {**batch, **pack(batch, cfg.pack_tokens, cfg.pack_rows or 1,
+                                 group_size=cfg.group_size if cfg.shared_prompts else 1)}
     with jax.set_mesh(mesh):
         state, metrics = jax.jit(lambda s, b: train_step(s, b, graphdef, cfg, tx, 1, frozen))(
             init_state(params, cfg, tx), put_batch(batch, mesh))
@@ -136,7 +195,7 @@ LOSSES = [LossConfig(loss_type=t) for t in ("grpo", "dr_grpo", "gspo", "sft")] +
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.loss_type}-{l.beta}-{l.is_level}")
 def test_packed_gradients_and_metrics_equal_the_padded_ones(loss):
     mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    batch = episodes(B=8, long_rows=(6,))
+    batch = episodes(B=8, P=48, long_rows=(6,), shared=(1,))  # packed: one group's prompt laid out once
     cfg = LearnerConfig(group_size=4, num_iterations=2, loss=loss, optimizer=OptimizerConfig(learning_rate=1e-2))
     padded_grads, padded = _gradients(cfg, batch, mesh)
     packed_grads, packed = _gradients(dataclasses.replace(cfg, pack_tokens=128), batch, mesh)
@@ -150,7 +209,7 @@ def test_packed_gradients_and_metrics_equal_the_padded_ones(loss):
 def test_packed_lora_gradients_over_a_mesh_equal_the_padded_ones_on_one_device():
     lora = LoraConfig(rank=4, alpha=8.0)
     cfg = LearnerConfig(group_size=4, lora=lora, loss=LossConfig(loss_type="dapo"))
-    batch = episodes(B=8)
+    batch = episodes(B=8, P=48, shared=(0,))
     padded, _ = _gradients(cfg, batch, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
     packed, _ = _gradients(dataclasses.replace(cfg, pack_tokens=128, pack_rows=2), batch,
                            make_mesh(MeshConfig(fsdp=2), jax.devices()[:2]))
@@ -194,8 +253,8 @@ def test_packed_attention_is_finite_on_padding_and_sees_only_its_segment():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 128)), jnp.int32)
     segments = jnp.asarray([[1] * 40 + [2] * 50 + [0] * 38], jnp.int32)
     positions = jnp.asarray([list(range(40)) + list(range(50)) + [0] * 38], jnp.int32)
-    logp, _ = packed_logprobs(model, tokens, positions, segments, 0)
-    changed, _ = packed_logprobs(model, tokens.at[0, :40].set(3), positions, segments, 0)
+    logp, _ = packed_logprobs(model, tokens, positions, segments, segments, 0)
+    changed, _ = packed_logprobs(model, tokens.at[0, :40].set(3), positions, segments, segments, 0)
     assert np.isfinite(np.asarray(logp)).all()
     np.testing.assert_allclose(np.asarray(changed)[0, 40:89], np.asarray(logp)[0, 40:89], atol=1e-6)
     assert not np.allclose(np.asarray(changed)[0, :39], np.asarray(logp)[0, :39])

@@ -16,13 +16,15 @@ Sides, each the GRPO step (dapo loss, AdamW) on the same batch, timed alternatel
            `--grad-accum` micro-batches;
   narrow   padded with `learner.prompt_widths: 4`: the prompts cut to the narrowest quarter of the
            width (rounded up to 128) that holds them, as a run with that setting cuts them;
-  packed   `learner.pack_tokens` / `pack_rows`: each episode a segment of a packed row;
-  torch    transformers' Qwen3 (float32) on the same packed rows, padding-free: position ids that
-           restart per episode and no attention mask, from which transformers builds each row's
-           block-causal mask (`masking_utils.find_packed_sequence_indices`).
-The gradient norms of the four agree (the same loss). Printed per side: the token positions the
+  packed   `learner.pack_tokens` / `pack_rows`, as a run packs: each group's prompt laid out once,
+           then its completions, each a segment that also sees the prompt (shared prompts);
+  apart    packed with `shared_prompts: false`: each episode a segment of its own, its prompt with it;
+  torch    transformers' Qwen3 (float32) on apart's rows, padding-free: position ids that restart
+           per episode and no attention mask, from which transformers builds each row's block-causal
+           mask (`masking_utils.find_packed_sequence_indices`; it has no shared prefixes).
+The gradient norms of the five agree (the same loss). Printed per side: the token positions the
 model runs (`computed_tokens`) against the real ones. Last line, JSON: `ratios` (packed over
-padded, packed over torch, in real tokens per second) first.
+padded, packed over torch, ..., in real tokens per second) first.
 """
 
 from __future__ import annotations
@@ -157,14 +159,16 @@ def main(argv=None) -> dict:
     base = LearnerConfig(group_size=8, loss=LossConfig(loss_type="dapo", eps_high=0.28))
     model = Decoder(tiny_config("qwen3", **shape), nnx.Rngs(0))
     packed_cfg = base.__class__(**{**base.__dict__, "pack_tokens": pack_tokens, "pack_rows": args.pack_rows})
-    layout = pack(batch, pack_tokens, args.pack_rows)
-    torch_step = TorchPackedStep(model, batch, layout, base)  # copies the weights before the learners move them
+    apart_cfg = base.__class__(**{**packed_cfg.__dict__, "shared_prompts": False})
+    layouts = {"packed": pack(batch, pack_tokens, args.pack_rows, group_size=8, dense_keys=2 * shape["hidden_size"]),
+               "apart": pack(batch, pack_tokens, args.pack_rows)}
+    torch_step = TorchPackedStep(model, batch, layouts["apart"], base)  # copies the weights before the learners move them
     padded_cfg = base.__class__(**{**base.__dict__, "grad_accum": grad_accum})
     narrow_width = next(w for w in prompt_widths(width, 4) if w >= batch["prompt_mask_BxP"].sum(1).max())
-    batches = {"padded": batch, "packed": batch,
+    batches = {"padded": batch, "packed": batch, "apart": batch,
                "narrow": {**batch, **{k: batch[k][:, width - narrow_width:] for k in ("prompt_BxP", "prompt_mask_BxP")}}}
     sides = {"padded": Learner(model, padded_cfg, mesh), "narrow": Learner(model, padded_cfg, mesh),
-             "packed": Learner(model, packed_cfg, mesh)}
+             "packed": Learner(model, packed_cfg, mesh), "apart": Learner(model, apart_cfg, mesh)}
     grad_norms = {name: learner.update(batches[name])["grad_norm"] for name, learner in sides.items()}
     grad_norms["torch"] = torch_step()["grad_norm"]
     times = {name: [] for name in (*sides, "torch")}
@@ -177,15 +181,18 @@ def main(argv=None) -> dict:
         torch_step()
         times["torch"].append(time.perf_counter() - start)
     step_s = {name: statistics.median(t) for name, t in times.items()}
-    rows_used = int(layout["micro_batches"]) * args.pack_rows
+    rows_used = {k: int(v["micro_batches"]) * args.pack_rows for k, v in layouts.items()}
     P = batch["prompt_BxP"].shape[1]
-    computed = {"padded": groups * P + B * C, "narrow": groups * narrow_width + B * C, "packed": rows_used * pack_tokens,
-                "torch": rows_used * pack_tokens}
+    computed = {"padded": groups * P + B * C, "narrow": groups * narrow_width + B * C,
+                "packed": rows_used["packed"] * pack_tokens, "apart": rows_used["apart"] * pack_tokens,
+                "torch": rows_used["apart"] * pack_tokens}
     figures = {
         "ratios": {"packed_over_padded": step_s["padded"] / step_s["packed"],
                    "packed_over_narrow": step_s["narrow"] / step_s["packed"],
                    "narrow_over_padded": step_s["padded"] / step_s["narrow"],
-                   "packed_over_torch": step_s["torch"] / step_s["packed"]},
+                   "packed_over_torch": step_s["torch"] / step_s["packed"],
+                   "packed_over_apart": step_s["apart"] / step_s["packed"],
+                   "apart_over_torch": step_s["torch"] / step_s["apart"]},
         "real_tokens_per_s": {name: real / s for name, s in step_s.items()},
         "step_s": step_s,
         "real_tokens": real,

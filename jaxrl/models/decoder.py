@@ -182,7 +182,7 @@ class Attention(nnx.Module):
             out = (cached_attention(q, *layer_cache, keys.visible_BxTxS) if keys.window is None
                    else windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window))
         elif keys.segments_BxT is not None:
-            out = packed_attention(q, k, v, keys.segments_BxT, keys.window)
+            out = packed_attention(q, k, v, keys.segments_BxT, keys.prefix_BxT, keys.window)
         else:
             out = causal_attention(q, k, v, keys.mask_BxT)
         return self.o_proj(out.reshape(B, T, -1)), layer_cache
@@ -274,9 +274,10 @@ def packed_windows(length: int) -> tuple[int, ...]:
     return (*windows, length)
 
 
-def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, window: int):
+def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT, window: int):
     """Each block of QUERY_BLOCK queries against the `window` keys that end with it, a query
-    seeing the keys of its own segment at or before it: the work is T x window, not T x T."""
+    seeing the keys at or before it of its own segment and of its prefix segment: the work is
+    T x window, not T x T."""
     B, N, T, H = q_BxNxTxH.shape
     # Keys padded in front (segment 0: never visible), so every block's window is one slice.
     front = ((0, 0), (0, 0), (window, 0), (0, 0))
@@ -290,24 +291,27 @@ def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, win
         k = jax.lax.dynamic_slice_in_dim(k_pad, start + QUERY_BLOCK, window, axis=2)
         v = jax.lax.dynamic_slice_in_dim(v_pad, start + QUERY_BLOCK, window, axis=2)
         seg_q = jax.lax.dynamic_slice_in_dim(segments_BxT, start, QUERY_BLOCK, axis=1)
+        pre_q = jax.lax.dynamic_slice_in_dim(prefix_BxT, start, QUERY_BLOCK, axis=1)
         seg_k = jax.lax.dynamic_slice_in_dim(seg_pad, start + QUERY_BLOCK, window, axis=1)
-        visible_BxQxW = causal_QxW[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] > 0)
+        seen_BxQxW = (seg_q[:, :, None] == seg_k[:, None, :]) | (pre_q[:, :, None] == seg_k[:, None, :])
+        visible_BxQxW = causal_QxW[None] & seen_BxQxW & (seg_q[:, :, None] > 0)
         return _softmax_attention(q, k, v, visible_BxQxW)
 
     out_KxBxNxQxH = jax.lax.map(block, jnp.arange(0, T, QUERY_BLOCK))
     return out_KxBxNxQxH.transpose(1, 2, 0, 3, 4).reshape(B, N, T, H)
 
 
-def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, window):
-    """Causal attention within segments of packed rows (T a multiple of QUERY_BLOCK), each query
-    block over `packed_windows(T)[window]` keys: enough for the longest segment of the batch."""
+def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, window):
+    """Causal attention within segments of packed rows (T a multiple of QUERY_BLOCK), a query also
+    seeing its prefix segment (a group's shared prompt; its own segment otherwise), each query block
+    over `packed_windows(T)[window]` keys: enough for the longest prefix and segment of the batch."""
     B, T, N, H = q_BxTxNxH.shape
     G = N // k_BxTxKxH.shape[2]
     q = q_BxTxNxH.transpose(0, 2, 1, 3)
     k = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
     v = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
     branches = [functools.partial(_segment_window_attention, window=w) for w in packed_windows(T)]
-    out = jax.lax.switch(window, branches, q, k, v, segments_BxT)
+    out = jax.lax.switch(window, branches, q, k, v, segments_BxT, prefix_BxT)
     return out.transpose(0, 2, 1, 3)
 
 
@@ -384,6 +388,7 @@ class _KeySlots(NamedTuple):
     # packed: the packed_windows one.
     window: jax.Array | None = None
     segments_BxT: jax.Array | None = None  # packed rows: each token's segment (0: padding)
+    prefix_BxT: jax.Array | None = None  # packed rows: the other segment each token sees (a shared prompt)
 
 
 class Decoder(nnx.Module):
@@ -437,11 +442,12 @@ class Decoder(nnx.Module):
             cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32))
         return self.norm(x), cache
 
-    def packed_hidden(self, tokens_RxL, positions_RxL, segments_RxL, window):
+    def packed_hidden(self, tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window):
         """Final normed hidden states (R, L, D) of packed rows: segments (numbered from 1 in
-        each row, 0 for padding) attend only within themselves, each query block over
+        each row, 0 for padding) attend within themselves and to their prefix segment (a shared
+        prompt before them; their own where they have none), each query block over
         `packed_windows(L)[window]` keys."""
-        keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL)
+        keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL, prefix_RxL)
         x = self._embed(tokens_RxL)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
         for layer in self.layers:
