@@ -50,8 +50,8 @@ class LearnerConfig:
     logp_chunk: int = option("sequence positions per chunk of the vocabulary projection (memory vs speed)", default=128)
     shared_prompts: bool = option(
         "run a group's prompt through the model once for its group_size samples when they share it (a batch whose "
-        "groups' prompts differ runs one per sample, compiled apart; packed, the prompt is laid out once before its "
-        "completions)", default=True)
+        "groups' prompts differ runs one per sample, compiled apart; packed, laid out once before its completions "
+        "where that is the cheaper layout)", default=True)
     prompt_widths: int = option(
         "how many prompt widths padded batches take: 1, all rollout.max_prompt_tokens wide (one program); N, its "
         "N fractions rounded up to 128, each step the narrowest that holds its prompts, all compiled at the first "
@@ -63,8 +63,8 @@ class LearnerConfig:
     pack_tokens: int | None = option(
         "lay a step's episodes end to end in rows of this many tokens (a multiple of 64, at least 128), each "
         "attending within itself (and to its group's prompt, with shared_prompts), so that the model runs on real "
-        "tokens rather than the padded prompt and completion widths; micro-batches of pack_rows rows, as many as the step fills (grad_accum must be 1); "
-        "null: padded rows", default=None)
+        "tokens rather than the padded prompt and completion widths; micro-batches of pack_rows rows, as many as "
+        "the step fills (grad_accum must be 1); null: padded rows", default=None)
     pack_rows: int | None = option(
         "packed rows per micro-batch; null: one per batch shard of the mesh", default=None)
     lora: LoraConfig | None = option(

@@ -160,9 +160,11 @@ def main(argv=None) -> dict:
     model = Decoder(tiny_config("qwen3", **shape), nnx.Rngs(0))
     packed_cfg = base.__class__(**{**base.__dict__, "pack_tokens": pack_tokens, "pack_rows": args.pack_rows})
     apart_cfg = base.__class__(**{**packed_cfg.__dict__, "shared_prompts": False})
-    layouts = {"packed": pack(batch, pack_tokens, args.pack_rows, group_size=8, dense_keys=2 * shape["hidden_size"]),
+    layouts = {"packed": pack(batch, pack_tokens, args.pack_rows, group_size=8,
+                              dense_keys=2 * shape["hidden_size"]),  # as the packed learner lays it out
                "apart": pack(batch, pack_tokens, args.pack_rows)}
-    torch_step = TorchPackedStep(model, batch, layouts["apart"], base)  # copies the weights before the learners move them
+    # Before the learners move the weights: it copies them.
+    torch_step = TorchPackedStep(model, batch, layouts["apart"], base)
     padded_cfg = base.__class__(**{**base.__dict__, "grad_accum": grad_accum})
     narrow_width = next(w for w in prompt_widths(width, 4) if w >= batch["prompt_mask_BxP"].sum(1).max())
     batches = {"padded": batch, "packed": batch, "apart": batch,
