@@ -49,8 +49,8 @@ def check_fits(batch: dict[str, np.ndarray], pack_tokens: int) -> None:
 
 
 def _units(prompts: list[np.ndarray], completions: list[np.ndarray], group_size: int, L: int) -> list[tuple]:
-    """(prompt or None, [episode, ...]) per unit laid out together: a group sharing its prompt (split
-    where it outgrows a row: p - 1 + sum(1 + c) tokens), or one episode with its own prompt."""
+    """(prompt or None, [episode, ...], tokens) per unit laid out together: a group sharing its prompt
+    (split where it outgrows a row: p - 1 + sum(1 + c) tokens), or one episode with its own prompt."""
     units = []
     B = len(prompts)
     for g in range(0, B, group_size):
@@ -58,25 +58,18 @@ def _units(prompts: list[np.ndarray], completions: list[np.ndarray], group_size:
         shared = (group_size > 1 and len(members) > 1 and len(prompts[members[0]]) > 0
                   and all(np.array_equal(prompts[b], prompts[members[0]]) for b in members))
         if not shared:
-            units += [(None, [b]) for b in members]
+            units += [(None, [b], len(prompts[b]) + len(completions[b])) for b in members]
             continue
         prompt = prompts[members[0]]
         part, n = [], len(prompt) - 1
         for b in members:
             if part and n + 1 + len(completions[b]) > L:
-                units.append((prompt, part))
+                units.append((prompt, part, n))
                 part, n = [], len(prompt) - 1
             part.append(b)
             n += 1 + len(completions[b])
-        units.append((prompt, part))
+        units.append((prompt, part, n))
     return units
-
-
-def _unit_length(unit: tuple, prompts: list[np.ndarray], completions: list[np.ndarray]) -> int:
-    prompt, members = unit
-    if prompt is None:
-        return len(prompts[members[0]]) + len(completions[members[0]])
-    return len(prompt) - 1 + sum(1 + len(completions[b]) for b in members)
 
 
 def _place(length_U: np.ndarray, L: int, rows: int) -> tuple[list[list[int]], np.ndarray, int]:
@@ -127,8 +120,9 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
     best = None
     for size in sorted({1, group_size}):
         units = _units(prompts, c_idx, size, L)
-        length_U = np.array([_unit_length(u, prompts, c_idx) for u in units], np.int64)
-        placed, window_M, micro_batches = _place(length_U, L, rows)
+        if size > 1 and all(prompt is None for prompt, *_ in units):
+            break  # no group shares its prompt: the same units as apart
+        placed, window_M, micro_batches = _place(np.array([n for *_, n in units], np.int64), L, rows)
         cost = rows * L * int((dense_keys + windows[window_M]).sum())
         if best is None or cost < best[0]:
             best = (cost, units, placed, window_M, micro_batches)
@@ -151,7 +145,7 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
     for r, row_units in enumerate(placed):
         at, s = 0, 0
         for u in row_units:
-            prompt, members = units[u]
+            prompt, members, _ = units[u]
             s += 1
             if prompt is None:
                 at = lay(r, at, s, prompts[members[0]], members[0], 0, s)
