@@ -1,6 +1,6 @@
-"""Test-session setup: 8 virtual CPU devices, so mesh and sharding tests run on one machine; memory
-given back after each test module; the longest file first; and a session that cannot exit fails
-instead of hanging."""
+"""Test-session setup: 8 virtual CPU devices, so mesh and sharding tests run on one machine; one
+persistent compilation cache for this process and its children; memory given back after each test
+module; the longest file first; and a session that cannot exit fails instead of hanging."""
 
 import ctypes
 import faulthandler
@@ -45,23 +45,22 @@ def _resident_bytes() -> int:
         return 0
 
 
-# Where the processes the tests start keep their compiled programs (JAX's persistent compilation cache), as
-# `jaxrl train` gives its bridges one: the same programs compiled again in every bridge, engine and worker a
-# test starts were most of their CPU. Kept between sessions, as the run's own cache is.
-CHILD_COMPILATION_CACHE = Path.home() / ".cache" / "jaxrl" / "xla-tests"
-CHILD_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(CHILD_COMPILATION_CACHE),
-                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+# Where this process and the processes the tests start keep their compiled programs (JAX's persistent
+# compilation cache), as `jaxrl train` gives its bridges one: the same programs compiled again in every bridge,
+# engine and worker a test starts were most of their CPU, and this process compiles a program again after each
+# module gives its memory back, or when a test builds another learner or engine of a shape seen before. Kept
+# between sessions, as the run's own cache is.
+COMPILATION_CACHE = Path.home() / ".cache" / "jaxrl" / "xla-tests"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _children_share_a_compilation_cache():
-    """CHILD_CACHE_ENV in the environment every child inherits; not in this process's own JAX, which read
-    its settings when it was imported (its compile counts stay its own)."""
-    import jax  # noqa: F401  (imported before the variables are set)
+def _a_shared_compilation_cache():
+    """This process's JAX caches its programs in COMPILATION_CACHE, and every child inherits the setting
+    by its environment. Counts of compiles (`jaxrl.compilation.compiles`) leave out loaded programs."""
+    from jaxrl.compilation import use_persistent_cache
 
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in CHILD_CACHE_ENV.items():
+        for key, value in use_persistent_cache(str(COMPILATION_CACHE)).items():
             mp.setenv(key, value)
         yield
 
