@@ -18,7 +18,7 @@ from jaxrl.models import Decoder
 from jaxrl.models.lora import add_lora
 from jaxrl.optim import make_optimizer
 from jaxrl.models.decoder import QUERY_BLOCK
-from jaxrl.packing import pack, segment_lengths
+from jaxrl.packing import dense_keys, pack, segment_lengths
 from jaxrl.sharding import BATCH_AXES, batch_sharding, batch_shardings, param_shardings, put_batch
 from jaxrl.train_step import (
     LearnerConfig,
@@ -67,8 +67,7 @@ class Learner:
 
     def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh, widths: Sequence[int] = ()):
         self.cfg, self.mesh, self.widths = cfg, mesh, tuple(widths)
-        # A token's dense work in attention keys, as packing weighs a layout's tokens against its windows.
-        self.dense_keys = 2 * model.cfg.hidden_size
+        self.dense_keys = dense_keys(model.cfg.hidden_size)
         self.frozen = self.frozen_shardings = None
         if cfg.lora is None:
             self.graphdef, params = nnx.split(model)

@@ -48,6 +48,12 @@ def check_fits(batch: dict[str, np.ndarray], pack_tokens: int) -> None:
                          f"widths together")
 
 
+def dense_keys(hidden_size: int) -> int:
+    """A token's dense work (projections and MLP) counted in attention keys, as `pack` weighs a layout's
+    tokens against its windows: ~2 x the hidden size on CPU."""
+    return 2 * hidden_size
+
+
 def _units(prompts: list[np.ndarray], completions: list[np.ndarray], group_size: int, L: int) -> list[tuple]:
     """(prompt or None, [episode, ...], tokens) per unit laid out together: a group sharing its prompt
     (split where it outgrows a row: p - 1 + sum(1 + c) tokens), or one episode with its own prompt."""
@@ -106,8 +112,8 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
     With `group_size` > 1, groups of consecutive rows that share their prompt lay it out once where
     that is the cheaper layout: fewer tokens, but a window that spans the group (its prompt and
     every completion) rather than one episode. The cost of a layout: the token positions it runs,
-    each a token's dense work (`dense_keys`, counted in attention keys: ~2 x the hidden size on
-    CPU) plus the keys of its micro-batch's window."""
+    each a token's dense work (`dense_keys`: the function of that name) plus the keys of its
+    micro-batch's window."""
     check_fits(batch, pack_tokens)
     prompt_BxP, pmask_BxP = np.asarray(batch["prompt_BxP"]), np.asarray(batch["prompt_mask_BxP"]).astype(bool)
     comp_BxC, cmask_BxC = np.asarray(batch["completion_BxC"]), np.asarray(batch["completion_mask_BxC"]).astype(bool)

@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     from jaxrl.learner import Learner, prompt_widths
     from jaxrl.losses import LossConfig
     from jaxrl.models import Decoder
-    from jaxrl.packing import pack
+    from jaxrl.packing import dense_keys, pack
     from jaxrl.sharding import MeshConfig, make_mesh
     from jaxrl.tiny import tiny_config
     from jaxrl.train_step import LearnerConfig
@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
     packed_cfg = base.__class__(**{**base.__dict__, "pack_tokens": pack_tokens, "pack_rows": args.pack_rows})
     apart_cfg = base.__class__(**{**packed_cfg.__dict__, "shared_prompts": False})
     layouts = {"packed": pack(batch, pack_tokens, args.pack_rows, group_size=8,
-                              dense_keys=2 * shape["hidden_size"]),  # as the packed learner lays it out
+                              dense_keys=dense_keys(shape["hidden_size"])),  # as the packed learner lays it out
                "apart": pack(batch, pack_tokens, args.pack_rows)}
     # Before the learners move the weights: it copies them.
     torch_step = TorchPackedStep(model, batch, layouts["apart"], base)
