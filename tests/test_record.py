@@ -62,5 +62,9 @@ def test_of_two_distributions_that_install_one_directory_the_imported_one_is_rec
     monkeypatch.syspath_prepend(str(tmp_path))
     dist = imported_distribution("twinpkg")
     assert (dist.metadata["Name"], dist.version) == ("twinpkg", "0.10.0")
+    # Named candidates (checked before every installed distribution is listed) give the same answer,
+    # also when the one named is not the owner or is not installed.
+    for names in (("twinpkg_core", "twinpkg"), ("twinpkg_core",), ("not_installed_here",)):
+        assert imported_distribution("twinpkg", names).metadata["Name"] == "twinpkg", names
     assert imported_distribution("no_such_module_here") is None
     assert "twinpkg" not in sys.modules  # found, not imported

@@ -29,10 +29,10 @@ from jaxrl.run.config import TrainConfig
 from jaxrl.run.run_dir import RunDir
 
 # What a run's numbers depend on (distributions), and the modules whose distribution is recorded by what
-# is imported: `openenv` is installed by `openenv` and by its predecessor `openenv-core`.
+# is imported, with the distributions known to install them: `openenv` and its predecessor `openenv-core`.
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "grpcio", "protobuf")
-MODULES = ("openenv",)
+MODULES = {"openenv": ("openenv", "openenv-core")}
 # How a run's sampling seeds derive from its seed (bridge.wire, bridge.rollout).
 SAMPLING = ("group: derive_seed(seed, group id), group ids STEP-SLOT (training) and eval-VERSION-I; "
             "episode j: derive_seed(group seed, j); turn k: derive_seed(episode seed, k)")
@@ -47,24 +47,38 @@ def environment() -> dict[str, Any]:
             packages[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             packages[name] = None
-    for module in MODULES:
-        dist = imported_distribution(module)
+    for module, names in MODULES.items():
+        dist = imported_distribution(module, names)
         packages[dist.metadata["Name"] if dist else module] = dist.version if dist else None
     return {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
             "devices": ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items())), "packages": packages}
 
 
-def imported_distribution(module: str) -> importlib.metadata.Distribution | None:
+def imported_distribution(module: str, names: tuple[str, ...] = ()) -> importlib.metadata.Distribution | None:
     """The installed distribution whose files are the ones `import module` loads (None: not importable): of
-    several that install the same directory, the one whose recorded hash matches the file on disk."""
+    several that install the same directory, the one whose recorded hash matches the file on disk. The
+    installed ones of `names` are checked first; every installed distribution is listed (which reads the
+    metadata of each, a slow part of a run's start) only when none of them owns the file."""
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return None
     origin = Path(spec.origin).resolve()
+    named = []
+    for name in names:
+        try:
+            named.append(importlib.metadata.distribution(name))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    found = _recorded_owner(named, origin)
+    if found is not None:
+        return found
     owners = [importlib.metadata.distribution(n) for n in importlib.metadata.packages_distributions().get(module, [])]
-    if len(owners) == 1:
-        return owners[0]
-    for dist in owners:
+    return owners[0] if len(owners) == 1 else _recorded_owner(owners, origin)
+
+
+def _recorded_owner(dists: list[importlib.metadata.Distribution], origin: Path) -> importlib.metadata.Distribution | None:
+    """The one of `dists` whose record has `origin` with the hash of its bytes on disk."""
+    for dist in dists:
         for file in dist.files or []:
             if file.hash is not None and Path(dist.locate_file(file)).resolve() == origin:
                 digest = base64.urlsafe_b64encode(hashlib.new(file.hash.mode, origin.read_bytes()).digest())
