@@ -125,5 +125,7 @@ def test_config_errors_name_the_field_the_value_and_what_is_allowed(field, value
 
 def test_config_accepts_no_pings_and_a_bad_url_is_refused():
     assert SessionConfig(ping_interval_s=None).ping_interval_s is None
+    assert Endpoint("http://127.0.0.1:1").pool == 64  # no environment config to size it: DEFAULT_POOL
+    assert Endpoint("http://127.0.0.1:1", SessionConfig(max_sessions=3)).pool == 3
     with pytest.raises(ValueError, match="http\\(s\\)://host:port"):
         Endpoint("ws://127.0.0.1:1/ws")

@@ -53,6 +53,16 @@ def test_replays_are_bounded_by_time_since_the_first_loss_and_outlast_the_breake
     assert EnvSpec("x", url="http://a", retry_budget_s=0).retry_wait_s(0, 0.0) is None
 
 
+@pytest.mark.parametrize("data, pool", [
+    ({"max_concurrent_envs": 256}, 256),  # the server's capacity is the pool: no hidden bound of 64
+    ({}, 64),
+    ({"max_concurrent_envs": 256, "session": {"max_sessions": 32}}, 32),  # a session bound lowers it
+    ({"max_concurrent_envs": 8, "session": {"max_sessions": 32}}, 8),
+])
+def test_the_session_pool_is_the_environments_capacity_unless_the_session_bounds_it_lower(data, pool):
+    assert EnvSpec.from_dict({"name": "x", "bundled": "echo", **data}).pool_size == pool
+
+
 @pytest.mark.parametrize("spec, fields", [
     (EnvSpec("t", env_class="tests.workers.trl_env:Target"), None),  # reset(target, **kwargs): any field
     (EnvSpec("g", env_class="tests.workers.openenv_catalogue:GridWorldEnvironment"), frozenset()),  # reset(self)

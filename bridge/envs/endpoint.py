@@ -58,10 +58,13 @@ METRICS = ("sessions_opened", "sessions_reused", "sessions_active", "capacity_wa
            "server_max_sessions")
 # A session pool this many times the capacity its server states only queues there: warn once.
 CAPACITY_WARN_RATIO = 2
+# The pool of an Endpoint whose SessionConfig leaves max_sessions to the environment's config.
+DEFAULT_POOL = 64
 
 
 class Endpoint:
-    """One OpenEnv server: a pool of at most `config.max_sessions` sessions and its breaker.
+    """One OpenEnv server: a pool of at most `config.max_sessions` sessions (DEFAULT_POOL if unset) and its
+    breaker.
 
     Use it from one event loop (its pool is an asyncio.Semaphore). The pool wait itself is not
     bounded: it is this process's own queue; `capacity_wait_s` bounds the wait for the server.
@@ -80,7 +83,8 @@ class Endpoint:
         self._direct = is_loopback(parts.hostname)
         # The pool: slots not in use, released sessions kept open for reuse (each holds its slot),
         # and the open() calls waiting for either (handed a session, or None: a slot).
-        self._free_slots = config.max_sessions
+        self.pool = DEFAULT_POOL if config.max_sessions is None else config.max_sessions
+        self._free_slots = self.pool
         self._idle: collections.deque[Session] = collections.deque()
         self._pool_waiters: collections.deque[asyncio.Future[Session | None]] = collections.deque()
         self._sessions: set[Session] = set()
@@ -278,7 +282,7 @@ class Endpoint:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             return
         self.metrics["server_max_sessions"] = max_sessions
-        pool = self.config.max_sessions
+        pool = self.pool
         if not self._capacity_warned and pool >= CAPACITY_WARN_RATIO * max_sessions:
             self._capacity_warned = True
             log.warning("%s allows %d session(s) at once, but the session pool for it holds %d: episodes queue for "

@@ -42,7 +42,8 @@ def _field(default: Any, help: str) -> Any:
 class SessionConfig:
     """Per-endpoint limits; every field is checked on construction."""
 
-    max_sessions: int = _field(64, "pool bound per endpoint: the server's max_concurrent_envs")
+    max_sessions: int | None = _field(None, "pool bound per endpoint; null: the environment's max_concurrent_envs "
+                                            "(an Endpoint made on its own: 64)")
     connect_timeout_s: float = _field(10.0, "seconds to open a session (WebSocket handshake)")
     step_timeout_s: float = _field(60.0, "seconds for each reset / step / state reply")
     ping_interval_s: float | None = _field(10.0, "seconds between WebSocket pings (null: none); they keep a "
@@ -68,13 +69,13 @@ class SessionConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "ping_interval_s" and value is None:
+            if f.name in ("ping_interval_s", "max_sessions") and value is None:
                 continue
             if f.type == "bool":
                 if not isinstance(value, bool):
                     _bad(f.name, value, "true or false")
                 continue
-            if f.type == "int":
+            if f.type in ("int", "int | None"):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     _bad(f.name, value, "an integer >= 1")
             elif (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -96,8 +96,8 @@ class EnvSpec:
                                         "false for bundled environments (their text says it)"})
     system_prompt: str = dataclasses.field(default="", metadata={"help": "system message of every episode"})
     max_concurrent_envs: int = dataclasses.field(
-        default=64, metadata={"help": "sessions at once: the bridge's session pool for this environment (also "
-                                      "bounded by session.max_sessions); bundled servers are started with this "
+        default=64, metadata={"help": "sessions at once: the bridge's session pool for this environment (bounded "
+                                      "lower by session.max_sessions, if set); bundled servers are started with this "
                                       "capacity. Most OpenEnv servers allow 1"})
     seed: int = dataclasses.field(default=0, metadata={"help": "bundled server seed (resets without a seed)"})
     retry_budget_s: float = dataclasses.field(
@@ -192,7 +192,8 @@ class EnvSpec:
     @property
     def pool_size(self) -> int:
         """Sessions the bridge holds at once for this environment."""
-        return min(self.max_concurrent_envs, self.session.max_sessions)
+        bound = self.session.max_sessions
+        return self.max_concurrent_envs if bound is None else min(self.max_concurrent_envs, bound)
 
     def queues_at(self, server_max_sessions: int) -> bool:
         """Whether the pool is so far above the capacity its server states that episodes mostly queue."""
