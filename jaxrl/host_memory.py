@@ -10,7 +10,9 @@ next step needs again anyway.
 
 glibc reads these settings (`GLIBC_TUNABLES`) only when a process starts, so a program applies
 them by starting itself again, same PID and arguments (`restart_tuned`); its children inherit
-them. `JAXRL_SYSTEM_MALLOC=1` keeps glibc's defaults.
+them. `JAXRL_SYSTEM_MALLOC=1` keeps glibc's defaults. A program so started compiles its large
+programs in a child (`jaxrl.compilation.compile_apart`): a compile's garbage left in the one heap made
+every later step slower.
 """
 
 from __future__ import annotations
@@ -34,15 +36,23 @@ def tuned_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
     if environ.get(OPT_OUT, "") not in ("", "0") or sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return None
     current = environ.get("GLIBC_TUNABLES", "")
-    present = {item.split("=", 1)[0] for item in current.split(":") if item}
-    missing = [f"{key}={value}" for key, value in TUNABLES.items() if key not in present]
+    missing = [f"{key}={value}" for key, value in TUNABLES.items() if key not in _present(environ)]
     if not missing:
         return None
     return {**environ, "GLIBC_TUNABLES": ":".join(([current] if current else []) + missing)}
 
 
+def _present(environ: Mapping[str, str]) -> set[str]:
+    return {item.split("=", 1)[0] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item}
+
+
 def restart_tuned() -> None:
-    """Starts this program again under `tuned_environ` (never returns) unless it already runs so."""
+    """Starts this program again under `tuned_environ` (never returns) unless it already runs so;
+    running so, it compiles apart from then on."""
     env = tuned_environ(os.environ)
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    if TUNABLES.keys() <= _present(os.environ):
+        from jaxrl.compilation import compile_apart
+
+        compile_apart()
