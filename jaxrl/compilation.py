@@ -11,13 +11,15 @@ have.
 writes them to the persistent cache, and this one loads them (`python -m jaxrl.compilation` is that
 child). Under `jaxrl.host_memory`'s malloc settings every thread allocates from one heap, and a
 compile leaves it fragmented by its garbage: each later call's allocations then walk that heap's
-free lists, and a train step took twice as long for the rest of the run (docs/benchmarks.md).
+free lists, and every train step of the rest of the run took much longer (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -77,6 +79,7 @@ def use_persistent_cache(directory: str | None) -> dict[str, str]:
 # milliseconds, leaves little behind, and would wait longer for a child to start.
 APART_MIN_BYTES = 1 << 16
 CHILD = [sys.executable, "-m", "jaxrl.compilation"]
+PR_SET_PDEATHSIG = 1
 _apart_failed = threading.Event()
 
 
@@ -114,11 +117,11 @@ def _compile_in_child(backend, computation, devices, compile_options, executable
         return
     job = {"module": module, "options": compile_options.SerializeAsString(), "key": key,
            "name": ir.StringAttr(computation.operation.attributes["sym_name"]).value,
-           "devices": [d.id for d in executable_devices], "cache_dir": jax_config.compilation_cache_dir.value}
+           "devices": [d.id for d in executable_devices], "cache_dir": jax_config.compilation_cache_dir.value,
+           "parent": os.getpid()}
     # glibc's own malloc settings for the child: its compile threads each get an arena, not one heap's lock.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    done = subprocess.run(CHILD, input=pickle.dumps(job),
-                          capture_output=True, env=env)
+    done = subprocess.run(CHILD, input=pickle.dumps(job), capture_output=True, env=env)
     if done.returncode == 0:
         _events[COMPILED_APART] += 1
         return
@@ -130,6 +133,11 @@ def _compile_in_child(backend, computation, devices, compile_options, executable
 
 def _compile_job(job: dict) -> None:
     """The child's side: compiles one module and writes it to the persistent cache under the parent's key."""
+    # Linux's parent-death signal: a parent killed mid-compile takes this child along (the thread
+    # that started it waits on it, so it dies only with its process).
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != job["parent"]:
+        return
     from jax._src import compilation_cache, compiler, xla_bridge
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
