@@ -13,10 +13,15 @@ them by starting itself again, same PID and arguments (`restart_tuned`); its chi
 them. `JAXRL_SYSTEM_MALLOC=1` keeps glibc's defaults. A program so started compiles its large
 programs in a child (`jaxrl.compilation.compile_apart`): a compile's garbage left in the one heap made
 every later step slower.
+
+Python's own collector too (`collect_less_often`): by default it walks every young object each 700
+allocations and the whole heap each 70,000 or so, and a process that imports JAX, transformers and
+OpenEnv and traces programs allocates millions of objects that live as long as it does.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import sys
@@ -28,6 +33,10 @@ TUNABLES = {
     "glibc.malloc.trim_threshold": str(1 << 40),  # ... and stays there when freed
 }
 OPT_OUT = "JAXRL_SYSTEM_MALLOC"
+
+# Young objects walked each 10,000 net allocations, the whole heap each 2,000,000 (ten older sweeps of
+# twenty young ones each): reference cycles are still freed, within seconds rather than milliseconds.
+GC_THRESHOLDS = (10_000, 20, 10)
 
 
 def tuned_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
@@ -46,12 +55,19 @@ def _present(environ: Mapping[str, str]) -> set[str]:
     return {item.split("=", 1)[0] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item}
 
 
+def collect_less_often() -> None:
+    """Python's cyclic garbage collector at `GC_THRESHOLDS`, so that its walks of the heap stop being
+    a large share of a jaxrl process's CPU (docs/benchmarks.md)."""
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def restart_tuned() -> None:
     """Starts this program again under `tuned_environ` (never returns) unless it already runs so;
-    running so, it compiles apart from then on."""
+    running so, it compiles apart from then on. Either way it collects garbage less often."""
     env = tuned_environ(os.environ)
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    collect_less_often()
     if TUNABLES.keys() <= _present(os.environ):
         from jaxrl.compilation import compile_apart
 

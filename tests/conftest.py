@@ -1,4 +1,5 @@
-"""Test-session setup: 8 virtual CPU devices, so mesh and sharding tests run on one machine; one
+"""Test-session setup: 8 virtual CPU devices, so mesh and sharding tests run on one machine, compiling
+fast (tests/xla_flags.py); Python's collector as jaxrl's processes run it; one
 persistent compilation cache for this process and its children; memory given back after each test
 module; the longest file first; and a session that cannot exit fails instead of hanging."""
 
@@ -12,10 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl.host_memory import collect_less_often
+from xla_flags import xla_flags
+
 # Must happen before jax is first imported anywhere in the session.
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+for _flag in xla_flags(8).split():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+collect_less_often()  # as jaxrl's processes do: the collector's walks were a large share of this one's CPU
 
 EXIT_WITHIN_S = 120
 

@@ -18,6 +18,7 @@ from bridge.engines.base import SamplingParams
 from bridge.wire import BRIDGE_LISTENING, TOKEN_ENV
 from jaxrl.tiny import build_tiny_model
 from processes import error_line
+from xla_flags import xla_flags
 
 ROOT = Path(__file__).parents[1]
 
@@ -117,7 +118,7 @@ def test_a_tls_bridge_serves_its_token_holders_only(tmp_path):
     stranger, _ = _self_signed(tmp_path, "stranger")
     token_file = tmp_path / "token"
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     proc = subprocess.Popen([sys.executable, "-m", "bridge", "serve", "--model", str(model_dir), "--token-file",
                              str(token_file), "--tls-cert", str(cert), "--tls-key", str(key)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)

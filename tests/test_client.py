@@ -24,7 +24,9 @@ from jaxrl.models import Decoder, load_pretrained
 from jaxrl.snapshots import SnapshotWriter
 from jaxrl.tiny import build_tiny_model, tiny_config
 
-CHILD_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+from xla_flags import xla_flags
+
+CHILD_ENV = {"XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
 PROMPTS = [[5, 17, 33, 101], [7, 8], [250, 3, 9, 44, 12, 60, 2]]
 
 

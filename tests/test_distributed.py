@@ -31,6 +31,8 @@ from jaxrl.sharding import MeshConfig, make_mesh
 from jaxrl.snapshots import snapshot_versions
 from jaxrl.tiny import build_tiny_model
 
+from xla_flags import xla_flags
+
 ROOT = Path(__file__).parents[1]
 BUCKET_SNAPSHOTS = "s3://snapshots/two"
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
@@ -107,7 +109,7 @@ def setup(tmp_path_factory):
 
 
 def _train(config: Path, run_dir: Path, devices: int, *args) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
     return subprocess.Popen([sys.executable, "-m", "jaxrl.run.cli", "train", str(config), "--set",
                              f"run_dir={run_dir}", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from jaxrl.host_memory import OPT_OUT, TUNABLES, tuned_environ
+from jaxrl.host_memory import GC_THRESHOLDS, OPT_OUT, TUNABLES, tuned_environ
 
 ALL = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
 
@@ -54,3 +54,12 @@ def test_a_tuned_process_reuses_freed_scratch_memory_without_faults():
     assert faults("system", base) > pages // 2
     assert faults("tuned", base) < pages // 8
     assert faults("tuned", {**base, OPT_OUT: "1"}) > pages // 2
+
+
+@pytest.mark.parametrize("opted_out", [False, True])
+def test_a_tuned_process_collects_garbage_at_the_thresholds_whatever_its_malloc(opted_out):
+    base = {k: v for k, v in __import__("os").environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
+    probe = "import gc; from jaxrl.host_memory import restart_tuned; restart_tuned(); print(gc.get_threshold())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**base, OPT_OUT: "1"} if opted_out else base)
+    assert out.stdout.strip() == str(GC_THRESHOLDS)

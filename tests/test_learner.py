@@ -20,6 +20,7 @@ from jaxrl.tiny import tiny_config
 from jaxrl.train_step import LearnerConfig
 
 from batches import VOCAB, make_batch
+from xla_flags import xla_flags
 
 WORKER = Path(__file__).parent / "workers" / "distributed_step.py"
 
@@ -82,7 +83,7 @@ def _free_port():
 
 
 def _run_workers(num_processes, out, *args):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1),
            "PYTHONPATH": str(Path(__file__).parents[1])}
     address = f"127.0.0.1:{_free_port()}"
     procs = [

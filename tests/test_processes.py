@@ -30,6 +30,7 @@ from jaxrl.run.processes import (
 )
 from jaxrl.tiny import build_tiny_model
 from processes import gone
+from xla_flags import xla_flags
 
 
 SERVER = textwrap.dedent("""
@@ -107,7 +108,7 @@ def test_a_child_that_never_listens_times_out(tmp_path):
     assert child.terminate(term_s=1.0) != 0 and _gone(child.pid)
 
 
-CHILD_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+CHILD_ENV = {"XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="module")

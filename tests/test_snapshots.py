@@ -33,6 +33,8 @@ from jaxrl.snapshots import (
 )
 from jaxrl.tiny import tiny_config
 
+from xla_flags import xla_flags
+
 WORKERS = Path(__file__).parent / "workers"
 ROOT = Path(__file__).parents[1]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -164,7 +166,7 @@ def _tmp_bytes(directory):
 
 def test_writer_killed_mid_write_leaves_only_finished_snapshots(tmp_path):
     directory = tmp_path / "snapshots"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, str(WORKERS / "snapshot_writer.py"), str(directory), "1", "2"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -351,7 +353,7 @@ def _free_port():
 
 
 def test_two_processes_each_write_their_own_shards(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "PYTHONPATH": str(ROOT)}
     address = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(
