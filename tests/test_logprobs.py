@@ -207,5 +207,6 @@ def test_shared_prompts_match_one_prompt_per_row():
     assert float(jnp.std(logp_one[real])) > 0.5 and _global_norm(grad_one) > 1e-2
     np.testing.assert_allclose(np.asarray(logp_shared)[real], np.asarray(logp_one)[real], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(ent_shared)[real], np.asarray(ent_one)[real], atol=1e-5, rtol=0)
-    for got, want in zip(jax.tree.leaves(grad_shared), jax.tree.leaves(grad_one)):  # sums in another order
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # Float32 sums in another order: 2.8e-5 relative on one of 6,208 weights at tests/xla_flags.py's -O0.
+    for got, want in zip(jax.tree.leaves(grad_shared), jax.tree.leaves(grad_one)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
