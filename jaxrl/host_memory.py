@@ -61,14 +61,15 @@ def collect_less_often() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def restart_tuned() -> None:
+def restart_tuned(runs_xla: bool = True) -> None:
     """Starts this program again under `tuned_environ` (never returns) unless it already runs so;
-    running so, it compiles apart from then on. Either way it collects garbage less often."""
+    running so, it compiles apart from then on. Either way it collects garbage less often. A program
+    that runs no XLA (an environment server) passes `runs_xla=False` and never imports JAX."""
     env = tuned_environ(os.environ)
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     collect_less_often()
-    if TUNABLES.keys() <= _present(os.environ):
+    if runs_xla and TUNABLES.keys() <= _present(os.environ):
         from jaxrl.compilation import compile_apart
 
         compile_apart()

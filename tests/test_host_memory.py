@@ -63,3 +63,14 @@ def test_a_tuned_process_collects_garbage_at_the_thresholds_whatever_its_malloc(
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          env={**base, OPT_OUT: "1"} if opted_out else base)
     assert out.stdout.strip() == str(GC_THRESHOLDS)
+
+
+def test_a_program_that_runs_no_xla_never_imports_jax():
+    probe = ("import sys; from jaxrl.host_memory import restart_tuned; restart_tuned(runs_xla=sys.argv[1] == 'xla'); "
+             "print('jax' in sys.modules)")
+    base = {k: v for k, v in __import__("os").environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
+    ran = {mode: subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True,
+                                env=base).stdout.strip() for mode in ("xla", "no-xla")}
+    assert ran["no-xla"] == "False"
+    if tuned_environ({}) is not None:  # only a tuned process compiles apart, which needs JAX
+        assert ran["xla"] == "True"

@@ -276,6 +276,8 @@ def test_start_on_a_free_port_serves_and_stop_leaves_nothing_running():
         assert meta["name"] == "guess_number"
         pid = server.pid
         assert os.getpgid(pid) == pid  # it leads its own process group
+        if sys.platform == "linux":  # it runs no XLA, so it never loads JAX's library
+            assert "jaxlib" not in Path(f"/proc/{pid}/maps").read_text()
     assert not server.alive and server.proc.returncode is not None
     assert gone(pid) and _group_gone(pid)
     assert server.stop() == server.proc.returncode  # stopping again is harmless
