@@ -34,9 +34,12 @@ OPENENV_CORE_0_3 = Path(sys.prefix) / "openenv-core-0.3.0"
 def run(engine, runtime, env, task, max_turns=8, budget=2048):
     async def go():
         await runtime.start()
-        hook = runtime.hook(env, task)
-        params = dataclasses.replace(PARAMS, max_turns=max_turns, max_total_tokens=budget)
-        return await run_episode(engine, "g", 0, [], params, hook, env=env)
+        try:
+            hook = runtime.hook(env, task)
+            params = dataclasses.replace(PARAMS, max_turns=max_turns, max_total_tokens=budget)
+            return await run_episode(engine, "g", 0, [], params, hook, env=env)
+        finally:  # its sessions held their servers' slots (one, on most catalogue servers) until collected
+            await runtime.aclose()
 
     return asyncio.run(go())
 
