@@ -16,9 +16,10 @@ run_pytest() {
 }
 
 bash scripts/setup.sh test || exit 1
-# Two workers (a test file stays on one: its module fixtures are built once), in conftest's order: a
-# serial run kept one of the machine's two cores idle half the time, waiting on the processes it started.
-run_pytest .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 \
+# Three workers on CI's two cores (a test file stays on one: its module fixtures are built once), in
+# conftest's order: most tests wait on processes they start, and two workers left a core idle a fifth of
+# the time.
+run_pytest .venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 \
   --ignore=tests/vllm "$@"
 main_status=$?
 

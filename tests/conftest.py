@@ -1,7 +1,7 @@
 """Test-session setup: 8 virtual CPU devices, so mesh and sharding tests run on one machine, compiling
 fast (tests/xla_flags.py); Python's collector as jaxrl's processes run it; one
 persistent compilation cache for this process and its children; memory given back after each test
-module; the longest file first; and a session that cannot exit fails instead of hanging."""
+module; the longest files first; and a session that cannot exit fails instead of hanging."""
 
 import ctypes
 import faulthandler
@@ -84,13 +84,23 @@ def _memory_back_past_the_limit():
         _give_memory_back()
 
 
-# scripts/test.sh runs the files on two workers, each file whole on one, in collection order: the longest
-# (a quarter of the suite) first, so that the other worker's files fill its time instead of following it.
-LONGEST_FIRST = ("tests/test_train.py",)
+# scripts/test.sh runs the files on three workers, each file whole on one, in this order: the files that
+# take longest first (wall seconds of each in a run of the whole suite, heaviest first), then the rest
+# as collected, so that short files fill the workers' ends instead of one long file running on alone.
+HEAVIEST_FIRST = tuple(f"tests/{name}.py" for name in (
+    "test_train", "test_reliability", "test_launchers", "test_distributed", "test_bench_gpu", "test_learner",
+    "test_checkpoints", "test_train_step", "test_env_rollouts", "test_packing", "test_jax_engine", "test_cli",
+    "test_experiment_loss_variants", "test_sampling", "test_experiment_offline_learner", "test_replay",
+    "test_decoder", "test_experiment_critique_revise", "test_harness", "test_processes", "test_lora",
+    "test_experiment_distillation", "test_bench_lora", "test_api", "test_bench_multiturn", "test_bench_train_step",
+    "test_snapshots", "test_server", "test_losses", "test_bench_compile_apart", "test_snapshot_store", "test_export",
+    "test_bench_learner", "test_client", "test_bench_engines", "test_teacher", "test_warm_start", "test_logprobs",
+    "test_bench_packing", "test_gin_config", "test_bench_pod", "test_bundled_envs", "test_openenv_episode"))
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)  # stable: the rest as collected
+    rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
 
 
 def pytest_sessionfinish(session, exitstatus):
