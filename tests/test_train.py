@@ -91,6 +91,10 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     assert steps == [1, 2, 3]
     for key in ("loss", "entropy", "grad_norm", "env/echo/reward", "time/generate_s", "time/learn_s", "time/sync_s"):
         assert key in rows[0], key
+    for r in rows[:2]:  # sync mode: each step's engine work is its own episodes' (the third's has the evaluation's)
+        assert r["engine/tokens"] >= r["completion/model_tokens"] * r["rollout/episodes"] > 0, r
+        assert r["engine/decode_calls"] >= 1 and r["engine/insert_calls"] >= 1, r
+        assert 0 < r["engine/device_s"] < r["engine/busy_s"] <= r["time/rollout_s"], r
     assert (run_dir / "checkpoints" / "3").is_dir()
     bridge_log = (run_dir / "logs" / "bridge.log").read_text()
     assert "serving snapshot" in bridge_log and "version 4" in bridge_log  # the weights after 3 updates

@@ -92,7 +92,9 @@ class JaxEngine:
         self._swap_lock = asyncio.Lock()
         self._worker: asyncio.Task | None = None
         self._running: list[_Request] = []
-        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "generate_s": 0.0, "compiles": compiles()}
+        # generate_s: the ticks' time, device_s: its part in device calls (the rest is host bookkeeping).
+        self.stats = {"batches": 0, "inserts": 0, "rows": 0, "tokens": 0, "generate_s": 0.0, "device_s": 0.0,
+                      "compiles": compiles()}
         if warm_up:
             self.warm_up()
 
@@ -175,8 +177,9 @@ class JaxEngine:
         start = time.perf_counter()
         self.slots.step(self.graphdef, params, version)
         self.stats["generate_s"] += time.perf_counter() - start
-        self.stats.update(batches=self.slots.stats["decode_calls"], rows=self.slots.stats["rows"],
-                          tokens=self.slots.stats["tokens"], compiles=compiles())
+        self.stats.update(batches=self.slots.stats["decode_calls"], inserts=self.slots.stats["insert_calls"],
+                          rows=self.slots.stats["rows"], tokens=self.slots.stats["tokens"],
+                          device_s=self.slots.device_s, compiles=compiles())
         self.stats.update({f"prefix_{k}": v for k, v in self.prefix.stats.items()})
 
     def _completions(self, req: _Request) -> list[list[Completion]]:

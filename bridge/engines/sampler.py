@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import NamedTuple
 
 import jax
@@ -339,6 +340,7 @@ class Slots:
         self.cfg, self.shapes = cfg, shapes
         self.scheduler = Scheduler(shapes.max_batch, shapes.max_seq_len, pool_rows, prefix_block)
         self.pool_rows = pool_rows
+        self.device_s = 0.0
         self.reset()
 
     @property
@@ -379,20 +381,26 @@ class Slots:
         return self.scheduler.busy()
 
     def step(self, graphdef, params, version: int) -> list[Row]:
-        """One tick with these weights; returns the rows that ended."""
+        """One tick with these weights; returns the rows that ended. `device_s` grows by the time spent
+        in its device calls (dispatch and wait), the rest of the tick being the host's plan and update."""
         plan = self.scheduler.schedule(version)
-        if plan.inserts:
+        arrays = self._insert_arrays(plan) if plan.inserts else None
+        start = time.perf_counter()
+        if arrays is not None:
             used = max([plan.span] + [len(row.prompt) + self.shapes.chunk for row in plan.new])
-            self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan),
+            self.pool, self.state = insert(params, graphdef, self.pool, self.state, arrays,
                                            chunk=self.shapes.chunk, width=self.shapes.window(used))
         if not plan.batch:
+            self.device_s += time.perf_counter() - start
             return []
         # The device's lengths are the host's: a slot past the batch's rows is free (length 0).
         steps = self.shapes.decode_steps
         used = self.scheduler.in_use(range(plan.batch)) + steps
         self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
                                                       width=self.shapes.window(used))
-        return self.scheduler.update_from_output(plan, *jax.device_get((tokens, logprobs, live)), version)
+        output = jax.device_get((tokens, logprobs, live))
+        self.device_s += time.perf_counter() - start
+        return self.scheduler.update_from_output(plan, *output, version)
 
     def _insert_arrays(self, plan: Plan, batch: int | None = None) -> InsertArrays:
         B, S, W = self.shapes.max_batch, self.prefix.scratch, self.shapes.width
@@ -432,3 +440,4 @@ class Slots:
                                           width=width)
         self.reset()
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
+        self.device_s = 0.0

@@ -33,8 +33,10 @@ The workload, the same on both sides:
   work on a shared machine slows both sides, TRL's torch threads far more than jaxrl).
 
 Printed per side: median s/step over steps 3..N and per-phase medians (rollout = generate +
-tools/environment, learn, weight sync), wall time including start-up, time to the first step,
-jaxrl's XLA compiles after its first step (learner and bridge; 0 expected), and the work per
+tools/environment, learn, weight sync), for jaxrl its engine's work a step (`engine`: ticks, device
+calls, tokens, and the shares of its ticks and of the rollout spent in device calls), wall time
+including start-up, time to the first step, jaxrl's XLA compiles after its first step (learner and
+bridge; 0 expected), and the work per
 episode (`WORK`: model turns, tool calls and errors, model-written and total completion tokens, the
 share of episodes that ended at the token budget, prompt tokens) so a reader can see both sides did
 the same work; the bench fails (exit 1, after printing) if either side makes ~0 tool calls, or if
@@ -77,6 +79,7 @@ ASSETS = ROOT / "runs" / "assets" / "vs_trl"
 ENV_CLASS = "experiments.bench.guess_env:GuessNumber"
 REWARD_FN = "experiments.bench.guess_env:reward"
 PHASES = ("rollout_s", "generate_s", "env_s", "learn_s", "sync_s")
+ENGINE = ("busy_s", "device_s", "decode_calls", "insert_calls", "tokens")  # the JAX engine's work a step
 PRIME_VERSION = "2"  # bump when the priming (demonstrations, recipe) changes: cached models are keyed by it
 DEMO_COMPLETION_TOKENS = 192  # demonstrations are cut there: past the bench's episodes, which end at 128
 MIN_TOOL_CALLS = 0.5  # per episode; below this a side hardly reaches the tool and the comparison is void
@@ -336,15 +339,30 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: 
                      "tool_errors": m.get("env/guess/tool_errors", 0.0), "model_tokens": m.get("completion/model_tokens"),
                      "total_tokens": m.get("completion/total_tokens"), "turns": m.get("completion/turns"),
                      "capped": m.get("completion/truncated"), "reward_mean": m.get("reward/mean"),
-                     "prompt_tokens": m.get("prompt/tokens")})
+                     "prompt_tokens": m.get("prompt/tokens"),
+                     **{k: m.get(f"engine/{k}") for k in ENGINE}})
     if not rows:
         raise SystemExit(f"vs_trl: jaxrl wrote no step metrics to {run_dir / 'metrics.jsonl'}")
     # The first step began step_s before its row was logged.
     first_begin = rows[0]["time"] - rows[0]["step_s"]
     out = summarize(rows, launch, first_begin, end, args.skip)
+    out["engine"] = engine_figures(rows[args.skip:] or rows)
     out.update(framework=f"jaxrl ({mode}{', pinned' * pinned})", run_wall_s=summary.get("wall_s"),
                startup_phases=summary.get("startup"), programs_after_first_step=summary.get("programs_after_first_step"),
                log=str(tmp / f"{name}.log"))
+    return out
+
+
+def engine_figures(timed: list[dict]) -> dict:
+    """Medians of the bridge's engine work per step (`engine/*` metrics), and the shares in device
+    calls of the engine's ticks and of the step's rollout: what is left is the host's."""
+    out = {k: _median(timed, k) for k in ENGINE if all(r.get(k) is not None for r in timed)}
+    if "device_s" in out:
+        for r in timed:
+            r["of_ticks"] = r["device_s"] / r["busy_s"] if r["busy_s"] else None
+            r["of_rollout"] = r["device_s"] / r["rollout_s"] if r.get("rollout_s") else None
+        out["device_share_of_ticks"] = _median(timed, "of_ticks")
+        out["device_share_of_rollout"] = _median(timed, "of_rollout")
     return out
 
 

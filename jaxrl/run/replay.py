@@ -22,12 +22,13 @@ from jaxrl.run.tracking import read_metrics
 # Metrics no rerun repeats: wall-clock times and rates, compile counts (a rerun finds the programs
 # in the persistent compilation cache) and program counts (a rerun in the same process finds them in
 # memory), and waits for environment sessions (which depend on when each episode asked for one).
+# The engine's work (its ticks depend on when requests arrive, its seconds on the machine).
 # And what the machine did rather than the run: faults survived (bridge deaths, restarts and
 # returns, environment server restarts) and what they cost (groups and episodes asked for again, and
 # so requests): a replayed episode samples what it would have.
 NOT_COMPARED = ("time", "time/*", "step_s", "tokens_per_s", "compiles/*", "programs/*", "env/*/pool_waits",
                 "env/*/pool_wait_s", "env/*/capacity_refusals", "bridges/*", "env/*/restarts", "env/*/retries",
-                "groups/re_requested", "rollout/episodes_retried", "rollout/requests")
+                "groups/re_requested", "rollout/episodes_retried", "rollout/requests", "engine/*")
 ABSENT = "(absent)"
 
 

@@ -420,7 +420,13 @@ class _Programs:
     process's first step (a resumed run's included), a program is a shape the config missed, whether
     it compiled or came from the persistent cache. The compiles among them are logged too (few on a
     warm cache). A bridge counts from the first time it is seen: one restarted mid-run has warmed up
-    anew, which is no shape missed."""
+    anew, which is no shape missed. Also the bridges' engine work since the last step (JAX engine):
+    its ticks' seconds (`engine/busy_s`), the part in device calls (`engine/device_s`: the rest is
+    host bookkeeping), its decode and insert calls and the tokens they sampled."""
+
+    ENGINE = {"engine.generate_s": "engine/busy_s", "engine.device_s": "engine/device_s",
+              "engine.batches": "engine/decode_calls", "engine.inserts": "engine/insert_calls",
+              "engine.tokens": "engine/tokens"}
 
     def __init__(self, client: RolloutClient):
         self.client = client
@@ -428,15 +434,20 @@ class _Programs:
         self.bridges = self._bridges()
         self.after_first_step: int | None = None  # None until the first step
 
-    def _bridges(self) -> dict[BridgeClient, tuple[int, int]]:
-        return {c: (int(s.get("programs", 0)), int(s.get("engine.compiles", 0)))
-                for c, s in self.client.stats().items()}
+    def _bridges(self) -> dict[BridgeClient, dict[str, float]]:
+        keys = ("programs", "engine.compiles", *self.ENGINE)
+        return {c: {k: s[k] for k in keys if k in s} for c, s in self.client.stats().items()}
 
     def since_last(self) -> dict[str, float]:
         learner, bridges = (programs(), compiles()), self._bridges()
-        new_bridge = [sum(now[i] - self.bridges.get(c, now)[i] for c, now in bridges.items()) for i in (0, 1)]
-        new = {"programs/learner": float(learner[0] - self.learner[0]), "programs/bridge": float(new_bridge[0]),
-               "compiles/learner": float(learner[1] - self.learner[1]), "compiles/bridge": float(new_bridge[1])}
+
+        def grown(key: str) -> float:
+            return sum(now.get(key, 0.0) - self.bridges.get(c, now).get(key, 0.0) for c, now in bridges.items())
+
+        new = {"programs/learner": float(learner[0] - self.learner[0]), "programs/bridge": grown("programs"),
+               "compiles/learner": float(learner[1] - self.learner[1]), "compiles/bridge": grown("engine.compiles")}
+        new.update({name: grown(key) for key, name in self.ENGINE.items()
+                    if any(key in now for now in bridges.values())})
         # The first step needs the programs; after it, none should be new.
         late = int(new["programs/learner"] + new["programs/bridge"])
         self.after_first_step = 0 if self.after_first_step is None else self.after_first_step + late
