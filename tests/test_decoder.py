@@ -9,6 +9,7 @@ import transformers
 from flax import nnx
 
 from jaxrl.models import Decoder, KVCache, load_pretrained, positions_from_mask
+from jaxrl.models.decoder import causal_attention, prefixed_attention
 from jaxrl.tiny import tiny_config
 
 VOCAB = 300
@@ -114,6 +115,34 @@ def test_cached_decoding_past_the_smallest_window_sees_every_slot():
         logits, cache = model(jnp.asarray(row[None, t:t + 1]), cache.length_B[:, None], jnp.ones((1, 1), jnp.int32), cache)
         got.append(logits[0, 0])
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected[0, 200:]), atol=1e-5, rtol=0)
+
+
+def test_prefixed_attention_is_attention_over_each_rows_prefix_then_its_own_keys():
+    """Prefixes read once per group give what every row attending to its own copy gives, values and
+    gradients: left-padded prefixes, right-padded rows, two query heads per KV head."""
+    G, n, P, T, N, K, H = 2, 3, 7, 5, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((G * n, T, *s), np.float32)) for s in ((N, H), (K, H), (K, H)))
+    k_p, v_p = (jnp.asarray(rng.standard_normal((G, P, K, H), np.float32)) for _ in range(2))
+    mask_p = jnp.asarray(np.arange(P)[None] >= np.array([[2], [0]]))
+    mask = jnp.asarray(np.arange(T)[None] < np.array([[5], [3], [1], [4], [5], [2]]))
+    weights = jnp.asarray(rng.standard_normal((G * n, T, N, H), np.float32)) * mask[:, :, None, None]
+
+    def copied(q, k_p, v_p, k, v):
+        def rows(prefix, own):
+            return jnp.concatenate([jnp.repeat(prefix, n, axis=0), own], axis=1)
+        return causal_attention(q, rows(k_p, k), rows(v_p, v), rows(mask_p, mask))
+
+    def shared(q, k_p, v_p, k, v):
+        return prefixed_attention(q, k_p, v_p, mask_p, k, v, mask)
+
+    args = (q, k_p, v_p, k, v)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(shared(*args))[real], np.asarray(copied(*args))[real], atol=1e-6)
+    want, got = (jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=range(5))(*args) for f in (copied, shared))
+    assert all(float(jnp.abs(g).max()) > 1e-2 for g in want)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5)
 
 
 def test_attention_windows_halve_down_to_the_smallest():

@@ -189,16 +189,12 @@ class Attention(nnx.Module):
 
     def prefixed(self, x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT):
         """Attention of G prefixes and of B = G * n rows continuing them (row b: prefix b // n).
-        A continuation's queries see its prefix's real keys, repeated to its rows, before its own."""
+        A continuation's queries see its prefix's real keys before its own (`prefixed_attention`)."""
         (G, P, _), (B, T, _) = x_GxPxD.shape, x_BxTxD.shape
         q_p, k_p, v_p = self._qkv(x_GxPxD, positions_GxP, inv_freq)
         q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
         out_p = causal_attention(q_p, k_p, v_p, mask_GxP)
-
-        def with_prefix(prefix_GxP, own_BxT):
-            return jnp.concatenate([jnp.repeat(prefix_GxP, B // G, axis=0), own_BxT], axis=1)
-
-        out = causal_attention(q, with_prefix(k_p, k), with_prefix(v_p, v), with_prefix(mask_GxP, mask_BxT))
+        out = prefixed_attention(q, k_p, v_p, mask_GxP, k, v, mask_BxT)
         return self.o_proj(out_p.reshape(G, P, -1)), self.o_proj(out.reshape(B, T, -1))
 
 
@@ -262,6 +258,46 @@ def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
             q_BxNxTxH[:, :, start:end], k_BxNxSxH[:, :, :seen], v_BxNxSxH[:, :, :seen], visible_BxQxS
         ))
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
+
+
+def prefixed_attention(q_BxTxNxH, k_GxPxKxH, v_GxPxKxH, mask_GxP, k_BxTxKxH, v_BxTxKxH, mask_BxT):
+    """Queries of B = G * n rows, row b continuing prefix b // n, over that prefix's real keys and over
+    their own up to themselves, with one softmax over both (cascade attention). The n rows, T queries
+    and query heads of one KV head are the rows of one matmul against their prefix's keys, which are
+    read once for the group: repeated to each row, they and their gradient (summed back over the
+    rows) were copied n times, and took longer than the attention itself."""
+    B, T, N, H = q_BxTxNxH.shape
+    G, P, K, _ = k_GxPxKxH.shape
+    n, g = B // G, N // K
+    fill = jnp.finfo(jnp.float32).min
+    q = q_BxTxNxH * np.float32(1 / math.sqrt(H)).astype(q_BxTxNxH.dtype)
+    q_GxKxRxH = q.reshape(G, n, T, K, g, H).transpose(0, 3, 1, 2, 4, 5).reshape(G, K, n * T * g, H)
+    scores_GxKxRxP = jnp.einsum("gkrh,gkph->gkrp", q_GxKxRxH, k_GxPxKxH.transpose(0, 2, 1, 3),
+                                preferred_element_type=jnp.float32)
+    scores_GxKxnxTxgxP = jnp.where(mask_GxP[:, None, None], scores_GxKxRxP, fill).reshape(G, K, n, T, g, P)
+    q_BxNxTxH = q.transpose(0, 2, 1, 3)
+    k_BxNxTxH = jnp.repeat(k_BxTxKxH, g, axis=2).transpose(0, 2, 1, 3)
+    v_BxNxTxH = jnp.repeat(v_BxTxKxH, g, axis=2).transpose(0, 2, 1, 3)
+    own_BxNxTxT = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH, k_BxNxTxH, preferred_element_type=jnp.float32)
+    visible_BxTxT = jnp.tril(jnp.ones((T, T), bool))[None] & mask_BxT[:, None, :]
+    own_BxNxTxT = jnp.where(visible_BxTxT[:, None], own_BxNxTxT, fill)
+
+    def rows(x_GxKxnxTxg):
+        return x_GxKxnxTxg.transpose(0, 2, 1, 4, 3).reshape(B, N, T)
+
+    def groups(x_BxNxT):
+        return x_BxNxT.reshape(G, n, K, g, T).transpose(0, 2, 1, 4, 3)
+
+    # The softmax written out over the two parts; its max only keeps exp in range (no gradient).
+    max_BxNxT = jax.lax.stop_gradient(jnp.maximum(rows(scores_GxKxnxTxgxP.max(-1)), own_BxNxTxT.max(-1)))
+    prefix_e = jnp.exp(scores_GxKxnxTxgxP - groups(max_BxNxT)[..., None])
+    own_e = jnp.exp(own_BxNxTxT - max_BxNxT[..., None])
+    total_BxNxT = rows(prefix_e.sum(-1)) + own_e.sum(-1)
+    out_GxKxRxH = jnp.einsum("gkrp,gkph->gkrh", prefix_e.reshape(G, K, n * T * g, P).astype(v_GxPxKxH.dtype),
+                             v_GxPxKxH.transpose(0, 2, 1, 3))
+    out_BxTxNxH = out_GxKxRxH.reshape(G, K, n, T, g, H).transpose(0, 2, 3, 1, 4, 5).reshape(B, T, N, H)
+    out_BxTxNxH += jnp.einsum("bnts,bnsh->bnth", own_e.astype(v_BxTxKxH.dtype), v_BxNxTxH).transpose(0, 2, 1, 3)
+    return (out_BxTxNxH / total_BxNxT.transpose(0, 2, 1)[..., None]).astype(q_BxTxNxH.dtype)
 
 
 def packed_windows(length: int) -> tuple[int, ...]:
