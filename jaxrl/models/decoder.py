@@ -265,7 +265,7 @@ def prefixed_attention(q_BxTxNxH, k_GxPxKxH, v_GxPxKxH, mask_GxP, k_BxTxKxH, v_B
     their own up to themselves, with one softmax over both (cascade attention). The n rows, T queries
     and query heads of one KV head are the rows of one matmul against their prefix's keys, which are
     read once for the group: repeated to each row, they and their gradient (summed back over the
-    rows) were copied n times, and took longer than the attention itself."""
+    rows) were copied n times (docs/benchmarks.md)."""
     B, T, N, H = q_BxTxNxH.shape
     G, P, K, _ = k_GxPxKxH.shape
     n, g = B // G, N // K
