@@ -119,13 +119,13 @@ def test_cached_decoding_past_the_smallest_window_sees_every_slot():
 
 def test_prefixed_attention_is_attention_over_each_rows_prefix_then_its_own_keys():
     """Prefixes read once per group give what every row attending to its own copy gives, values and
-    gradients: left-padded prefixes, right-padded rows, two query heads per KV head."""
-    G, n, P, T, N, K, H = 2, 3, 7, 5, 4, 2, 8
+    gradients: left-padded prefixes, right-padded rows, two query heads per KV head, three query blocks."""
+    G, n, P, T, N, K, H = 2, 3, 7, 130, 4, 2, 8
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((G * n, T, *s), np.float32)) for s in ((N, H), (K, H), (K, H)))
     k_p, v_p = (jnp.asarray(rng.standard_normal((G, P, K, H), np.float32)) for _ in range(2))
     mask_p = jnp.asarray(np.arange(P)[None] >= np.array([[2], [0]]))
-    mask = jnp.asarray(np.arange(T)[None] < np.array([[5], [3], [1], [4], [5], [2]]))
+    mask = jnp.asarray(np.arange(T)[None] < np.array([[130], [70], [1], [100], [129], [64]]))
     weights = jnp.asarray(rng.standard_normal((G * n, T, N, H), np.float32)) * mask[:, :, None, None]
 
     def copied(q, k_p, v_p, k, v):

@@ -262,42 +262,54 @@ def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
 
 def prefixed_attention(q_BxTxNxH, k_GxPxKxH, v_GxPxKxH, mask_GxP, k_BxTxKxH, v_BxTxKxH, mask_BxT):
     """Queries of B = G * n rows, row b continuing prefix b // n, over that prefix's real keys and over
-    their own up to themselves, with one softmax over both (cascade attention). The n rows, T queries
+    their own up to themselves, with one softmax over both (cascade attention). The n rows, queries
     and query heads of one KV head are the rows of one matmul against their prefix's keys, which are
     read once for the group: repeated to each row, they and their gradient (summed back over the
-    rows) were copied n times (docs/benchmarks.md)."""
+    rows) were copied n times (docs/benchmarks.md). Blocks of queries see their own keys up to their
+    last query, as in `causal_attention`."""
     B, T, N, H = q_BxTxNxH.shape
-    G, P, K, _ = k_GxPxKxH.shape
-    n, g = B // G, N // K
+    K = k_GxPxKxH.shape[2]
+    q_BxTxNxH = q_BxTxNxH * np.float32(1 / math.sqrt(H)).astype(q_BxTxNxH.dtype)
+    k_GxKxPxH, v_GxKxPxH = k_GxPxKxH.transpose(0, 2, 1, 3), v_GxPxKxH.transpose(0, 2, 1, 3)
+    k_BxNxTxH = jnp.repeat(k_BxTxKxH, N // K, axis=2).transpose(0, 2, 1, 3)
+    v_BxNxTxH = jnp.repeat(v_BxTxKxH, N // K, axis=2).transpose(0, 2, 1, 3)
+    block = max(_MIN_QUERY_BLOCK, -(-T // _MAX_QUERY_BLOCKS))
+    return jnp.concatenate([
+        _prefixed_block(q_BxTxNxH[:, start:start + block], k_GxKxPxH, v_GxKxPxH, mask_GxP,
+                        k_BxNxTxH[:, :, :start + block], v_BxNxTxH[:, :, :start + block], mask_BxT, start)
+        for start in range(0, T, block)], axis=1)
+
+
+def _prefixed_block(q_BxQxNxH, k_GxKxPxH, v_GxKxPxH, mask_GxP, k_BxNxSxH, v_BxNxSxH, mask_BxT, start: int):
+    """`prefixed_attention` of the (scaled) queries at start.. over their prefix and own keys 0..S."""
+    B, Q, N, H = q_BxQxNxH.shape
+    G, K, P, _ = k_GxKxPxH.shape
+    n, g, S = B // G, N // K, k_BxNxSxH.shape[2]
     fill = jnp.finfo(jnp.float32).min
-    q = q_BxTxNxH * np.float32(1 / math.sqrt(H)).astype(q_BxTxNxH.dtype)
-    q_GxKxRxH = q.reshape(G, n, T, K, g, H).transpose(0, 3, 1, 2, 4, 5).reshape(G, K, n * T * g, H)
-    scores_GxKxRxP = jnp.einsum("gkrh,gkph->gkrp", q_GxKxRxH, k_GxPxKxH.transpose(0, 2, 1, 3),
-                                preferred_element_type=jnp.float32)
-    scores_GxKxnxTxgxP = jnp.where(mask_GxP[:, None, None], scores_GxKxRxP, fill).reshape(G, K, n, T, g, P)
-    q_BxNxTxH = q.transpose(0, 2, 1, 3)
-    k_BxNxTxH = jnp.repeat(k_BxTxKxH, g, axis=2).transpose(0, 2, 1, 3)
-    v_BxNxTxH = jnp.repeat(v_BxTxKxH, g, axis=2).transpose(0, 2, 1, 3)
-    own_BxNxTxT = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH, k_BxNxTxH, preferred_element_type=jnp.float32)
-    visible_BxTxT = jnp.tril(jnp.ones((T, T), bool))[None] & mask_BxT[:, None, :]
-    own_BxNxTxT = jnp.where(visible_BxTxT[:, None], own_BxNxTxT, fill)
+    q_GxKxRxH = q_BxQxNxH.reshape(G, n, Q, K, g, H).transpose(0, 3, 1, 2, 4, 5).reshape(G, K, n * Q * g, H)
+    prefix_GxKxRxP = jnp.einsum("gkrh,gkph->gkrp", q_GxKxRxH, k_GxKxPxH, preferred_element_type=jnp.float32)
+    prefix_GxKxnxQxgxP = jnp.where(mask_GxP[:, None, None], prefix_GxKxRxP, fill).reshape(G, K, n, Q, g, P)
+    own_BxNxQxS = jnp.einsum("bnqh,bnsh->bnqs", q_BxQxNxH.transpose(0, 2, 1, 3), k_BxNxSxH,
+                             preferred_element_type=jnp.float32)
+    visible_BxQxS = (jnp.arange(S)[None] <= start + jnp.arange(Q)[:, None])[None] & mask_BxT[:, None, :S]
+    own_BxNxQxS = jnp.where(visible_BxQxS[:, None], own_BxNxQxS, fill)
 
-    def rows(x_GxKxnxTxg):
-        return x_GxKxnxTxg.transpose(0, 2, 1, 4, 3).reshape(B, N, T)
+    def rows(x_GxKxnxQxg):
+        return x_GxKxnxQxg.transpose(0, 2, 1, 4, 3).reshape(B, N, Q)
 
-    def groups(x_BxNxT):
-        return x_BxNxT.reshape(G, n, K, g, T).transpose(0, 2, 1, 4, 3)
+    def groups(x_BxNxQ):
+        return x_BxNxQ.reshape(G, n, K, g, Q).transpose(0, 2, 1, 4, 3)
 
     # The softmax written out over the two parts; its max only keeps exp in range (no gradient).
-    max_BxNxT = jax.lax.stop_gradient(jnp.maximum(rows(scores_GxKxnxTxgxP.max(-1)), own_BxNxTxT.max(-1)))
-    prefix_e = jnp.exp(scores_GxKxnxTxgxP - groups(max_BxNxT)[..., None])
-    own_e = jnp.exp(own_BxNxTxT - max_BxNxT[..., None])
-    total_BxNxT = rows(prefix_e.sum(-1)) + own_e.sum(-1)
-    out_GxKxRxH = jnp.einsum("gkrp,gkph->gkrh", prefix_e.reshape(G, K, n * T * g, P).astype(v_GxPxKxH.dtype),
-                             v_GxPxKxH.transpose(0, 2, 1, 3))
-    out_BxTxNxH = out_GxKxRxH.reshape(G, K, n, T, g, H).transpose(0, 2, 3, 1, 4, 5).reshape(B, T, N, H)
-    out_BxTxNxH += jnp.einsum("bnts,bnsh->bnth", own_e.astype(v_BxTxKxH.dtype), v_BxNxTxH).transpose(0, 2, 1, 3)
-    return (out_BxTxNxH / total_BxNxT.transpose(0, 2, 1)[..., None]).astype(q_BxTxNxH.dtype)
+    max_BxNxQ = jax.lax.stop_gradient(jnp.maximum(rows(prefix_GxKxnxQxgxP.max(-1)), own_BxNxQxS.max(-1)))
+    prefix_e = jnp.exp(prefix_GxKxnxQxgxP - groups(max_BxNxQ)[..., None])
+    own_e = jnp.exp(own_BxNxQxS - max_BxNxQ[..., None])
+    total_BxNxQ = rows(prefix_e.sum(-1)) + own_e.sum(-1)
+    out_GxKxRxH = jnp.einsum("gkrp,gkph->gkrh", prefix_e.reshape(G, K, n * Q * g, P).astype(v_GxKxPxH.dtype),
+                             v_GxKxPxH)
+    out_BxQxNxH = out_GxKxRxH.reshape(G, K, n, Q, g, H).transpose(0, 2, 3, 1, 4, 5).reshape(B, Q, N, H)
+    out_BxQxNxH += jnp.einsum("bnqs,bnsh->bnqh", own_e.astype(v_BxNxSxH.dtype), v_BxNxSxH).transpose(0, 2, 1, 3)
+    return (out_BxQxNxH / total_BxNxQ.transpose(0, 2, 1)[..., None]).astype(q_BxQxNxH.dtype)
 
 
 def packed_windows(length: int) -> tuple[int, ...]:
