@@ -328,7 +328,7 @@ def _train_steps(job: _Job, learner: Learner, collector: Collector,
     """
     cfg = job.cfg
     exchange = Exchange(cfg.distributed.timeout_s)
-    programs_seen = _Programs(job.bridge.client)
+    counters = _Counters(job.bridge.client)
     signal_watch = SignalWatch(RewardWeights(cfg.rewards), cfg.rollout.max_unscored_steps)
     agreed_stop = False
     # One process stops when it is asked to; several at the step they agreed on in the exchange.
@@ -359,7 +359,7 @@ def _train_steps(job: _Job, learner: Learner, collector: Collector,
                     t_sync = time.perf_counter()
                     job.bridge.publish_weights(learner.state.params, step + 1)
                     metrics["time/sync_s"] = time.perf_counter() - t_sync
-                metrics.update(programs_seen.since_last())
+                metrics.update(counters.since_last())
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and job.primary:
                     metrics.update(job.evaluate().metrics())
             except Exception as e:
@@ -378,7 +378,7 @@ def _train_steps(job: _Job, learner: Learner, collector: Collector,
     except BaseException:
         _keep_steps(job.ckpt, learner, step, meta)
         raise
-    return step, programs_seen.after_first_step
+    return step, counters.after_first_step
 
 
 def _collect(job: _Job, collector: Collector, step: int, version: int) -> StepRollouts:
@@ -415,7 +415,7 @@ def _log_step(job: _Job, logger: MetricsLogger | None, step: int, metrics: dict[
         logger.samples(step, sample_rows(result.groups, job.bridge.tokenizer, job.cfg.log.samples_per_step))
 
 
-class _Programs:
+class _Counters:
     """XLA programs the learner (this process) and the bridges needed, step by step: after this
     process's first step (a resumed run's included), a program is a shape the config missed, whether
     it compiled or came from the persistent cache. The compiles among them are logged too (few on a
@@ -424,7 +424,7 @@ class _Programs:
     its ticks' seconds (`engine/busy_s`), the part in device calls (`engine/device_s`: the rest is
     host bookkeeping), its decode and insert calls and the tokens they sampled."""
 
-    ENGINE = {"engine.generate_s": "engine/busy_s", "engine.device_s": "engine/device_s",
+    ENGINE = {"engine.busy_s": "engine/busy_s", "engine.device_s": "engine/device_s",
               "engine.batches": "engine/decode_calls", "engine.inserts": "engine/insert_calls",
               "engine.tokens": "engine/tokens"}
 
