@@ -94,7 +94,7 @@ def test_train_runs_end_to_end_then_resumes(model_dir, tmp_path):
     for r in rows[:2]:  # sync mode: each step's engine work is its own episodes' (the third's has the evaluation's)
         assert r["engine/tokens"] >= r["completion/model_tokens"] * r["rollout/episodes"] > 0, r
         assert r["engine/decode_calls"] >= 1 and r["engine/insert_calls"] >= 1, r
-        assert 0 < r["engine/device_s"] < r["engine/busy_s"] <= r["time/rollout_s"], r
+        assert 0 < r["engine/insert_s"] < r["engine/device_s"] < r["engine/busy_s"] <= r["time/rollout_s"], r
     assert (run_dir / "checkpoints" / "3").is_dir()
     bridge_log = (run_dir / "logs" / "bridge.log").read_text()
     assert "serving snapshot" in bridge_log and "version 4" in bridge_log  # the weights after 3 updates

@@ -340,7 +340,7 @@ class Slots:
         self.cfg, self.shapes = cfg, shapes
         self.scheduler = Scheduler(shapes.max_batch, shapes.max_seq_len, pool_rows, prefix_block)
         self.pool_rows = pool_rows
-        self.device_s = 0.0
+        self.device_s = self.insert_s = 0.0
         self.reset()
 
     @property
@@ -382,7 +382,8 @@ class Slots:
 
     def step(self, graphdef, params, version: int) -> list[Row]:
         """One tick with these weights; returns the rows that ended. `device_s` grows by the time spent
-        in its device calls (dispatch and wait), the rest of the tick being the host's plan and update."""
+        in its device calls (dispatch and wait), the rest of the tick being the host's plan and update;
+        `insert_s` by the inserts' part of it."""
         plan = self.scheduler.schedule(version)
         arrays = self._insert_arrays(plan) if plan.inserts else None
         start = time.perf_counter()
@@ -390,6 +391,10 @@ class Slots:
             used = max([plan.span] + [len(row.prompt) + self.shapes.chunk for row in plan.new])
             self.pool, self.state = insert(params, graphdef, self.pool, self.state, arrays,
                                            chunk=self.shapes.chunk, width=self.shapes.window(used))
+            # Waited for apart from the decode that follows (which needs it anyway): what the
+            # inserts' saves, copies and prefill cost, against the decode's sampling.
+            jax.block_until_ready(self.state)
+            self.insert_s += time.perf_counter() - start
         if not plan.batch:
             self.device_s += time.perf_counter() - start
             return []
@@ -440,4 +445,4 @@ class Slots:
                                           width=width)
         self.reset()
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
-        self.device_s = 0.0
+        self.device_s = self.insert_s = 0.0

@@ -169,9 +169,10 @@ def run_jax(engine: JaxEngine, script: list[Episode]) -> dict:
     wall = time.perf_counter() - start
     out = _figures(wall, produced, latencies)
     delta = {k: engine.stats[k] - before.get(k, 0) for k in
-             ("batches", "rows", "busy_s", "device_s", "prefix_prompt_tokens", "prefix_cached_tokens")}
+             ("batches", "rows", "busy_s", "device_s", "insert_s", "prefix_prompt_tokens", "prefix_cached_tokens")}
     out.update(batches=delta["batches"], rows=delta["rows"], rows_per_batch=delta["rows"] / delta["batches"],
-               busy_s=delta["busy_s"], device_s=delta["device_s"], compiles=compiles() - compiled,
+               busy_s=delta["busy_s"], device_s=delta["device_s"], insert_s=delta["insert_s"],
+               compiles=compiles() - compiled,
                prompt_tokens_from_prefix_cache=delta["prefix_cached_tokens"] / delta["prefix_prompt_tokens"])
     return out
 

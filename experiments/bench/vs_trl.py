@@ -79,7 +79,7 @@ ASSETS = ROOT / "runs" / "assets" / "vs_trl"
 ENV_CLASS = "experiments.bench.guess_env:GuessNumber"
 REWARD_FN = "experiments.bench.guess_env:reward"
 PHASES = ("rollout_s", "generate_s", "env_s", "learn_s", "sync_s")
-ENGINE = ("busy_s", "device_s", "decode_calls", "insert_calls", "tokens")  # the JAX engine's work a step
+ENGINE = ("busy_s", "device_s", "insert_s", "decode_calls", "insert_calls", "tokens")  # the JAX engine's work a step
 PRIME_VERSION = "2"  # bump when the priming (demonstrations, recipe) changes: cached models are keyed by it
 DEMO_COMPLETION_TOKENS = 192  # demonstrations are cut there: past the bench's episodes, which end at 128
 MIN_TOOL_CALLS = 0.5  # per episode; below this a side hardly reaches the tool and the comparison is void
@@ -354,15 +354,19 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: 
 
 
 def engine_figures(timed: list[dict]) -> dict:
-    """Medians of the bridge's engine work per step (`engine/*` metrics), and the shares in device
-    calls of the engine's ticks and of the step's rollout: what is left is the host's."""
+    """Medians of the bridge's engine work per step (`engine/*` metrics), the shares in device calls
+    of the engine's ticks and of the step's rollout (what is left is the host's), and the inserts'
+    share of the device calls (the rest is decoding)."""
     out = {k: _median(timed, k) for k in ENGINE if all(r.get(k) is not None for r in timed)}
     if "device_s" in out:
         for r in timed:
             r["of_ticks"] = r["device_s"] / r["busy_s"] if r["busy_s"] else None
             r["of_rollout"] = r["device_s"] / r["rollout_s"] if r.get("rollout_s") else None
+            r["inserts_of_device"] = r["insert_s"] / r["device_s"] if r.get("insert_s") is not None and r["device_s"] else None
         out["device_share_of_ticks"] = _median(timed, "of_ticks")
         out["device_share_of_rollout"] = _median(timed, "of_rollout")
+        if "insert_s" in out:
+            out["insert_share_of_device"] = _median(timed, "inserts_of_device")
     return out
 
 
