@@ -391,8 +391,8 @@ class Slots:
             used = max([plan.span] + [len(row.prompt) + self.shapes.chunk for row in plan.new])
             self.pool, self.state = insert(params, graphdef, self.pool, self.state, arrays,
                                            chunk=self.shapes.chunk, width=self.shapes.window(used))
-            # Waited for apart from the decode that follows (which needs it anyway): what the
-            # inserts' saves, copies and prefill cost, against the decode's sampling.
+            # Waited for before the decode is dispatched (the decode needs its state anyway), so that
+            # the inserts' saves, copies and prefill are timed apart from the decoding.
             jax.block_until_ready(self.state)
             self.insert_s += time.perf_counter() - start
         if not plan.batch:

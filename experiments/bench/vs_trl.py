@@ -362,11 +362,12 @@ def engine_figures(timed: list[dict]) -> dict:
         for r in timed:
             r["of_ticks"] = r["device_s"] / r["busy_s"] if r["busy_s"] else None
             r["of_rollout"] = r["device_s"] / r["rollout_s"] if r.get("rollout_s") else None
-            r["inserts_of_device"] = r["insert_s"] / r["device_s"] if r.get("insert_s") is not None and r["device_s"] else None
         out["device_share_of_ticks"] = _median(timed, "of_ticks")
         out["device_share_of_rollout"] = _median(timed, "of_rollout")
-        if "insert_s" in out:
-            out["insert_share_of_device"] = _median(timed, "inserts_of_device")
+    if "insert_s" in out:
+        for r in timed:
+            r["inserts_of_device"] = r["insert_s"] / r["device_s"] if r["device_s"] else None
+        out["insert_share_of_device"] = _median(timed, "inserts_of_device")
     return out
 
 
