@@ -9,7 +9,8 @@ import transformers
 from flax import nnx
 
 from jaxrl.models import Decoder, KVCache, load_pretrained, positions_from_mask
-from jaxrl.models.decoder import causal_attention, prefixed_attention
+from jaxrl.models.decoder import SharedPrefix, cached_attention, causal_attention, prefixed_attention, \
+    shared_prefix_attention
 from jaxrl.tiny import tiny_config
 
 VOCAB = 300
@@ -143,6 +144,32 @@ def test_prefixed_attention_is_attention_over_each_rows_prefix_then_its_own_keys
     assert all(float(jnp.abs(g).max()) > 1e-2 for g in want)
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_shared_prefix_attention_is_cached_attention_over_each_rows_prefix_then_its_slots():
+    """Six cache rows in three groups (of 3, 2 and 1 rows; prefixes of 7, 3 and all 10 slots, one group
+    of padding), two query heads per KV head, two queries per row: each row's queries see the same as over
+    one cache holding its group's prefix and then its own slots."""
+    B, T, N, K, H, S, P, n = 6, 2, 4, 2, 8, 12, 10, 3
+    group, length = np.array([0, 0, 1, 2, 1, 0]), np.array([7, 3, 10, 0])
+    members, rank = np.zeros((4, n), np.int32), np.zeros(B, np.int32)
+    for u in range(3):
+        rows = np.flatnonzero(group == u)
+        members[u, :len(rows)], rank[rows] = rows, np.arange(len(rows))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, T, N, H), np.float32)
+    k_p, v_p = rng.standard_normal((4, K, H, P), np.float32), rng.standard_normal((4, K, P, H), np.float32)
+    k, v = rng.standard_normal((B, K, H, S), np.float32), rng.standard_normal((B, K, S, H), np.float32)
+    visible = np.arange(S)[None, None] <= np.array([3, 5, 1, 7, 9, 4])[:, None, None] + np.arange(T)[:, None]
+    got = shared_prefix_attention(q, k, v, visible, k_p, v_p, SharedPrefix((k_p,), (v_p,), length, members, group, rank))
+    k_all, v_all = np.zeros((B, K, H, P + S), np.float32), np.zeros((B, K, P + S, H), np.float32)
+    visible_all = np.zeros((B, T, P + S), bool)
+    for b in range(B):
+        L = length[group[b]]
+        k_all[b, ..., :L], k_all[b, ..., L:L + S] = k_p[group[b], ..., :L], k[b]
+        v_all[b, :, :L], v_all[b, :, L:L + S] = v_p[group[b], :, :L], v[b]
+        visible_all[b, :, :L], visible_all[b, :, L:L + S] = True, visible[b]
+    np.testing.assert_allclose(got, cached_attention(q, k_all, v_all, visible_all), atol=1e-6)
 
 
 def test_attention_windows_halve_down_to_the_smallest():

@@ -185,6 +185,27 @@ def test_an_episodes_next_turn_reuses_its_cached_prefix_until_the_weights_change
     assert again.token_ids == second.token_ids and again.logprobs == pytest.approx(second.logprobs, abs=1e-5)
 
 
+def test_a_groups_rows_read_their_shared_prompt_once_and_sample_what_they_sample_apart(model_dir):
+    def engine(prefix_block):  # found by blocks of 4 tokens, or of 256: no prompt here has a whole block
+        return JaxEngine(model_dir, max_batch=MIN_BATCH, max_seq_len=256, prefill_chunk=16, decode_steps=8,
+                         prefix_block=prefix_block)
+
+    shared, apart = engine(4), engine(256)
+    prompt = [3 + i % 200 for i in range(120)]  # with the tokens sampled, more than the 136 slots a row reads
+    first = SamplingParams(n=MIN_BATCH, max_tokens=30, seed=7)
+    [group], [group_apart] = run(shared.generate([prompt], first)), run(apart.generate([prompt], first))
+    turns = [prompt + c.token_ids + [40, 41] for c in group]  # each row's next turn
+    later = SamplingParams(max_tokens=20, seed=8)
+    out, out_apart = run(shared.generate(turns, later)), run(apart.generate(turns, later))
+    assert shared.stats["shared_batches"] >= 4 and apart.stats["shared_batches"] == 0  # of 7 calls: not where all fit
+    model = load_pretrained(model_dir)
+    for context, c, c_apart in [(prompt, a, b) for a, b in zip(group, group_apart)] + [
+            (t, a, b) for t, [a], [b] in zip(turns, out, out_apart)]:
+        assert c.token_ids == c_apart.token_ids
+        np.testing.assert_allclose(c.logprobs, c_apart.logprobs, atol=1e-5)
+        np.testing.assert_allclose(c.logprobs, learner_logprobs(model, context, c.token_ids, 1.0), atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def slot_engine(model_dir):
     """4 slots advanced 4 tokens per device call, every program compiled up front."""

@@ -164,3 +164,41 @@ def test_the_slots_in_use_are_the_longest_live_sequence():
     assert s.in_use(range(plan.batch)) == 5 and s.in_use([0]) == 3 and s.in_use([]) == 0
     s.update_from_output(plan, *output(plan, {0: [1, 1, 1, 1], 1: [2]}, live={0, 1}), 0)
     assert s.in_use(range(plan.batch)) == 3 + 4  # prompt and tokens sampled
+
+
+def test_a_decode_groups_rows_that_share_enough_of_their_prompts_for_their_own_slots():
+    s = Scheduler(max_batch=16, max_seq_len=64, pool_rows=0, block=4)
+    prompt = list(range(1, 13))  # 3 blocks
+    s.add([Row(prompt, 9, seed=i) for i in range(6)] + [Row(prompt[:8] + [20 + i] * 4, 9, seed=6 + i) for i in range(4)])
+    plan = s.schedule(0)
+    groups = s.groups(plan.batch, steps=4, own=8, width=64)  # 8 slots: 2 blocks of prefix leave 4 + 4 steps
+    assert groups.length.tolist() == [8, 8]  # the fewest blocks that do (all 10 rows share 2)
+    assert sorted(groups.members[0].tolist()) == sorted(set(range(10)) - set(groups.members[1, :2].tolist()))
+    assert groups.src.tolist() == groups.members[:, 0].tolist()
+    assert np.bincount(groups.group[:10]).tolist() == [8, 2]  # n = 8 rows a group
+    assert all(groups.members[g, r] == b for b, (g, r) in enumerate(zip(groups.group[:10], groups.rank[:10])))
+    assert s.groups(plan.batch, steps=4, own=7, width=64) is None  # 3 blocks: 4 rows share them with none
+    assert s.groups(plan.batch, steps=4, own=8, width=15) is None  # 8 of prefix and 8 own slots pass 15
+    s.update_from_output(plan, *output(plan, {i: [1, 1] for i in range(10)}, live=set(range(10))), 0)
+    assert s.groups(plan.batch, steps=4, own=8, width=64) is None  # and now 2 tokens sampled
+    assert s.groups(plan.batch, steps=4, own=10, width=64).length.tolist() == [8, 8]
+    assert s.stats["shared_decode_calls"] == 2
+
+
+def test_rows_decode_apart_from_keys_of_other_weights_and_past_the_groups_a_batch_holds():
+    prompt = list(range(1, 13))
+    s = Scheduler(max_batch=16, max_seq_len=64, pool_rows=0, block=4)
+    s.add([Row(prompt, 9, seed=i) for i in range(8)])
+    plan = s.schedule(0)
+    s.update_from_output(plan, *output(plan, {i: [1] for i in range(8)}, live=set(range(8))), 0)
+    s.add([Row(prompt, 9, seed=8), Row(prompt, 9, seed=9)])
+    plan = s.schedule(1)  # their prompt's keys are the new weights'
+    groups = s.groups(plan.batch, steps=4, own=8, width=64)
+    assert groups.group[:10].tolist() == [0] * 8 + [1] * 2 and groups.src.tolist() == [0, 8]
+    s = Scheduler(max_batch=8, max_seq_len=64, pool_rows=0, block=4)  # 8 slots: one group
+    s.add([Row(prompt, 9, seed=0), Row(prompt, 9, seed=1), Row(prompt[::-1], 9, seed=2), Row(prompt[::-1], 9, seed=3)])
+    assert s.groups(s.schedule(0).batch, steps=4, own=8, width=64) is None
+    s = Scheduler(max_batch=16, max_seq_len=64, pool_rows=0, block=4)
+    s.add([Row(prompt, 9, seed=0), Row(prompt[::-1], 9, seed=1)])  # nothing shared: nothing to gain
+    assert s.groups(s.schedule(0).batch, steps=4, own=8, width=64) is None
+    assert s.groups(s.schedule(0).batch, steps=4, own=16, width=64) is None  # (no prefix needed at all)

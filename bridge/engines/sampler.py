@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.engines.scheduler import NO_STOP, Plan, Row, Scheduler, bucket, prefill_block_rows, prefill_order
+from bridge.engines.scheduler import (NO_STOP, Plan, Row, Scheduler, bucket, group_capacity, prefill_block_rows,
+                                      prefill_order)
 from jaxrl.models import Decoder, KVCache, ModelConfig
-from jaxrl.models.decoder import attention_windows
+from jaxrl.models.decoder import SharedPrefix, attention_windows
 
 
 def _filter_logits(logits_BxV, top_p_B, top_k_B):
@@ -234,13 +235,39 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     return pool, state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps", "width"), donate_argnames=("state",))
-def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width: int):
+class GroupArrays(NamedTuple):
+    """A decode's `Groups` (`bridge.engines.scheduler`) on the device."""
+
+    src: jax.Array  # (U,) the slot whose cache holds each group's prefix
+    length: jax.Array  # (U,) the prefix's slots
+    members: jax.Array  # (U, n)
+    group: jax.Array  # (b,)
+    rank: jax.Array  # (b,)
+
+
+def _slots_from(x, offset_b, width: int, axis: int):
+    """Each row's `width` slots from its own offset on (`axis`: the slot axis of a row)."""
+    return jax.vmap(lambda row, o: jax.lax.dynamic_slice_in_dim(row, o, width, axis))(x, offset_b)
+
+
+def _slots_into(x, part, offset_b, axis: int):
+    return jax.vmap(lambda row, p, o: jax.lax.dynamic_update_slice_in_dim(row, p, o, axis))(x, part, offset_b)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps", "width", "prefix_width"),
+                   donate_argnames=("state",))
+def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width: int,
+             groups: GroupArrays | None = None, prefix_width: int = 0):
     """Advances the first `rows` slots up to `steps` tokens each (b = rows): a live slot samples from its
     logits, then feeds the token back, until it stops or reaches its max_tokens; a row's last token is
     not fed back, so its cache then holds exactly what a continuation reuses. Ends early once no slot
     is live. The b slots' lengths plus `steps` must fit in the cache's first `width` slots: the decode
     reads and writes only those (a wider slot is cut to them).
+
+    With `groups`, slot b continues the prefix of group g = groups.group[b], the first groups.length[g]
+    slots of slot groups.src[g] (which the b slot holds too): the decode reads each group's prefix once
+    (its first `prefix_width` slots), and of each slot only the `width` slots past its prefix, which
+    must hold what it has past the prefix plus `steps`.
 
     Returns the state, the tokens sampled (b, steps; -1 where a slot sampled nothing) with their
     logprobs, and which of the b slots are still live.
@@ -260,22 +287,37 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
         position_b = position_b + live_b
         stopped_b = jnp.any(token_b[:, None] == s.stop_ids, axis=-1)
         live_b = live_b & ~stopped_b & (position_b < s.max_tokens)
-        logits, cache = model(token_b[:, None], cache.length_B[:, None], live_b[:, None], cache, windowed=False)
+        logits, cache = model(token_b[:, None], (offset_b + cache.length_B)[:, None], live_b[:, None], cache,
+                              windowed=False, shared=shared)
         return i + 1, logits[:, 0], cache, live_b, position_b, out_tokens, out_logp
 
     # Cut once per call and written back at its end: cutting the attention's window out of the whole
     # cache at every step was most of a step's time. A width chosen on the device (a switch over
     # windows) made XLA copy the whole cache into the chosen branch, which cost more than it saved.
     wide = part.cache
-    narrow = wide._replace(k_BxKxHxS=tuple(k[..., :width] for k in wide.k_BxKxHxS),
-                           v_BxKxSxH=tuple(v[:, :, :width] for v in wide.v_BxKxSxH))
+    if groups is None:
+        shared, offset_b = None, jnp.zeros(rows, jnp.int32)
+        narrow = wide._replace(k_BxKxHxS=tuple(k[..., :width] for k in wide.k_BxKxHxS),
+                               v_BxKxSxH=tuple(v[:, :, :width] for v in wide.v_BxKxSxH))
+    else:
+        offset_b = groups.length[groups.group]
+        shared = SharedPrefix(tuple(k[groups.src, ..., :prefix_width] for k in wide.k_BxKxHxS),
+                              tuple(v[groups.src, :, :prefix_width] for v in wide.v_BxKxSxH),
+                              groups.length, groups.members, groups.group, groups.rank)
+        narrow = KVCache(tuple(_slots_from(k, offset_b, width, 2) for k in wide.k_BxKxHxS),
+                         tuple(_slots_from(v, offset_b, width, 1) for v in wide.v_BxKxSxH), wide.length_B - offset_b)
     init = (jnp.int32(0), part.logits, narrow, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
             jnp.zeros((rows, steps), jnp.float32))
     _, logits, narrow, live, position, out_tokens, out_logp = jax.lax.while_loop(
         lambda carry: (carry[0] < steps) & jnp.any(carry[3]), body, init)
-    cache = KVCache(tuple(jax.lax.dynamic_update_slice_in_dim(k, n, 0, 3) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
-                    tuple(jax.lax.dynamic_update_slice_in_dim(v, n, 0, 2) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
-                    narrow.length_B)
+    if groups is None:
+        cache = KVCache(tuple(jax.lax.dynamic_update_slice_in_dim(k, n, 0, 3) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
+                        tuple(jax.lax.dynamic_update_slice_in_dim(v, n, 0, 2) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
+                        narrow.length_B)
+    else:
+        cache = KVCache(tuple(_slots_into(k, n, offset_b, 2) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
+                        tuple(_slots_into(v, n, offset_b, 1) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
+                        narrow.length_B + offset_b)
     part = part._replace(cache=cache, logits=logits, live=live, position=position)
     state = jax.tree.map(lambda whole, p: jax.lax.dynamic_update_slice_in_dim(whole, p, 0, 0), state, part)
     return state, out_tokens, out_logp, live
@@ -399,10 +441,16 @@ class Slots:
             self.device_s += time.perf_counter() - start
             return []
         # The device's lengths are the host's: a slot past the batch's rows is free (length 0).
-        steps = self.shapes.decode_steps
-        used = self.scheduler.in_use(range(plan.batch)) + steps
-        self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
-                                                      width=self.shapes.window(used))
+        steps, own = self.shapes.decode_steps, self.shapes.windows()[0]
+        groups = self.scheduler.groups(plan.batch, steps, own, self.shapes.width) if own < self.shapes.width else None
+        if groups is None:
+            used = self.scheduler.in_use(range(plan.batch)) + steps
+            self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
+                                                          width=self.shapes.window(used))
+        else:
+            self.state, tokens, logprobs, live = generate(
+                params, graphdef, self.state, rows=plan.batch, steps=steps, width=own,
+                groups=GroupArrays(*dataclasses.astuple(groups)), prefix_width=self.shapes.window(int(groups.length.max())))
         output = jax.device_get((tokens, logprobs, live))
         self.device_s += time.perf_counter() - start
         return self.scheduler.update_from_output(plan, *output, version)
@@ -435,14 +483,20 @@ class Slots:
 
     def warm_up(self, graphdef, params) -> None:
         """Compiles (or loads from the persistent cache) every insert and decode program."""
-        none = np.zeros(0, np.int32)
+        none, own = np.zeros(0, np.int32), self.shapes.windows()[0]
         for n in self.shapes.batches():
             plan = Plan(none, none, none, none, [], none, none, none, none, n, 0)
+            U, m = group_capacity(n)
+            groups = GroupArrays(np.zeros(U, np.int32), np.zeros(U, np.int32), np.zeros((U, m), np.int32),
+                                 np.zeros(n, np.int32), np.zeros(n, np.int32))
             for width in self.shapes.windows():
                 self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
                                                chunk=self.shapes.chunk, width=width)
                 self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
                                           width=width)
+                if own < self.shapes.width:
+                    self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
+                                              width=own, groups=groups, prefix_width=width)
         self.reset()
         self.scheduler.stats = dict.fromkeys(self.scheduler.stats, 0)
         self.device_s = self.insert_s = 0.0

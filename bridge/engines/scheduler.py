@@ -198,6 +198,27 @@ class Plan:
         return bool(len(self.save_slot) or len(self.move_from) or self.new)
 
 
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """A decode's rows grouped by the prompt prefix they share, so that the decode reads each group's
+    prefix once (`jaxrl.models.decoder.shared_prefix_attention`): the first `length[u]` slots of slot
+    `src[u]`, which every member of group u holds too. Slot b of the batch is member rank[b] of
+    group[b]; `members` (U, n) lists each group's slots (padding: its first). Free slots of the batch
+    are nobody's member (group 0, rank 0: what they compute is unused)."""
+
+    src: np.ndarray
+    length: np.ndarray
+    members: np.ndarray
+    group: np.ndarray
+    rank: np.ndarray
+
+
+def group_capacity(batch: int) -> tuple[int, int]:
+    """(groups, rows per group) a decode of `batch` slots may share prefixes over: a batch of GRPO
+    groups of 8 (or of a multiple of 8)."""
+    return max(1, batch // MIN_BATCH), MIN_BATCH
+
+
 class Scheduler:
     """The rows in each slot and those waiting for one, and the prefix pool's index. Not thread-safe."""
 
@@ -205,7 +226,7 @@ class Scheduler:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.prefix = PrefixIndex(pool_rows, block)
         self.waiting: collections.deque[Row] = collections.deque()
-        self.stats = {"decode_calls": 0, "insert_calls": 0, "rows": 0, "tokens": 0}
+        self.stats = {"decode_calls": 0, "shared_decode_calls": 0, "insert_calls": 0, "rows": 0, "tokens": 0}
         self.version: int | None = None
         self.reset()
 
@@ -217,6 +238,7 @@ class Scheduler:
         self.prompt_hashes: list[list[int]] = [[] for _ in range(B)]
         self.keep_row = np.full(B, self.prefix.scratch, np.int32)  # where each slot's sequence goes when it ends
         self.logits_version = np.zeros(B, np.int64)  # the weights that computed each slot's next-token logits
+        self.prompt_version = np.zeros(B, np.int64)  # the weights that computed each slot's prompt keys
         self.length = np.zeros(B, np.int32)  # tokens sampled so far
         self.tokens = np.zeros((B, M), np.int32)
         self.logprobs = np.zeros((B, M), np.float32)
@@ -251,6 +273,52 @@ class Scheduler:
     def in_use(self, slots) -> int:
         """The cache slots the longest of these slots' sequences holds (prompt and tokens sampled)."""
         return max((len(self.prompt[s]) + int(self.length[s]) for s in slots if self.rows[s] is not None), default=0)
+
+    def groups(self, batch: int, steps: int, own: int, width: int) -> Groups | None:
+        """The first `batch` slots' rows grouped for a decode of `steps` tokens that reads, of each slot, only
+        the `own` slots past its group's prefix (of `width` in all); None where they do not fit
+        `group_capacity(batch)`, or where no two rows share a prefix.
+
+        A group's prefix is whole blocks of its rows' prompts, the same tokens with keys of the same weights.
+        The decode's cost is fixed by its widths, so the fewest groups whose rows fit do: rows sorted by
+        their prompts' block hashes (rows sharing a prefix then sit together) are cut, in that order, into
+        groups of at most n rows that share enough blocks for each row's tokens past them to fit `own`; a
+        group's prefix is the fewest such blocks (a narrower prefix window)."""
+        U, n = group_capacity(batch)
+        block = self.prefix.block
+        slots = sorted((s for s in range(batch) if self.rows[s] is not None),
+                       key=lambda s: (self.prompt_version[s], self.prompt_hashes[s]))
+        need = {s: max(0, -(-(len(self.prompt[s]) + int(self.length[s]) + steps - own) // block)) for s in slots}
+        chunks: list[tuple[list[int], int]] = []  # (slots, blocks of prefix)
+        for s in slots:
+            hashes = self.prompt_hashes[s]
+            if chunks and len(chunks[-1][0]) < n:
+                rows, shared = chunks[-1]
+                first = rows[0]
+                if self.prompt_version[first] == self.prompt_version[s]:
+                    shared = next((d for d in range(min(shared, len(hashes)), 0, -1)
+                                   if hashes[d - 1] == self.prompt_hashes[first][d - 1]), 0)
+                    if shared >= max(need[r] for r in rows + [s]):
+                        chunks[-1] = (rows + [s], shared)
+                        continue
+            if need[s] > len(hashes):
+                return None
+            chunks.append(([s], len(hashes)))
+        lengths = [max(need[r] for r in rows) * block for rows, _ in chunks]
+        if len(chunks) > U or not any(len(rows) > 1 and length for (rows, _), length in zip(chunks, lengths)):
+            return None
+        src, length = np.zeros(U, np.int32), np.zeros(U, np.int32)
+        table = np.zeros((U, n), np.int32)
+        group, rank = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+        if max(lengths) + own > width:
+            return None
+        length[:len(lengths)] = lengths
+        for u, (rows, _) in enumerate(chunks):
+            src[u], table[u] = rows[0], rows[0]
+            table[u, :len(rows)] = rows
+            group[rows], rank[rows] = u, np.arange(len(rows))
+        self.stats["shared_decode_calls"] += 1
+        return Groups(src, length, table, group, rank)
 
     def schedule(self, version: int) -> Plan:
         """The next tick's plan, with weights `version`; the slots' host state moves as the plan does."""
@@ -293,7 +361,7 @@ class Scheduler:
             # The episode's next turn extends its row in place when no other row claimed it.
             self.keep_row[s] = self.prefix.claim(best)
             self.rows[s], self.prompt[s], self.prompt_hashes[s] = row, prompt, hashes
-            self.length[s], self.logits_version[s] = 0, version
+            self.length[s], self.logits_version[s], self.prompt_version[s] = 0, version, version
         self.stats["rows"] += len(new)
         self.stats["insert_calls"] += bool(ended or moves or new)
         return Plan(np.asarray([s for s, _, _, _ in ended], np.int32), np.asarray([r for _, r, _, _ in ended], np.int32),
@@ -341,6 +409,7 @@ class Scheduler:
 
     def _move(self, src: int, dst: int) -> None:
         self.rows[dst], self.prompt[dst], self.prompt_hashes[dst] = self.rows[src], self.prompt[src], self.prompt_hashes[src]
-        for state in (self.keep_row, self.logits_version, self.length, self.tokens, self.logprobs, self.versions):
+        for state in (self.keep_row, self.logits_version, self.prompt_version, self.length, self.tokens, self.logprobs,
+                      self.versions):
             state[dst] = state[src]
         self._free(src)

@@ -178,9 +178,14 @@ class Attention(nnx.Module):
         B, T, _ = x_BxTxD.shape
         q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
         if layer_cache is not None:
+            shared_kv = layer_cache[2:]
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
-            out = (cached_attention(q, *layer_cache, keys.visible_BxTxS) if keys.window is None
-                   else windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window))
+            if keys.shared is not None:
+                out = shared_prefix_attention(q, *layer_cache, keys.visible_BxTxS, *shared_kv, keys.shared)
+            elif keys.window is None:
+                out = cached_attention(q, *layer_cache, keys.visible_BxTxS)
+            else:
+                out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
         elif keys.segments_BxT is not None:
             out = packed_attention(q, k, v, keys.segments_BxT, keys.prefix_BxT, keys.window)
         else:
@@ -377,6 +382,55 @@ def cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS):
     return out_BxKxGTxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
+class SharedPrefix(NamedTuple):
+    """Keys and values that groups of cache rows all continue (a GRPO group's prompt), held once per
+    group: row b continues prefix group_B[b], whose first length_U[u] slots are real, and is row
+    rank_B[b] of the group's members_Uxn (padding entries: any row, unused)."""
+
+    k_UxKxHxP: tuple[jax.Array, ...]  # per layer, heads before slots as a KVCache's
+    v_UxKxPxH: tuple[jax.Array, ...]
+    length_U: jax.Array  # int32
+    members_Uxn: jax.Array  # int32
+    group_B: jax.Array  # int32
+    rank_B: jax.Array  # int32
+
+
+def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_UxKxHxP, v_UxKxPxH,
+                            shared: SharedPrefix):
+    """Queries over their group's prefix and then their own cache row, with one softmax over both
+    (cascade attention). A group's rows, queries and query heads are the rows of one matmul against
+    its prefix, so the prefix is read once per group, not once per row; the two parts' softmaxes are
+    merged by their maxima and sums."""
+    B, T, N, H = q_BxTxNxH.shape
+    K, (U, n), P = k_BxKxHxS.shape[1], shared.members_Uxn.shape, k_UxKxHxP.shape[-1]
+    R = N // K * T
+    scale, fill = np.float32(1 / math.sqrt(H)), jnp.finfo(jnp.float32).min
+    q_BxKxRxH = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R, H)
+
+    def part(scores, visible, v_xKxSxH):
+        """One part's unnormalised output, max and sum of exp, (., K, rows, .), of its masked scores."""
+        max_ = jnp.max(jnp.where(visible, scores, fill), -1, keepdims=True)
+        e = jnp.where(visible, jnp.exp(scores - max_), 0)
+        rows = (*v_xKxSxH.shape[:2], -1)
+        out = jnp.einsum("xkrs,xksh->xkrh", e.reshape(*rows, e.shape[-1]).astype(v_xKxSxH.dtype), v_xKxSxH,
+                         preferred_element_type=jnp.float32)
+        return out, max_.reshape(*rows, 1), e.sum(-1).reshape(*rows, 1)
+
+    own = jnp.einsum("bkrh,bkhs->bkrs", q_BxKxRxH, k_BxKxHxS, preferred_element_type=jnp.float32) * scale
+    own_out, own_max, own_sum = part(own.reshape(B, K, N // K, T, -1), visible_BxTxS[:, None, None], v_BxKxSxH)
+    q_UxKxMxH = q_BxKxRxH[shared.members_Uxn].transpose(0, 2, 1, 3, 4).reshape(U, K, n * R, H)
+    pre = jnp.einsum("ukmh,ukhp->ukmp", q_UxKxMxH, k_UxKxHxP, preferred_element_type=jnp.float32) * scale
+    real_Ux1x1xP = (jnp.arange(P) < shared.length_U[:, None])[:, None, None]
+    # Back to rows: (U, K, n, R, .) indexed by (group, rank) gives (B, K, R, .).
+    pre_out, pre_max, pre_sum = (x.reshape(U, K, n, R, -1)[shared.group_B, :, shared.rank_B]
+                                 for x in part(pre, real_Ux1x1xP, v_UxKxPxH))
+    max_ = jnp.maximum(own_max, pre_max)
+    own_w, pre_w = jnp.exp(own_max - max_), jnp.exp(pre_max - max_)
+    out_BxKxRxH = (own_out * own_w + pre_out * pre_w) / (own_sum * own_w + pre_sum * pre_w)
+    out = out_BxKxRxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return out.astype(q_BxTxNxH.dtype)
+
+
 def attention_windows(slots: int, smallest: int = 128) -> tuple[int, ...]:
     """Cache prefixes a query may be limited to, halving from the whole cache down to `smallest`."""
     windows = [slots]
@@ -437,6 +491,7 @@ class _KeySlots(NamedTuple):
     window: jax.Array | None = None
     segments_BxT: jax.Array | None = None  # packed rows: each token's segment (0: padding)
     prefix_BxT: jax.Array | None = None  # packed rows: the other segment each token sees (a shared prompt)
+    shared: SharedPrefix | None = None  # with a cache: each row's group prefix, before its cache row
 
 
 class Decoder(nnx.Module):
@@ -453,7 +508,8 @@ class Decoder(nnx.Module):
             else _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, "normal")
         )
 
-    def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True):
+    def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True,
+               shared: SharedPrefix | None = None):
         """Final normed hidden states (B, T, D) and the updated cache.
 
         mask_BxT is 1 on real tokens and 0 on padding. Without a cache, causality follows slot
@@ -463,7 +519,9 @@ class Decoder(nnx.Module):
         and a row's length grows by its real tokens (the padding's slots are overwritten later).
         The cache needs T free slots past every row's length. Queries attend over the smallest
         attention window that holds the slots in use, or with `windowed=False` over the whole cache
-        (a caller that already cut the cache to what it uses: a window's slice is a copy).
+        (a caller that already cut the cache to what it uses: a window's slice is a copy). With `shared`,
+        each cache row continues its group's prefix (`shared_prefix_attention`): its slots come after
+        the prefix's, positions count from the prefix's start, and the whole cache is read.
         """
         B, T = tokens_BxT.shape
         mask_BxT = mask_BxT.astype(bool)
@@ -474,15 +532,17 @@ class Decoder(nnx.Module):
             query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
             windows = attention_windows(slots)
             window = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(cache.length_B) + T),
-                                 len(windows) - 1) if windowed else None
-            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None], window)
+                                 len(windows) - 1) if windowed and shared is None else None
+            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None], window,
+                             shared=shared)
 
         x = self._embed(tokens_BxT)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions_BxT, inv_freq, keys,
-                          None if cache is None else (cache.k_BxKxHxS[i], cache.v_BxKxSxH[i]))
+                          None if cache is None else (cache.k_BxKxHxS[i], cache.v_BxKxSxH[i])
+                          + (() if shared is None else (shared.k_UxKxHxP[i], shared.v_UxKxPxH[i])))
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -527,8 +587,9 @@ class Decoder(nnx.Module):
     def logits(self, h_BxTxD):
         return head_logits(h_BxTxD, self.head_weight())
 
-    def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True):
-        h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache, windowed)
+    def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True,
+                 shared: SharedPrefix | None = None):
+        h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache, windowed, shared)
         return self.logits(h), cache
 
 

@@ -423,10 +423,12 @@ class _Counters:
     anew, which is no shape missed. Also the bridges' engine work since the last step (JAX engine):
     its ticks' seconds (`engine/busy_s`), the part in device calls (`engine/device_s`: the rest is
     host bookkeeping) and the inserts' part of that (`engine/insert_s`: the rest is decoding), its
-    decode and insert calls and the tokens they sampled."""
+    decode calls (those that read each group's shared prompt once: `engine/shared_decode_calls`) and
+    insert calls, and the tokens they sampled."""
 
     ENGINE = {"engine.busy_s": "engine/busy_s", "engine.device_s": "engine/device_s",
               "engine.insert_s": "engine/insert_s", "engine.batches": "engine/decode_calls",
+              "engine.shared_batches": "engine/shared_decode_calls",
               "engine.inserts": "engine/insert_calls", "engine.tokens": "engine/tokens"}
 
     def __init__(self, client: RolloutClient):
