@@ -30,3 +30,6 @@ def test_tiny_long_tail_mix_of_groups_runs():
     assert set(figures["ratios"]) == {"jax_over_ceiling", "continuous_over_batch_sync", "ceiling_over_floor",
                                       "jax_over_floor"}
     assert figures["mix"] == "long-tail" and figures["jax"]["tokens"] == figures["generated_tokens"]
+    floor = figures["floor"]  # a group's prompt is read once for the group
+    assert floor["group"] == 2 and 0 < floor["shared"] < floor["context"]
+    assert 0 <= figures["jax"]["shared_batches"] <= figures["jax"]["batches"]

@@ -29,8 +29,9 @@ new prompt, as the bridge does.
   One difference, in its favour: between two busy calls it starts at once with the rows that
   arrived, where the old engine waited its batch window for more.
 - `ceiling`: the continuous engine given the same number of generated tokens as one full batch:
-  `--max-batch` rows arriving together, prompts of the script's mean prompt length, the tokens split
-  evenly. `jax_over_ceiling` is the share of that throughput the multi-turn path keeps.
+  `--max-batch` rows arriving together, prompts of the script's mean prompt length (with --group-size G,
+  each G rows the same prompt), the tokens split evenly. `jax_over_ceiling` is the share of that
+  throughput the multi-turn path keeps.
 - `hf_turn_sync`: the same model in transformers (torch, CPU) served the way TRL's
   `environment_factory` loop serves it: turn-synchronous rounds. Every episode is there at the start
   (no arrival delays: its best case); round r generates turn r of every episode that has one in one
@@ -53,7 +54,8 @@ Generated tokens are asserted equal on every side (the script's total). Reported
 seconds for all episodes, generated tokens/s, the median per-turn latency (JAX: the `generate` call
 of that turn, batching wait included; turn-synchronous: from the round's start to the end of the
 call that produced the turn; sequential: the call), and for JAX the engine's device calls (`batches`,
-`rows`) and the XLA compiles during the timed run (0 when the warm-up covered every shape).
+`rows`, `shared_batches`: the calls that read each group's prompt once) and the XLA compiles during the
+timed run (0 when the warm-up covered every shape).
 Threads: XLA's CPU client uses one intra-op thread per core it may use; torch gets as many
 (`torch.set_num_threads`, or `--torch-threads`). The sides run one after the other, never together.
 On a machine shared with other work, torch's threads suffer far more than XLA's when a core is
@@ -61,7 +63,8 @@ taken (the `--tiny` turn-synchronous run at load 3.6 on 2 cores: 0.24 s with 2 t
 with 1): read `load_before` (1-minute load average) next to each figure.
 The machine's floor (`experiments.bench.roofline`, measured in the same run: memory bandwidth before
 and after the JAX sides, the best of the two, and XLA's matmul rate at the model's shapes) of one
-decode step of --max-batch rows at the ceiling run's mean context: `ceiling_over_floor` and
+decode step of --max-batch rows at the ceiling run's mean context (a group's prompt read once for the
+group): `ceiling_over_floor` and
 `jax_over_floor` are each side's tokens/s over the floor's (1 would be the machine's limit).
 The last line is one JSON object; `ratios`: `jax_over_ceiling` (multi-turn tokens/s over one full
 batch's), `continuous_over_batch_sync`, the two over the floor, and JAX tokens/s over transformers
@@ -168,19 +171,22 @@ def run_jax(engine: JaxEngine, script: list[Episode]) -> dict:
     produced = sum(asyncio.run(episodes()))
     wall = time.perf_counter() - start
     out = _figures(wall, produced, latencies)
-    delta = {k: engine.stats[k] - before.get(k, 0) for k in
-             ("batches", "rows", "busy_s", "device_s", "insert_s", "prefix_prompt_tokens", "prefix_cached_tokens")}
-    out.update(batches=delta["batches"], rows=delta["rows"], rows_per_batch=delta["rows"] / delta["batches"],
+    delta = {k: engine.stats[k] - before.get(k, 0) for k in ("batches", "shared_batches", "rows", "busy_s", "device_s",
+                                                             "insert_s", "prefix_prompt_tokens", "prefix_cached_tokens")}
+    out.update(batches=delta["batches"], shared_batches=delta["shared_batches"], rows=delta["rows"],
+               rows_per_batch=delta["rows"] / delta["batches"],
                busy_s=delta["busy_s"], device_s=delta["device_s"], insert_s=delta["insert_s"],
                compiles=compiles() - compiled,
                prompt_tokens_from_prefix_cache=delta["prefix_cached_tokens"] / delta["prefix_prompt_tokens"])
     return out
 
 
-def run_ceiling(engine: JaxEngine, rows: int, prompt_tokens: int, tokens: int, vocab: int) -> dict:
-    """`tokens` generated as one full batch: `rows` prompts arriving together, the tokens split evenly."""
+def run_ceiling(engine: JaxEngine, rows: int, prompt_tokens: int, tokens: int, vocab: int, group: int) -> dict:
+    """`tokens` generated as one full batch: `rows` prompts arriving together (each `group` of them the
+    same), the tokens split evenly."""
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(10, vocab, prompt_tokens).tolist() for _ in range(rows)]
+    prompts = [p for p in (rng.integers(10, vocab, prompt_tokens).tolist() for _ in range(-(-rows // group)))
+               for _ in range(group)][:rows]
     budgets = [tokens // rows + (r < tokens % rows) for r in range(rows)]
 
     async def batch():
@@ -387,12 +393,16 @@ def main(argv=None) -> dict:
                 engine.prefix.forget()
                 figures["load_before"][side] = os.getloadavg()[0]
                 runs[side].append(run_jax(engine, script) if side != "ceiling" else run_ceiling(
-                    engine, args.max_batch, round(figures["prompt_tokens_mean"]), tokens, cfg["vocab_size"]))
+                    engine, args.max_batch, round(figures["prompt_tokens_mean"]), tokens, cfg["vocab_size"],
+                    args.group_size))
         bandwidth.append(memory_bandwidth())
-        # The one-batch run's rows attend on average to their prompt and half their tokens.
+        # The one-batch run's rows attend on average to their prompt (their group's: read once for it) and
+        # half their tokens.
         engine = engines["jax"]
         floor = decode_floor(engine.cfg, args.max_batch, round(figures["prompt_tokens_mean"] + tokens / args.max_batch / 2),
-                             max(bandwidth), sum(x.size for x in jax.tree.leaves(engine.params)))
+                             max(bandwidth), sum(x.size for x in jax.tree.leaves(engine.params)),
+                             shared=round(figures["prompt_tokens_mean"]) if args.group_size > 1 else 0,
+                             group=args.group_size)
         figures["floor"] = floor.figures()
         for engine in engines.values():
             asyncio.run(engine.close())
@@ -446,7 +456,8 @@ def _print(figures: dict) -> None:
             extra = f"{f['rows']} rows of {f['prompt_tokens']} prompt tokens at once, {f['batches']} device calls"
             latency = ""
         else:
-            extra = (f"{f['batches']} device calls ({f['rows_per_batch']:.1f} rows each), "
+            extra = (f"{f['batches']} device calls ({f['rows_per_batch']:.1f} rows each, {f['shared_batches']} "
+                     "reading each group's prompt once), "
                      f"{f['compiles']} compiles in the timed run" if side.startswith("jax") else
                      f"{f['generate_calls']} generate calls")
             latency = f"turn p50 {f['turn_latency_median_ms']:8.1f} ms  "

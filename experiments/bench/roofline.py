@@ -63,6 +63,8 @@ def matmul_s(m: int, k: int, n: int, repeats: int = 5, inner: int = 32) -> float
 class Floor:
     rows: int
     context: int  # tokens each row attends to
+    shared: int  # of them, the tokens that each group of `group` rows shares (its prompt: read once)
+    group: int
     bytes: int  # weights + keys and values read once
     flops: int
     memory_s: float  # bytes / bandwidth
@@ -78,15 +80,19 @@ class Floor:
         return self.rows / self.step_s
 
     def figures(self) -> dict:
-        return {"rows": self.rows, "context": self.context, "bytes": self.bytes, "flops": self.flops,
+        return {"rows": self.rows, "context": self.context, "shared": self.shared, "group": self.group,
+                "bytes": self.bytes, "flops": self.flops,
                 "bandwidth_gb_s": round(self.bandwidth / 1e9, 2), "memory_ms": round(1e3 * self.memory_s, 4),
                 "matmul_ms": round(1e3 * self.matmul_s, 4), "matmul_gflop_s": round(self.flops / self.matmul_s / 1e9, 2),
                 "bound": "memory" if self.memory_s >= self.matmul_s else "matmul", "tok_s": round(self.tok_s, 1)}
 
 
-def decode_floor(cfg, rows: int, context: int, bandwidth: float, param_count: int, repeats: int = 5) -> Floor:
+def decode_floor(cfg, rows: int, context: int, bandwidth: float, param_count: int, repeats: int = 5,
+                 shared: int = 0, group: int = 1) -> Floor:
     """The floor of one decode step of `rows` rows that each attend to `context` cached tokens, for a
-    model of `cfg` (a jaxrl ModelConfig) with `param_count` parameters."""
+    model of `cfg` (a jaxrl ModelConfig) with `param_count` parameters; the first `shared` of those
+    tokens are the same for each `group` rows (a GRPO group's prompt), whose keys and values are read
+    once for the group."""
     D, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     item = np.dtype(cfg.jnp_dtype).itemsize
@@ -99,6 +105,6 @@ def decode_floor(cfg, rows: int, context: int, bandwidth: float, param_count: in
     attention_flops = 2 * 2 * rows * N * H * context
     seconds = L * (sum(timed[s] for s in layer) + attention_flops / best_rate) + timed[(rows, D, V)]
     flops = 2 * (L * sum(m * k * n for m, k, n in layer) + rows * D * V) + L * attention_flops
-    kv_bytes = rows * context * L * 2 * K * H * item
+    kv_bytes = (rows * (context - shared) + -(-rows // group) * shared) * L * 2 * K * H * item
     total = param_count * np.dtype(cfg.jnp_param_dtype).itemsize + kv_bytes
-    return Floor(rows, context, total, flops, total / bandwidth, seconds, bandwidth)
+    return Floor(rows, context, shared, group, total, flops, total / bandwidth, seconds, bandwidth)
