@@ -170,6 +170,10 @@ def test_shared_prefix_attention_is_cached_attention_over_each_rows_prefix_then_
         v_all[b, :, :L], v_all[b, :, L:L + S] = v_p[group[b], :, :L], v[b]
         visible_all[b, :, :L], visible_all[b, :, L:L + S] = True, visible[b]
     np.testing.assert_allclose(got, cached_attention(q, k_all, v_all, visible_all), atol=1e-6)
+    # A free slot of a decode's batch sees nothing: no prefix (a padding group) and no slot of its own.
+    alone = SharedPrefix((k_p,), (v_p,), length, members, np.full(B, 3, np.int32), np.zeros(B, np.int32))
+    nothing = shared_prefix_attention(q, k, v, np.zeros_like(visible), k_p, v_p, alone)
+    assert np.all(np.asarray(nothing) == 0)
 
 
 def test_attention_windows_halve_down_to_the_smallest():

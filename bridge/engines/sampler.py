@@ -6,9 +6,11 @@ next-token logits, and its row's sampling settings, token budget, position and s
 when the row is inserted. `insert` runs a tick's `Plan` (`bridge.engines.scheduler`): it saves the
 caches of rows that ended to the prefix pool, prefills new rows (`chunk` tokens at a time, from
 whatever the pool holds of their prompt) into their slots, and moves live rows down to the first
-slots; `generate` advances the first `rows` slots up to `decode_steps` tokens. `Slots` is the thin
+slots; `generate` advances the first `rows` slots up to `decode_steps` tokens, reading the prompt that a
+group of rows shares (a GRPO group's, `Scheduler.groups`) once for the group. `Slots` is the thin
 shell that runs a tick: `schedule()`, the device calls, `update_from_output()`. Shapes are fixed by
-`Shapes`: one insert and one decode program per power-of-two row count, all compiled by a warm-up.
+`Shapes`: per power-of-two row count and cache window, one insert and two decode programs (the second
+reading shared prompts), all compiled by a warm-up.
 
 Every row carries its own temperature, top-p, top-k, token budget and seed, so requests with
 different settings share one compiled program and one tick. The logprob reported for a sampled

@@ -18,6 +18,10 @@ whole block) is reused for that many tokens. Rows of one tick with the same prom
 (the first is their leader). A row being generated has claimed the pool row its sequence goes to when
 it ends (the one it extends, when that one is free); otherwise the least recently used row. Everything
 is forgotten when the weights change, and a row that saw two versions is not kept.
+
+Groups. The rows of a GRPO group share their prompt, and each slot holds a copy; a decode reads it once
+for the group when `groups` finds the rows' shared whole blocks (keys of the same weights) enough for
+what each row holds past them to fit a narrow window.
 """
 
 from __future__ import annotations
@@ -305,13 +309,12 @@ class Scheduler:
                 return None
             chunks.append(([s], len(hashes)))
         lengths = [max(need[r] for r in rows) * block for rows, _ in chunks]
-        if len(chunks) > U or not any(len(rows) > 1 and length for (rows, _), length in zip(chunks, lengths)):
+        if len(chunks) > U or max(lengths) + own > width or not any(
+                len(rows) > 1 and length for (rows, _), length in zip(chunks, lengths)):
             return None
         src, length = np.zeros(U, np.int32), np.zeros(U, np.int32)
         table = np.zeros((U, n), np.int32)
         group, rank = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
-        if max(lengths) + own > width:
-            return None
         length[:len(lengths)] = lengths
         for u, (rows, _) in enumerate(chunks):
             src[u], table[u] = rows[0], rows[0]

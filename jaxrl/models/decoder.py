@@ -426,7 +426,9 @@ def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_Ux
                                  for x in part(pre, real_Ux1x1xP, v_UxKxPxH))
     max_ = jnp.maximum(own_max, pre_max)
     own_w, pre_w = jnp.exp(own_max - max_), jnp.exp(pre_max - max_)
-    out_BxKxRxH = (own_out * own_w + pre_out * pre_w) / (own_sum * own_w + pre_sum * pre_w)
+    total = own_sum * own_w + pre_sum * pre_w
+    # A row that sees nothing (a free slot of the batch) gets 0, not 0 / 0.
+    out_BxKxRxH = (own_out * own_w + pre_out * pre_w) / jnp.where(total > 0, total, 1)
     out = out_BxKxRxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return out.astype(q_BxTxNxH.dtype)
 
