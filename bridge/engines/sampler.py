@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.engines.scheduler import (NO_STOP, Plan, Row, Scheduler, bucket, group_capacity, prefill_block_rows,
-                                      prefill_order)
+from bridge.engines.scheduler import (NO_STOP, Groups, Plan, Row, Scheduler, bucket, group_capacity,
+                                      prefill_block_rows, prefill_order)
 from jaxrl.models import Decoder, KVCache, ModelConfig
 from jaxrl.models.decoder import SharedPrefix, attention_windows
 
@@ -237,16 +237,6 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     return pool, state
 
 
-class GroupArrays(NamedTuple):
-    """A decode's `Groups` (`bridge.engines.scheduler`) on the device."""
-
-    src: jax.Array  # (U,) the slot whose cache holds each group's prefix
-    length: jax.Array  # (U,) the prefix's slots
-    members: jax.Array  # (U, n)
-    group: jax.Array  # (b,)
-    rank: jax.Array  # (b,)
-
-
 def _slots_from(x, offset_b, width: int, axis: int):
     """Each row's `width` slots from its own offset on (`axis`: the slot axis of a row)."""
     return jax.vmap(lambda row, o: jax.lax.dynamic_slice_in_dim(row, o, width, axis))(x, offset_b)
@@ -259,7 +249,7 @@ def _slots_into(x, part, offset_b, axis: int):
 @functools.partial(jax.jit, static_argnames=("graphdef", "rows", "steps", "width", "prefix_width"),
                    donate_argnames=("state",))
 def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width: int,
-             groups: GroupArrays | None = None, prefix_width: int = 0):
+             groups: Groups | None = None, prefix_width: int = 0):
     """Advances the first `rows` slots up to `steps` tokens each (b = rows): a live slot samples from its
     logits, then feeds the token back, until it stops or reaches its max_tokens; a row's last token is
     not fed back, so its cache then holds exactly what a continuation reuses. Ends early once no slot
@@ -452,7 +442,7 @@ class Slots:
         else:
             self.state, tokens, logprobs, live = generate(
                 params, graphdef, self.state, rows=plan.batch, steps=steps, width=own,
-                groups=GroupArrays(*dataclasses.astuple(groups)), prefix_width=self.shapes.window(int(groups.length.max())))
+                groups=groups, prefix_width=self.shapes.window(int(groups.length.max())))
         output = jax.device_get((tokens, logprobs, live))
         self.device_s += time.perf_counter() - start
         return self.scheduler.update_from_output(plan, *output, version)
@@ -489,8 +479,8 @@ class Slots:
         for n in self.shapes.batches():
             plan = Plan(none, none, none, none, [], none, none, none, none, n, 0)
             U, m = group_capacity(n)
-            groups = GroupArrays(np.zeros(U, np.int32), np.zeros(U, np.int32), np.zeros((U, m), np.int32),
-                                 np.zeros(n, np.int32), np.zeros(n, np.int32))
+            groups = Groups(np.zeros(U, np.int32), np.zeros(U, np.int32), np.zeros((U, m), np.int32),
+                            np.zeros(n, np.int32), np.zeros(n, np.int32))
             for width in self.shapes.windows():
                 self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
                                                chunk=self.shapes.chunk, width=width)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -202,19 +203,19 @@ class Plan:
         return bool(len(self.save_slot) or len(self.move_from) or self.new)
 
 
-@dataclasses.dataclass(frozen=True)
-class Groups:
+class Groups(NamedTuple):
     """A decode's rows grouped by the prompt prefix they share, so that the decode reads each group's
     prefix once (`jaxrl.models.decoder.shared_prefix_attention`): the first `length[u]` slots of slot
     `src[u]`, which every member of group u holds too. Slot b of the batch is member rank[b] of
     group[b]; `members` (U, n) lists each group's slots (padding: its first). Free slots of the batch
-    are nobody's member (group 0, rank 0: what they compute is unused)."""
+    are nobody's member (group 0, rank 0: what they compute is unused). Numpy arrays, passed to the
+    device call as they are."""
 
-    src: np.ndarray
-    length: np.ndarray
-    members: np.ndarray
-    group: np.ndarray
-    rank: np.ndarray
+    src: np.ndarray  # (U,)
+    length: np.ndarray  # (U,)
+    members: np.ndarray  # (U, n)
+    group: np.ndarray  # (b,)
+    rank: np.ndarray  # (b,)
 
 
 def group_capacity(batch: int) -> tuple[int, int]:
