@@ -103,7 +103,7 @@ def test_saving_compiles_nothing(tmp_path):
     replicated on every device (LoRA adapters, norms) are what Orbax's replica-parallel save sliced, one
     program per replica and device: 24 in a tiny LoRA run on 8 devices, hidden when the persistent cache
     held them. Shapes of this test's own, so that no program an earlier test compiled is reused."""
-    from jaxrl.compilation import compiles
+    from jaxrl.compilation import programs
     from jaxrl.models.lora import LoraConfig
 
     model = Decoder(tiny_config("qwen3", vocab_size=96, hidden_size=48), nnx.Rngs(0))
@@ -111,10 +111,10 @@ def test_saving_compiles_nothing(tmp_path):
     replicated = [x for x in jax.tree.leaves(learner.state) if x.ndim and x.sharding.is_fully_replicated]
     assert replicated  # what the save sliced
     ckpt = TrainCheckpointer(tmp_path, async_save=True)
-    before = compiles()
+    before = programs()
     ckpt.save(1, learner.state, {"step": 1}, force=True)
     ckpt.wait()
-    assert compiles() == before
+    assert programs() == before
     state, _ = ckpt.restore(abstract_like(learner.state, learner.shardings))
     for a, b in zip(jax.tree.leaves(learner.state), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 
 from bridge.classifier import RewardClassifier
-from jaxrl.compilation import compiles
+from jaxrl.compilation import programs
 from jaxrl.models import Decoder, save_classifier
 from jaxrl.tiny import build_tiny_classifier, tiny_config
 from jaxrl.tiny_tokenizer import build_tokenizer
@@ -46,13 +46,13 @@ def newline_padded_dir(tmp_path_factory):
 def test_scores_equal_transformers_on_the_conversation_its_chat_template_renders(padding, request):
     model_dir = request.getfixturevalue({"endoftext": "model_dir", "newline": "newline_padded_dir"}[padding])
     classifier = RewardClassifier(model_dir, max_seq_len=200, rows=4)
-    before = compiles()
+    before = programs()
 
     async def score_all():
         return await asyncio.gather(*(classifier.score(c) for c in CONVERSATIONS))
 
     scores = asyncio.run(score_all())
-    assert compiles() == before, "the classifier compiled its programs before the first conversation"
+    assert programs() == before, "the classifier compiled its programs before the first conversation"
     assert classifier.batcher.stats["episodes"] == 5 and classifier.batcher.stats["batches"] == 2  # 4 rows, then 1
     reference = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir)
     for conversation, score in zip(CONVERSATIONS, scores):

@@ -12,7 +12,7 @@ from flax import nnx
 from bridge.engines.base import SamplingParams, SnapshotRefused
 from bridge.engines.jax_engine import JaxEngine
 from bridge.engines.scheduler import MIN_BATCH
-from jaxrl.compilation import compiles
+from jaxrl.compilation import programs
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import load_pretrained
 from jaxrl.snapshots import SnapshotWriter
@@ -76,20 +76,20 @@ def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_d
 def test_one_program_per_batch_size_compiled_by_the_warm_up(model_dir, tmp_path):
     engine = JaxEngine(model_dir, max_batch=2 * MIN_BATCH, max_seq_len=128, prefill_chunk=16, warm_up=True)
     assert engine.shapes.batches() == [MIN_BATCH, 2 * MIN_BATCH]
-    before = compiles()
+    before = programs()
     for length, max_tokens, n in ((3, 5, 1), (40, 2, 3), (100, 20, 2), (7, 60, 12)):
         run(engine.generate([list(range(1, length + 1))], SamplingParams(max_tokens=max_tokens, seed=0, n=n)))
     more = run(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=9, seed=0, n=9)))  # 18 rows, 16 slots
     assert [[len(c.token_ids) for c in group] for group in more] == [[9] * 9] * 2
-    assert compiles() == before
+    assert programs() == before
     model = load_pretrained(model_dir)  # generation with swapped-in weights compiles nothing either
     with contextlib.closing(SnapshotWriter(tmp_path, model.cfg)) as writer:
         writer.publish(nnx.split(model)[1], 1)
     run(engine.load_snapshot(str(tmp_path), 1))
-    before = compiles()
+    before = programs()
     for n in (1, 9):
         run(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0, n=n)))
-    assert compiles() == before
+    assert programs() == before
 
 
 def test_stop_strings_cut_at_the_completing_token(model_dir):
@@ -224,10 +224,10 @@ def test_a_request_joins_running_slots_and_samples_what_it_samples_alone(slot_en
         joined = await engine.generate(*target)
         return await long, joined
 
-    before, compiled = engine.stats["batches"], compiles()
+    before, compiled = engine.stats["batches"], programs()
     [[long]], [[joined]] = run(scenario())
     assert engine.stats["batches"] - before == 10  # the long row's 10 calls: the others rode along
-    assert compiles() == compiled
+    assert programs() == compiled
     assert joined.token_ids == alone.token_ids and len(long.token_ids) == 40
     np.testing.assert_allclose(joined.logprobs, alone.logprobs, atol=1e-5)
 
@@ -245,13 +245,13 @@ def test_new_weights_reach_a_completion_under_way_and_tag_its_tokens(slot_engine
         await engine.swap(new, 1)  # from the second call on
         return await long
 
-    compiled = compiles()
+    compiled = programs()
     try:
         [[swapped]] = run(scenario())
         [[after]] = run(engine.generate([[1, 2, 3]], params))
     finally:
         run(engine.swap(served, 0))
-    assert compiles() == compiled
+    assert programs() == compiled
     # One call of 4 tokens, and the token sampled from the logits that call left: old weights.
     assert swapped.token_versions == [0] * 5 + [1] * 35 and swapped.policy_version == 0
     assert swapped.token_ids[:5] == old.token_ids[:5]

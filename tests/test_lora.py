@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.compilation import compiles
+from jaxrl.compilation import programs
 from jaxrl.learner import Learner
 from jaxrl.losses import LossConfig
 from jaxrl.models import Decoder, from_hf_tensors, positions_from_mask, to_hf_tensors
@@ -138,10 +138,10 @@ def test_learner_trains_adapters_only(mesh_cfg):
     learner = Learner(Decoder(MODEL_CFG, nnx.Rngs(0)), CFG, make_mesh(mesh_cfg, devices))
     adapters_before = _host(learner.state.params)
     metrics = learner.update(make_batch(0))
-    after_first = compiles()
+    after_first = programs()
     for seed in (1, 2):
         metrics = learner.update(make_batch(seed))
-    assert compiles() == after_first  # LoRA adds no program after the first step
+    assert programs() == after_first  # LoRA adds no program after the first step
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     # Only adapters are trained; the optimiser's moments are theirs alone.
     paths = [tuple(str(getattr(k, "key", k)) for k in path)

@@ -218,17 +218,17 @@ def test_packed_lora_gradients_over_a_mesh_equal_the_padded_ones_on_one_device()
 
 
 def test_a_packed_learner_compiles_once_whatever_the_episodes_lengths():
-    from jaxrl.compilation import compiles
+    from jaxrl.compilation import programs
 
     cfg = LearnerConfig(group_size=4, pack_tokens=256, loss=LossConfig(loss_type="dapo"))
     learner = Learner(Decoder(MODEL_CFG, nnx.Rngs(0)), cfg, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
     learner.update(episodes(0, B=8, C=120))
-    before = compiles()
+    before = programs()
     # Every episode as long as the batch allows (8 rows, the longest window), then one, then none.
     for seed, long_rows in enumerate([tuple(range(8)), (3,), ()], start=1):
         metrics = learner.update(episodes(seed, B=8, C=120, long_rows=long_rows))
         assert np.isfinite(metrics["loss"])
-    assert compiles() == before
+    assert programs() == before
 
 
 @pytest.mark.parametrize("change,message", [

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bridge.teacher import Teacher
-from jaxrl.compilation import compiles
+from jaxrl.compilation import programs
 from jaxrl.logprobs import completion_logprobs
 from jaxrl.models import load_pretrained
 from jaxrl.tiny import build_tiny_model
@@ -23,13 +23,13 @@ def test_the_teacher_scores_each_completion_token_as_the_learner_does(model_dir)
     rng = np.random.default_rng(0)
     episodes = [(rng.integers(1, 200, p).tolist(), rng.integers(1, 200, c).tolist())
                 for p, c in [(5, 9), (12, 30), (1, 3), (20, 20), (7, 11), (3, 40)]]
-    before = compiles()
+    before = programs()
 
     async def score_all():
         return await asyncio.gather(*(teacher.score(p, c) for p, c in episodes))
 
     scores = asyncio.run(score_all())
-    assert compiles() == before, "the teacher compiled its program before the first episode"
+    assert programs() == before, "the teacher compiled its program before the first episode"
     assert teacher.batcher.stats["episodes"] == 6 and teacher.batcher.stats["batches"] == 2  # 4 rows, then 2
     model = load_pretrained(model_dir)
     for (prompt, completion), logp in zip(episodes, scores):
