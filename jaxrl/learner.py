@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -62,8 +63,9 @@ class Learner:
     to every step undonated, so they stay bitwise as loaded.
 
     `widths`: the prompt widths of the padded batches to come (`prompt_widths`); the step's programs
-    for all of them compile with the first batch of one of them. A batch of another width (a prompt
-    longer than the run's widest) compiles its own on arrival."""
+    for all of them compile with the first batch of one of them, or beforehand in the background
+    (`prepare`). A batch of another width (a prompt longer than the run's widest) compiles its own on
+    arrival."""
 
     def __init__(self, model: Decoder, cfg: LearnerConfig, mesh: jax.sharding.Mesh, widths: Sequence[int] = ()):
         self.cfg, self.mesh, self.widths = cfg, mesh, tuple(widths)
@@ -98,6 +100,8 @@ class Learner:
                              f"{self.num_batch_shards} batch shards")
         # By (rows sharing each prompt, prompt width).
         self._step_fns: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._prepared: Future | None = None
+        self._closing = threading.Event()
 
     @property
     def step(self) -> int:
@@ -128,20 +132,53 @@ class Learner:
             packed[key] = multihost_utils.process_allgather(packed[key]).max(axis=0).astype(np.int32)
         return packed
 
+    def prepare(self, batch: dict[str, np.ndarray]) -> None:
+        """Compiles (or loads from the persistent cache) the step's programs for batches shaped as
+        `batch` (its contents aside: `rl_batch([], ...)` will do) in a background thread, while the
+        caller does something else (a run's first rollout); the first `update` waits for them.
+        Packed batches' shapes follow their contents: nothing is prepared for them."""
+        if self.cfg.pack_tokens is not None or self._prepared is not None or self._step_fns:
+            return
+        validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
+        arrays, group = put_batch(batch, self.mesh), shared_prompt_rows(batch, self.cfg)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="learner-prepare")
+        self._prepared = pool.submit(self._prepare, arrays, group)
+        pool.shutdown(wait=False)
+
+    def close(self) -> None:
+        """Stops `prepare`'s thread after the program at hand (a process ends only once it has)."""
+        self._closing.set()
+
+    def _prepare(self, arrays: dict[str, jax.Array], group: int) -> None:
+        # One program at a time: `close` then waits for one, not for every width's.
+        for width in self._widths(arrays["prompt_BxP"].shape[1]):
+            if self._closing.is_set():
+                return
+            self._step_fns.update({key: program.compile() for key, program in self._lowered(arrays, group, (width,))})
+
+    def _widths(self, P: int) -> tuple[int, ...]:
+        """The prompt widths compiled with a batch of width P (packed batches have one: their prompts'
+        width does not size the model's work)."""
+        return self.widths if P in self.widths and self.cfg.pack_tokens is None else (P,)
+
+    def _lowered(self, arrays: dict[str, jax.Array], group: int, widths: Sequence[int]):
+        """(key, lowered step) for the batches of these arrays' shapes at each of `widths`."""
+        jitted = jit_train_step(self.graphdef, self.cfg, self.tx, self.shardings,
+                                batch_shardings(self.mesh, arrays), group, self.frozen_shardings)
+        for width in widths:
+            shapes = {k: jax.ShapeDtypeStruct((a.shape[0], width, *a.shape[2:]) if k.endswith("_BxP") else a.shape,
+                                              a.dtype, sharding=a.sharding) for k, a in arrays.items()}
+            with jax.set_mesh(self.mesh):
+                yield (group, width), jitted.lower(self.state, shapes, self.frozen)
+
     def _compiled(self, arrays: dict[str, jax.Array], group: int) -> jax.stages.Compiled:
-        """The step for these arrays' shapes; with the first of `widths`, those of every width (packed
-        batches have one: their prompts' width does not size the model's work)."""
+        """The step for these arrays' shapes; with the first of `widths`, those of every width."""
+        if self._prepared is not None:
+            prepared, self._prepared = self._prepared, None
+            prepared.result()
         P = arrays["prompt_BxP"].shape[1]
         if (group, P) not in self._step_fns:
-            jitted = jit_train_step(self.graphdef, self.cfg, self.tx, self.shardings,
-                                    batch_shardings(self.mesh, arrays), group, self.frozen_shardings)
-            packed = self.cfg.pack_tokens is not None
-            lowered = {}
-            for width in self.widths if P in self.widths and not packed else (P,):
-                shapes = {k: jax.ShapeDtypeStruct((a.shape[0], width, *a.shape[2:]) if k.endswith("_BxP") else a.shape,
-                                                  a.dtype, sharding=a.sharding) for k, a in arrays.items()}
-                with jax.set_mesh(self.mesh):
-                    lowered[(group, width)] = jitted.lower(self.state, shapes, self.frozen)
+            lowered = dict(self._lowered(arrays, group, [w for w in self._widths(P) if (group, w) not in self._step_fns]))
             # XLA compiles outside the GIL: the widths side by side where the host has the cores.
             with ThreadPoolExecutor(len(lowered)) as pool:
                 self._step_fns.update(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))

@@ -76,6 +76,34 @@ def test_every_prompt_width_compiles_at_the_first_step_and_takes_the_same_step()
     assert {w for _, w in one._step_fns} == {8, 128}
 
 
+def test_prepared_programs_serve_the_first_update_and_close_stops_preparing():
+    # A run prepares its programs while its first rollout runs: the first update then waits for them,
+    # compiles nothing more and takes the step an unprepared learner takes. One closed while preparing
+    # stops after the program at hand; an update compiles the rest.
+    cfg, widths = LearnerConfig(group_size=4), (8, 32, 64, 128)
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    cfg_model = tiny_config("qwen3", vocab_size=VOCAB)
+    batch = _left_widened(make_batch(sampler=False), 32)
+    plain = Learner(Decoder(cfg_model, nnx.Rngs(0)), cfg, mesh, widths=widths).update(batch)
+    prepared = Learner(Decoder(cfg_model, nnx.Rngs(0)), cfg, mesh, widths=widths)
+    before = programs()
+    prepared.prepare(batch)
+    prepared._prepared.result()
+    assert programs() - before == len(widths)
+    first = prepared.update(batch)
+    assert programs() - before == len(widths), "the first update compiled what prepare had"
+    closed = Learner(Decoder(cfg_model, nnx.Rngs(0)), cfg, mesh, widths=widths)
+    closed.prepare(batch)
+    closed.close()
+    closed._prepared.result()
+    assert len(closed._step_fns) < len(widths)
+    resumed = closed.update(batch)
+    assert {w for _, w in closed._step_fns} == set(widths)
+    for m in (first, resumed):
+        assert m["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
