@@ -42,6 +42,7 @@ def test_a_scripts_own_loop_over_a_bridge(tmp_path):
     cfg = api.config(base(tmp_path, model_dir), {"compilation_cache": None})
     learner = api.make_learner(cfg)
     with api.start_bridge(cfg) as bridge:
+        learner.prepare(api.rl_batch([], cfg, bridge.tokenizer.pad_token_id))  # the first update waits for it
         [[a, b]] = bridge.generate(["hello"], n=2, max_tokens=4)
         assert len(a.completion_ids) <= 4 and a.loss_mask.all() and a.sampler_logprobs.shape == a.completion_ids.shape
         groups = bridge.episodes(step=0)
