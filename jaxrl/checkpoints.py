@@ -106,7 +106,9 @@ class TrainCheckpointer:
             self._discard_unfinished()
             raise CheckpointFailed(f"checkpoint of step {step} failed") from e
         except BaseException:
-            self._discard_unfinished()
+            # An interrupt (a second Ctrl-C) may leave the save going on in the background: `close`
+            # waits for it, and a start-up removes what an unfinished one left.
+            self._saving = step
             raise
         self._saving = step if saved else self._saving
         return saved
@@ -145,7 +147,8 @@ class TrainCheckpointer:
             )
 
     def wait(self) -> None:
-        """Until the save under way is done; CheckpointFailed if it failed."""
+        """Until the save under way is done; CheckpointFailed if it failed. An interrupt ends the
+        wait, not the save, which `close` then waits for."""
         step, self._saving = self._saving, None
         try:
             self.manager.wait_until_finished()
@@ -153,7 +156,7 @@ class TrainCheckpointer:
             self._discard_unfinished()
             raise CheckpointFailed(f"checkpoint of step {step} failed") from e
         except BaseException:
-            self._discard_unfinished()
+            self._saving = step
             raise
 
     def close(self) -> None:

@@ -177,3 +177,37 @@ def test_a_save_that_fails_in_the_background_is_raised_at_the_next_step_naming_i
     assert "No space left on device" in str(e.value.__cause__)
     assert ckpt.latest_step() == 2
     ckpt.close()
+
+
+def test_a_second_ctrl_c_while_a_save_runs_stops_the_wait_and_keeps_the_save(tmp_path, monkeypatch):
+    # `jaxrl train`'s second Ctrl-C raises wherever the main thread is, here in the wait for a save.
+    # The save goes on in the background; closing the checkpointer on the way out waits for it again,
+    # and the step is kept (its directory removed under it, the save failed, and the run's error
+    # named a checkpoint instead of the signal).
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    release = threading.Event()
+    save_meta = ocp.JsonCheckpointHandler._save_fn
+
+    async def held(self, item, directory):
+        assert release.wait(timeout=120), "the test never let the save go on"
+        return await save_meta(self, item, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", held)
+    learner = _learner(MeshConfig(fsdp=1), 1)
+    ckpt = TrainCheckpointer(tmp_path)
+    ckpt.save(1, learner.state, {"step": 1})
+    wait = ckpt.manager.wait_until_finished
+
+    def interrupted():
+        ckpt.manager.wait_until_finished = wait
+        raise KeyboardInterrupt
+
+    ckpt.manager.wait_until_finished = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.wait()
+    release.set()
+    ckpt.close()
+    assert TrainCheckpointer(tmp_path).latest_step() == 1
