@@ -150,11 +150,15 @@ class Learner:
         self._closing.set()
 
     def _prepare(self, arrays: dict[str, jax.Array], group: int) -> None:
-        # One program at a time: `close` then waits for one, not for every width's.
-        for width in self._widths(arrays["prompt_BxP"].shape[1]):
-            if self._closing.is_set():
-                return
-            self._step_fns.update({key: program.compile() for key, program in self._lowered(arrays, group, (width,))})
+        # Each width compiles (or loads) while the next is lowered: XLA works outside the GIL. After
+        # `close`, what is under way finishes and nothing more starts.
+        with ThreadPoolExecutor(2) as pool:
+            compiling = {}
+            for key, program in self._lowered(arrays, group, self._widths(arrays["prompt_BxP"].shape[1])):
+                if self._closing.is_set():
+                    break
+                compiling[key] = pool.submit(program.compile)
+            self._step_fns.update({key: future.result() for key, future in compiling.items()})
 
     def _widths(self, P: int) -> tuple[int, ...]:
         """The prompt widths compiled with a batch of width P (packed batches have one: their prompts'
