@@ -146,7 +146,7 @@ class Learner:
         pool.shutdown(wait=False)
 
     def close(self) -> None:
-        """Stops `prepare`'s thread after the program at hand (a process ends only once it has)."""
+        """Stops `prepare`'s thread once the programs under way are done (a process ends only then)."""
         self._closing.set()
 
     def _prepare(self, arrays: dict[str, jax.Array], group: int) -> None:

@@ -79,7 +79,7 @@ def test_every_prompt_width_compiles_at_the_first_step_and_takes_the_same_step()
 def test_prepared_programs_serve_the_first_update_and_close_stops_preparing():
     # A run prepares its programs while its first rollout runs: the first update then waits for them,
     # compiles nothing more and takes the step an unprepared learner takes. One closed while preparing
-    # stops after the program at hand; an update compiles the rest.
+    # starts no more programs once those under way are done; an update compiles the rest.
     cfg, widths = LearnerConfig(group_size=4), (8, 32, 64, 128)
     mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     cfg_model = tiny_config("qwen3", vocab_size=VOCAB)
