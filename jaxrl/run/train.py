@@ -177,7 +177,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         del model
         # The learner's programs compile while the first rollout runs (the bridges' warm-up first).
         stack.callback(learner.close)
-        learner.prepare(rl_batch([], cfg, job.pad_id, rows=share.count * cfg.learner.group_size))
+        if step < cfg.steps:
+            learner.prepare(rl_batch([], cfg, job.pad_id, rows=share.count * cfg.learner.group_size))
         startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
         _print_startup(startup, out)
         collector = stack.enter_context(contextlib.closing(
