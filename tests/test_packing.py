@@ -222,6 +222,8 @@ def test_a_packed_learner_compiles_once_whatever_the_episodes_lengths():
 
     cfg = LearnerConfig(group_size=4, pack_tokens=256, loss=LossConfig(loss_type="dapo"))
     learner = Learner(Decoder(MODEL_CFG, nnx.Rngs(0)), cfg, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    learner.prepare(episodes(0, B=8, C=120))  # packed shapes follow the episodes: nothing to prepare
+    assert learner._prepared is None
     learner.update(episodes(0, B=8, C=120))
     before = programs()
     # Every episode as long as the batch allows (8 rows, the longest window), then one, then none.
