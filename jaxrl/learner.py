@@ -142,20 +142,23 @@ class Learner:
         validate_train_batch(batch, self.cfg, self.num_batch_shards // jax.process_count())
         arrays, group = put_batch(batch, self.mesh), shared_prompt_rows(batch, self.cfg)
         pool = ThreadPoolExecutor(1, thread_name_prefix="learner-prepare")
-        self._prepared = pool.submit(self._prepare, arrays, group)
+        self._prepared = pool.submit(self._compile, arrays, group, self._widths(arrays["prompt_BxP"].shape[1]),
+                                     self._closing)
         pool.shutdown(wait=False)
 
     def close(self) -> None:
         """Stops `prepare`'s thread once the programs under way are done (a process ends only then)."""
         self._closing.set()
 
-    def _prepare(self, arrays: dict[str, jax.Array], group: int) -> None:
-        # Each width compiles (or loads) while the next is lowered: XLA works outside the GIL. After
-        # `close`, what is under way finishes and nothing more starts.
+    def _compile(self, arrays: dict[str, jax.Array], group: int, widths: Sequence[int],
+                 stop: threading.Event | None = None) -> None:
+        """The step's programs for these arrays' shapes at each of `widths`, into `_step_fns`: each
+        compiles (or loads) in a worker while the next is lowered, as XLA works outside the GIL. Once
+        `stop` is set, what is under way finishes and nothing more starts."""
         with ThreadPoolExecutor(2) as pool:
             compiling = {}
-            for key, program in self._lowered(arrays, group, self._widths(arrays["prompt_BxP"].shape[1])):
-                if self._closing.is_set():
+            for key, program in self._lowered(arrays, group, widths):
+                if stop is not None and stop.is_set():
                     break
                 compiling[key] = pool.submit(program.compile)
             self._step_fns.update({key: future.result() for key, future in compiling.items()})
@@ -182,10 +185,7 @@ class Learner:
             prepared.result()
         P = arrays["prompt_BxP"].shape[1]
         if (group, P) not in self._step_fns:
-            lowered = dict(self._lowered(arrays, group, [w for w in self._widths(P) if (group, w) not in self._step_fns]))
-            # XLA compiles outside the GIL: the widths side by side where the host has the cores.
-            with ThreadPoolExecutor(len(lowered)) as pool:
-                self._step_fns.update(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
+            self._compile(arrays, group, [w for w in self._widths(P) if (group, w) not in self._step_fns])
         return self._step_fns[(group, P)]
 
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
