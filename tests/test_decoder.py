@@ -118,6 +118,30 @@ def test_cached_decoding_past_the_smallest_window_sees_every_slot():
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected[0, 200:]), atol=1e-5, rtol=0)
 
 
+def test_causal_attention_gradients_are_autodiffs_of_plain_attention():
+    """The query blocks' written-out backward against autodiff of one masked softmax over all keys:
+    keys before the queries (S > T), left padding, two query heads per KV head, three query blocks."""
+    B, T, S, N, K, H = 3, 130, 140, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, H), np.float32)) for _ in range(2))
+    mask = jnp.asarray(np.arange(S)[None] >= np.array([[0], [5], [100]]))
+    weights = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32)) * mask[:, S - T:, None, None]
+
+    def plain(q, k, v):
+        k, v = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+        visible = (np.arange(S)[None] <= S - T + np.arange(T)[:, None])[None] & mask[:, None]
+        probs = jax.nn.softmax(jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min), -1)
+        return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+    want, got = (jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=range(3))(q, k, v)
+                 for f in (plain, lambda q, k, v: causal_attention(q, k, v, mask)))
+    assert all(float(jnp.abs(w).max()) > 1e-2 for w in want)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
 def test_prefixed_attention_is_attention_over_each_rows_prefix_then_its_own_keys():
     """Prefixes read once per group give what every row attending to its own copy gives, values and
     gradients: left-padded prefixes, right-padded rows, two query heads per KV head, three query blocks."""
