@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl.models.decoder import Decoder, positions_from_mask
+from jaxrl.models.decoder import Decoder, positions_from_mask, transposed_copy
 
 
 def _contract(x, y, x_dim: int, y_dim: int):
@@ -76,7 +76,7 @@ def _scan_chunks_bwd(vocab_major, with_entropy, residuals, cotangents):
     w_c = w.astype(h_NxRxD.dtype)
 
     def one(carry, xs):
-        dw, dtemp = carry
+        dw_DxV, dtemp = carry
         h_RxD, t_R, (max_R, logsum_R), dlogp_R, dent_R = xs
         z_RxV = _chunk_logits(h_RxD, w_c, vocab_major, temperature)
         logp_RxV = _chunk_log_softmax(z_RxV, max_R, logsum_R)
@@ -93,13 +93,17 @@ def _scan_chunks_bwd(vocab_major, with_entropy, residuals, cotangents):
         g_RxV = (g_RxV / temperature).astype(h_RxD.dtype)
         # Both products in w's own layout: no transposed copy of the (large) head weight.
         dh_RxD = _contract(g_RxV, w_c, 1, 0 if vocab_major else 1).astype(h_RxD.dtype)
-        dw = dw + (_contract(g_RxV, h_RxD, 0, 0) if vocab_major else _contract(h_RxD, g_RxV, 0, 0))
-        return (dw, dtemp), dh_RxD
+        # (D, V) whatever w's layout, over the chunk's rows with the small h transposed in memory
+        # (`transposed_copy`); a (V, D) weight's gradient is transposed once, after the chunks.
+        dw_DxV = dw_DxV + _contract(transposed_copy(h_RxD), g_RxV, 1, 0)
+        return (dw_DxV, dtemp), dh_RxD
 
-    zero = (jnp.zeros(w.shape, jnp.float32), jnp.zeros((), jnp.float32))
-    (dw, dtemp), dh_NxRxD = jax.lax.scan(
+    D, V = h_NxRxD.shape[-1], w.shape[0] if vocab_major else w.shape[1]
+    zero = (jnp.zeros((D, V), jnp.float32), jnp.zeros((), jnp.float32))
+    (dw_DxV, dtemp), dh_NxRxD = jax.lax.scan(
         one, zero, (h_NxRxD, t_NxR, norm_NxR, dlogp_NxR, dent_NxR)
     )
+    dw = dw_DxV.T if vocab_major else dw_DxV
     dtemp = jnp.reshape(dtemp, jnp.shape(temperature)).astype(jnp.result_type(temperature))
     return dh_NxRxD, dw.astype(w.dtype), None, dtemp
 
