@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl.models.decoder import Decoder, positions_from_mask, transposed_copy
+from jaxrl.models.decoder import Decoder, dot_over_rows, positions_from_mask
 
 
 def _contract(x, y, x_dim: int, y_dim: int):
@@ -75,35 +75,42 @@ def _scan_chunks_bwd(vocab_major, with_entropy, residuals, cotangents):
     dent_NxR = dent_NxR if with_entropy else zeros_NxR
     w_c = w.astype(h_NxRxD.dtype)
 
-    def one(carry, xs):
-        dw_DxV, dtemp = carry
-        h_RxD, t_R, (max_R, logsum_R), dlogp_R, dent_R = xs
-        z_RxV = _chunk_logits(h_RxD, w_c, vocab_major, temperature)
-        logp_RxV = _chunk_log_softmax(z_RxV, max_R, logsum_R)
-        p_RxV = jnp.exp(logp_RxV)
-        target_RxV = jnp.arange(z_RxV.shape[1])[None, :] == t_R[:, None]
-        # d log p_t / dz = onehot(t) - p.
-        g_RxV = dlogp_R[:, None] * (target_RxV - p_RxV)
-        if with_entropy:
-            # Through -sum p log p, then log_softmax, in autodiff's order of operations.
-            dlogp_RxV = -dent_R[:, None] * p_RxV * (logp_RxV + 1)
-            g_RxV = g_RxV + dlogp_RxV - p_RxV * jnp.sum(dlogp_RxV, -1, keepdims=True)
-        # z = logits / temperature, so dz / dtemperature = -z / temperature.
-        dtemp = dtemp - jnp.sum(g_RxV * z_RxV) / temperature
-        g_RxV = (g_RxV / temperature).astype(h_RxD.dtype)
-        # Both products in w's own layout: no transposed copy of the (large) head weight.
-        dh_RxD = _contract(g_RxV, w_c, 1, 0 if vocab_major else 1).astype(h_RxD.dtype)
-        # (D, V) whatever w's layout, over the chunk's rows with the small h transposed in memory
-        # (`transposed_copy`); a (V, D) weight's gradient is transposed once, after the chunks.
-        dw_DxV = dw_DxV + _contract(transposed_copy(h_RxD), g_RxV, 1, 0)
-        return (dw_DxV, dtemp), dh_RxD
+    def chunks(dw_in_DxV: bool):
+        """The backward over the chunks, the weight's gradient summed (D, V) if `dw_in_DxV`, else in
+        w's own layout."""
+        def one(carry, xs):
+            dw, dtemp = carry
+            h_RxD, t_R, (max_R, logsum_R), dlogp_R, dent_R = xs
+            z_RxV = _chunk_logits(h_RxD, w_c, vocab_major, temperature)
+            logp_RxV = _chunk_log_softmax(z_RxV, max_R, logsum_R)
+            p_RxV = jnp.exp(logp_RxV)
+            target_RxV = jnp.arange(z_RxV.shape[1])[None, :] == t_R[:, None]
+            # d log p_t / dz = onehot(t) - p.
+            g_RxV = dlogp_R[:, None] * (target_RxV - p_RxV)
+            if with_entropy:
+                # Through -sum p log p, then log_softmax, in autodiff's order of operations.
+                dlogp_RxV = -dent_R[:, None] * p_RxV * (logp_RxV + 1)
+                g_RxV = g_RxV + dlogp_RxV - p_RxV * jnp.sum(dlogp_RxV, -1, keepdims=True)
+            # z = logits / temperature, so dz / dtemperature = -z / temperature.
+            dtemp = dtemp - jnp.sum(g_RxV * z_RxV) / temperature
+            g_RxV = (g_RxV / temperature).astype(h_RxD.dtype)
+            # Both products in w's own layout: no transposed copy of the (large) head weight.
+            dh_RxD = _contract(g_RxV, w_c, 1, 0 if vocab_major else 1).astype(h_RxD.dtype)
+            if dw_in_DxV:  # h, the small operand, transposed in memory (`dot_over_rows`)
+                dw = dw + dot_over_rows(h_RxD, g_RxV, preferred_element_type=jnp.float32)
+            else:
+                dw = dw + (_contract(g_RxV, h_RxD, 0, 0) if vocab_major else _contract(h_RxD, g_RxV, 0, 0))
+            return (dw, dtemp), dh_RxD
 
-    D, V = h_NxRxD.shape[-1], w.shape[0] if vocab_major else w.shape[1]
-    zero = (jnp.zeros((D, V), jnp.float32), jnp.zeros((), jnp.float32))
-    (dw_DxV, dtemp), dh_NxRxD = jax.lax.scan(
-        one, zero, (h_NxRxD, t_NxR, norm_NxR, dlogp_NxR, dent_NxR)
-    )
-    dw = dw_DxV.T if vocab_major else dw_DxV
+        D, V = h_NxRxD.shape[-1], w.shape[0] if vocab_major else w.shape[1]
+        zero = (jnp.zeros((D, V) if dw_in_DxV else w.shape, jnp.float32), jnp.zeros((), jnp.float32))
+        (dw, dtemp), dh_NxRxD = jax.lax.scan(one, zero, (h_NxRxD, t_NxR, norm_NxR, dlogp_NxR, dent_NxR))
+        return dh_NxRxD, dw.T if dw_in_DxV and vocab_major else dw, dtemp
+
+    # XLA:CPU runs g^T h, a sum over both operands' leading axis, far slower than h^T g with h
+    # transposed first (docs/benchmarks.md); a vocabulary-major weight's gradient is then transposed
+    # once, after the chunks. Other backends keep w's layout throughout (no second full-size gradient).
+    dh_NxRxD, dw, dtemp = jax.lax.platform_dependent(cpu=lambda: chunks(True), default=lambda: chunks(False))
     dtemp = jnp.reshape(dtemp, jnp.shape(temperature)).astype(jnp.result_type(temperature))
     return dh_NxRxD, dw.astype(w.dtype), None, dtemp
 

@@ -224,23 +224,32 @@ def _softmax_attention_bwd(residuals, dout_BxNxTxH):
     over the (T, S) scores, and the scale applies to q / dq rather than to the scores."""
     q, k, v, visible_BxTxS, probs, out = residuals
     scale = np.float32(1 / math.sqrt(q.shape[-1]))
-    dv = jnp.einsum("bnst,bnth->bnsh", transposed_copy(probs), dout_BxNxTxH)
+    dv = dot_over_rows(probs, dout_BxNxTxH)
     dprobs = jnp.einsum("bnth,bnsh->bnts", dout_BxNxTxH, v, preferred_element_type=jnp.float32)
     rowsum_BxNxTx1 = jnp.sum(dout_BxNxTxH * out, -1, keepdims=True, dtype=jnp.float32)
     dscores = jnp.where(visible_BxTxS[:, None], probs * (dprobs - rowsum_BxNxTx1), 0).astype(q.dtype)
     dq = jnp.einsum("bnts,bnsh->bnth", dscores, k) * scale.astype(q.dtype)
-    dk = jnp.einsum("bnst,bnth->bnsh", transposed_copy(dscores), q * scale.astype(q.dtype))
+    dk = dot_over_rows(dscores, q * scale.astype(q.dtype))
     return dq, dk, dv, None
 
 
 _softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
-def transposed_copy(x_xTxS):
-    """x with its last two axes swapped in memory, for a dot that would otherwise sum over x's
-    second-to-last axis: XLA:CPU runs such a dot outside YNNPACK, far slower than a plain matmul
-    (docs/benchmarks.md). The barrier keeps XLA from folding the transpose back into the dot."""
-    return jax.lax.optimization_barrier(jnp.swapaxes(x_xTxS, -1, -2))
+def dot_over_rows(a_xTxA, b_xTxB, preferred_element_type=None):
+    """a^T b (..., A, B): the sum over the row axis T that a and b share, batched over leading axes.
+
+    XLA:CPU runs a dot summing over its lhs's second-to-last axis outside YNNPACK, far slower than
+    a plain matmul (docs/benchmarks.md), so on CPU `a` is transposed in memory first; the barrier
+    keeps XLA from folding the transpose back into the dot. Other backends take it as it is."""
+    def transposed_first(a, b):
+        a_xAxT = jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
+        return jnp.einsum("...at,...tb->...ab", a_xAxT, b, preferred_element_type=preferred_element_type)
+
+    def as_it_is(a, b):
+        return jnp.einsum("...ta,...tb->...ab", a, b, preferred_element_type=preferred_element_type)
+
+    return jax.lax.platform_dependent(a_xTxA, b_xTxB, cpu=transposed_first, default=as_it_is)
 
 
 def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
