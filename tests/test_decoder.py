@@ -74,7 +74,7 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
 
 @pytest.mark.parametrize("family, slots", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen3", 512)])
 def test_cached_decoding_matches_full_forward(family, slots):
-    """With 512 slots the queries attend to the smallest window (128 slots) of attention_windows."""
+    """With 512 slots the queries attend to the smallest of key_windows (64 slots)."""
     cfg = tiny_config(family, vocab_size=VOCAB)
     model = Decoder(cfg, nnx.Rngs(1))
     rng = np.random.default_rng(1)
@@ -109,7 +109,7 @@ def test_cached_decoding_past_the_smallest_window_sees_every_slot():
     model = Decoder(cfg, nnx.Rngs(4))
     row = np.random.default_rng(4).integers(0, VOCAB, 202)
     expected, _ = model(jnp.asarray(row[None]), jnp.arange(202)[None], jnp.ones((1, 202), jnp.int32))
-    cache = KVCache.empty(cfg, batch=1, max_len=512)  # windows 128, 256, 512: the prompt needs 256
+    cache = KVCache.empty(cfg, batch=1, max_len=512)  # windows 64, 128, ..., 512: the prompt needs 256
     _, cache = model(jnp.asarray(row[None, :200]), jnp.arange(200)[None], jnp.ones((1, 200), jnp.int32), cache)
     got = []
     for t in (200, 201):
@@ -205,6 +205,16 @@ def test_attention_windows_halve_down_to_the_smallest():
 
     assert attention_windows(2112) == (132, 264, 528, 1056, 2112)
     assert attention_windows(100) == (100,)
+
+
+def test_key_windows_step_evenly_in_aligned_steps_at_most_eight():
+    from jaxrl.models.decoder import key_windows
+
+    assert key_windows(704) == (128, 256, 384, 512, 640, 704)
+    assert key_windows(512) == tuple(range(64, 513, 64))
+    assert key_windows(100) == (64, 100)
+    assert key_windows(16) == (16,)
+    assert len(key_windows(32832)) == 8 and key_windows(32832)[0] % 64 == 0
 
 
 def test_bfloat16_compute_stays_close_to_float32():

@@ -211,7 +211,7 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
         start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
         tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(rows(plan.tokens), start_R)
         slot_RxC = start_R[:, None] + jnp.arange(chunk)
-        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part, windowed=False)
+        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part, windowed=True)
         last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
         h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         ends_here_R = (start_R < prompt_len_R) & (last_R < chunk)

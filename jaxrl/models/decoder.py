@@ -457,10 +457,18 @@ def attention_windows(slots: int, smallest: int = 128) -> tuple[int, ...]:
     return tuple(windows)
 
 
+def key_windows(slots: int, most: int = 8, align: int = 64) -> tuple[int, ...]:
+    """Cache prefixes one program's attention switches between: evenly spaced, multiples of `align`,
+    at most `most` of them (each is a branch of every layer's attention to compile), so that the
+    keys read past the slots in use are under one step, not up to the whole as with halving."""
+    step = align * -(-slots // (most * align))
+    return tuple(range(step, slots, step)) + (slots,)
+
+
 def windowed_cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, window):
-    """`cached_attention` over the first attention_windows(S)[window] slots only: a decode step
-    reads the slots in use (within 2x), not the whole cache, whose width is fixed."""
-    windows = attention_windows(v_BxKxSxH.shape[2])
+    """`cached_attention` over the first key_windows(S)[window] slots only: a prefill chunk reads
+    the slots in use (within a step), not the whole cache, whose width is fixed."""
+    windows = key_windows(v_BxKxSxH.shape[2])
 
     def over(w):
         return lambda: cached_attention(q_BxTxNxH, k_BxKxHxS[..., :w], v_BxKxSxH[:, :, :w], visible_BxTxS[..., :w])
@@ -504,7 +512,7 @@ class _KeySlots(NamedTuple):
     mask_BxT: jax.Array  # True on real tokens
     start_B: jax.Array | None  # with a cache: each row's slot of its first new token
     visible_BxTxS: jax.Array | None  # with a cache: query t may attend to key slot s
-    # With a cache: the attention_windows entry that holds every visible slot (None: the whole cache);
+    # With a cache: the key_windows entry that holds every visible slot (None: the whole cache);
     # packed: the packed_windows one.
     window: jax.Array | None = None
     segments_BxT: jax.Array | None = None  # packed rows: each token's segment (0: padding)
@@ -536,7 +544,7 @@ class Decoder(nnx.Module):
         are written at slots [length_B, length_B + T), each attends to the slots up to its own,
         and a row's length grows by its real tokens (the padding's slots are overwritten later).
         The cache needs T free slots past every row's length. Queries attend over the smallest
-        attention window that holds the slots in use, or with `windowed=False` over the whole cache
+        of `key_windows` that holds the slots in use, or with `windowed=False` over the whole cache
         (a caller that already cut the cache to what it uses: a window's slice is a copy). With `shared`,
         each cache row continues its group's prefix (`shared_prefix_attention`): its slots come after
         the prefix's, positions count from the prefix's start, and the whole cache is read.
@@ -548,7 +556,7 @@ class Decoder(nnx.Module):
         else:
             slots = cache.v_BxKxSxH[0].shape[2]
             query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
-            windows = attention_windows(slots)
+            windows = key_windows(slots)
             window = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(cache.length_B) + T),
                                  len(windows) - 1) if windowed and shared is None else None
             keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None], window,
