@@ -167,6 +167,12 @@ def _copy_rows(dst, src, from_N, to_N, n, width: int):
     return jax.lax.fori_loop(0, n, body, dst)
 
 
+def _compacted(flag_K, *arrays):
+    """The entries of `arrays` where flag_K holds, first (in order), and their count: a `_copy_rows` list."""
+    order = jnp.argsort(~flag_K, stable=True)
+    return (*(a[order] for a in arrays), flag_K.sum(dtype=jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "width"), donate_argnames=("pool", "state"))
 def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArrays, chunk: int, width: int):
     """Runs a tick's inserts, in this order: copies the caches of slots plan.save_slot[k] to pool rows
@@ -174,12 +180,13 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     and writes their settings there; moves slot move_from[k] to move_to[k], settings and all (k < n_move).
     Entries past those counts are padding.
 
-    New row k starts from pool row src[k], whose first cached[k] slots hold its prompt's first tokens;
-    prefills the rest `chunk` tokens at a time (a row whose leader[k] is another row has the same prompt
-    and copies that row's prefill), one block of `prefill_block_rows(K)` consecutive rows per step (the
-    blocks of `prefill_order`: rows come in its order). Its slot's logits become those of its prompt's last
-    token. A row whose prompt is in its cache already, run again by an overlapping block, changes nothing:
-    its chunk is all padding, written past its length.
+    New row k starts from pool row src[k], whose first cached[k] slots hold its prompt's first tokens
+    (copied into its slot first; nothing is copied where nothing is cached), and prefills the rest
+    `chunk` tokens at a time in its slot, one block of `prefill_block_rows(K)` rows per step (the blocks
+    of `prefill_order`: rows come in its order). A row whose leader[k] is another row has the same
+    prompt and copies that row's slot once the prefill is done. Its slot's logits become those of its
+    prompt's last token. A row whose prompt is in its cache already, run again by a block, changes
+    nothing: its chunk is all padding, written past its length.
 
     Every cache slot the inserts read or write lies in the first `width` (a new row's prompt and a chunk
     past it, a saved or moved row's sequence): they copy and prefill only those, not the whole width.
@@ -187,45 +194,54 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     Returns the pool and the decode state.
     """
     model: Decoder = nnx.merge(graphdef, params)
-    K = plan.tokens.shape[0]
+    K, B = plan.tokens.shape[0], state.live.shape[0]
     R = prefill_block_rows(K)
     pool = _copy_rows(pool, state.cache, plan.save_slot, plan.save_row, plan.n_save, width)
     # A free slot's length 0 keeps the decode's attention window to the slots in use.
     state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.save_slot].set(0, mode="drop")),
                            live=state.live.at[plan.save_slot].set(False, mode="drop"))
 
-    leads_K = plan.leader == jnp.arange(K)
-    cache = KVCache(tuple(k[plan.src, :, :, :width] for k in pool.k_BxKxHxS),
-                    tuple(v[plan.src, :, :width] for v in pool.v_BxKxSxH),
-                    jnp.where(leads_K, plan.cached, plan.prompt_len))
+    # In prefill order the real rows come first (`prefill_order`).
+    leads_K = (plan.leader == jnp.arange(K)) & (jnp.arange(K) < plan.n_new)
+    cache = _copy_rows(state.cache, pool, *_compacted(leads_K & (plan.cached > 0), plan.src, plan.slot), width)
+    cache = cache._replace(length_B=cache.length_B.at[plan.slot].set(plan.cached, mode="drop"))
 
     def prefill_body(carry):
-        i, cache, logits_KxV = carry
+        i, cache, logits_BxV = carry
         lo = plan.prefill_block[i] * R
 
         def rows(x):
             return jax.lax.dynamic_slice_in_dim(x, lo, R)
 
-        # Consecutive rows: sliced and written back in place (gathered rows copied the whole cache).
-        part = jax.tree.map(rows, cache)
+        slot_R = rows(plan.slot)
+        take_R = jnp.minimum(slot_R, B - 1)  # padding rows (slot B) read any slot and write none
+        part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
+                       tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R])
         start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
         tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(rows(plan.tokens), start_R)
         slot_RxC = start_R[:, None] + jnp.arange(chunk)
-        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part, windowed=True)
+        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
         last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
         h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         ends_here_R = (start_R < prompt_len_R) & (last_R < chunk)
-        logits_RxV = jnp.where(ends_here_R[:, None], model.logits(h_RxD[:, None])[:, 0], rows(logits_KxV))
-        cache = jax.tree.map(lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, lo, 0), cache, part)
-        return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(logits_KxV, logits_RxV, lo, 0)
+        logits_RxV = model.logits(h_RxD[:, None])[:, 0]
+        logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
 
-    logits_KxV = jnp.zeros((K, state.logits.shape[1]), jnp.float32)
-    _, cache, logits_KxV = jax.lax.while_loop(
-        lambda carry: carry[0] < plan.prefill_steps, prefill_body, (jnp.int32(0), cache, logits_KxV))
-    new_cache, new_logits = _copy_rows((state.cache, state.logits), (cache, logits_KxV), plan.leader, plan.slot,
-                                       plan.n_new, width)
+        def write(r, cache):
+            row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
+            return jax.lax.cond(slot_R[r] < B, lambda c: jax.tree.map(
+                lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
+                lambda c: c, cache)
+
+        return i + 1, jax.lax.fori_loop(0, R, write, cache), logits_BxV
+
+    _, cache, logits_BxV = jax.lax.while_loop(
+        lambda carry: carry[0] < plan.prefill_steps, prefill_body, (jnp.int32(0), cache, state.logits))
+    follows_K = ~leads_K & (jnp.arange(K) < plan.n_new)
+    cache, logits_BxV = _copy_rows((cache, logits_BxV), None, *_compacted(follows_K, plan.slot[plan.leader], plan.slot),
+                                   width)
     state = state._replace(
-        cache=new_cache, logits=new_logits, live=state.live.at[plan.slot].set(True, mode="drop"),
+        cache=cache, logits=logits_BxV, live=state.live.at[plan.slot].set(True, mode="drop"),
         position=state.position.at[plan.slot].set(0, mode="drop"),
         settings=jax.tree.map(lambda whole, new: whole.at[plan.slot].set(new, mode="drop"), state.settings,
                               plan.settings))
