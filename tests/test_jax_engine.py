@@ -185,6 +185,26 @@ def test_an_episodes_next_turn_reuses_its_cached_prefix_until_the_weights_change
     assert again.token_ids == second.token_ids and again.logprobs == pytest.approx(second.logprobs, abs=1e-5)
 
 
+def test_slots_ending_with_nothing_to_keep_are_freed_without_a_copy(model_dir):
+    from bridge.engines.sampler import insert
+    from bridge.engines.scheduler import Plan
+
+    engine = JaxEngine(model_dir, max_batch=4, max_seq_len=64, prefill_chunk=16, decode_steps=4)
+    slots, scratch = engine.slots, engine.slots.prefix.scratch
+    run(engine.generate([[5, 6, 7, 8, 9]] * 3, SamplingParams(max_tokens=4, seed=1)))
+    slots.state = slots.state._replace(cache=slots.state.cache._replace(length_B=jnp.asarray([9, 8, 7, 0], jnp.int32)))
+    none = np.zeros(0, np.int32)
+    plan = Plan(np.asarray([0, 1, 2], np.int32), np.asarray([scratch, 3, scratch], np.int32), none, none, [], none,
+                none, none, none, 0, 8)
+    arrays = slots._insert_arrays(plan)
+    assert int(arrays.n_save) == 1 and (arrays.save_slot[0], arrays.save_row[0]) == (1, 3)
+    keys_of_slot_1 = np.asarray(slots.state.cache.k_BxKxHxS[0][1, ..., :8])
+    slots.pool, slots.state = insert(engine.params, engine.graphdef, slots.pool, slots.state, arrays,
+                                     chunk=16, width=slots.shapes.window(8))
+    np.testing.assert_array_equal(np.asarray(slots.pool.k_BxKxHxS[0][3, ..., :8]), keys_of_slot_1)
+    assert np.asarray(slots.state.cache.length_B).tolist() == [0, 0, 0, 0]
+
+
 def test_a_groups_rows_read_their_shared_prompt_once_and_sample_what_they_sample_apart(model_dir):
     def engine(prefix_block):  # found by blocks of 4 tokens, or of 256: no prompt here has a whole block
         return JaxEngine(model_dir, max_batch=MIN_BATCH, max_seq_len=256, prefill_chunk=16, decode_steps=8,

@@ -176,9 +176,9 @@ def _compacted(flag_K, *arrays):
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "width"), donate_argnames=("pool", "state"))
 def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArrays, chunk: int, width: int):
     """Runs a tick's inserts, in this order: copies the caches of slots plan.save_slot[k] to pool rows
-    plan.save_row[k] and frees those slots (k < n_save); prefills n_new new rows into slots plan.slot[k]
-    and writes their settings there; moves slot move_from[k] to move_to[k], settings and all (k < n_move).
-    Entries past those counts are padding.
+    plan.save_row[k] (k < n_save) and frees every slot of save_slot; prefills n_new new rows into slots
+    plan.slot[k] and writes their settings there; moves slot move_from[k] to move_to[k], settings and all
+    (k < n_move). Other entries past those counts are padding.
 
     New row k starts from pool row src[k], whose first cached[k] slots hold its prompt's first tokens
     (copied into its slot first; nothing is copied where nothing is cached), and prefills the rest
@@ -214,7 +214,7 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
             return jax.lax.dynamic_slice_in_dim(x, lo, R)
 
         slot_R = rows(plan.slot)
-        take_R = jnp.minimum(slot_R, B - 1)  # padding rows (slot B) read any slot and write none
+        take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first and write none
         part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
                        tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R])
         start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
@@ -482,8 +482,10 @@ class Slots:
         leader[:n_new] = plan.leader
         order, block_I, steps = prefill_order(prompt_len, cached, leader, n_new, self.shapes.chunk, W)
         position = np.argsort(order).astype(np.int32)  # of each row in `order`
+        # Slots that end with nothing worth keeping (another version's, dropped) are freed, not copied.
+        kept = np.argsort(plan.save_row == S, kind="stable")
         return InsertArrays(
-            pad(plan.save_slot, B), pad(plan.save_row, S), np.int32(len(plan.save_slot)),
+            pad(plan.save_slot[kept], B), pad(plan.save_row[kept], S), np.int32((plan.save_row != S).sum()),
             pad(plan.move_from, B), pad(plan.move_to, B), np.int32(len(plan.move_from)),
             pad(plan.src, S)[order], pad(plan.slot, B)[order], cached[order], position[leader[order]], np.int32(n_new),
             block_I, steps, tokens[order], prompt_len[order],
