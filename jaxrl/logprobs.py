@@ -94,7 +94,7 @@ def _scan_chunks_bwd(vocab_major, with_entropy, residuals, cotangents):
             # z = logits / temperature, so dz / dtemperature = -z / temperature.
             dtemp = dtemp - jnp.sum(g_RxV * z_RxV) / temperature
             g_RxV = (g_RxV / temperature).astype(h_RxD.dtype)
-            # Both products in w's own layout: no transposed copy of the (large) head weight.
+            # w in its own layout: no transposed copy of the (large) head weight.
             dh_RxD = _contract(g_RxV, w_c, 1, 0 if vocab_major else 1).astype(h_RxD.dtype)
             if dw_in_DxV:  # h, the small operand, transposed in memory (`dot_over_rows`)
                 dw = dw + dot_over_rows(h_RxD, g_RxV, preferred_element_type=jnp.float32)
