@@ -51,6 +51,24 @@ def test_logprobs_equal_the_learners(model_dir, temperature):
             np.testing.assert_allclose(c.logprobs, learner_logprobs(model, prompt, c.token_ids, temperature), atol=1e-5)
 
 
+def test_prompts_of_every_rest_prefill_in_chunks_and_tails_to_the_learners_logprobs(model_dir):
+    # Chunks of 16, tails of 4: rests in tails only (1-8), in a chunk short of its width (9-16), in chunks
+    # then tails; blocks of two rows, the longest rests together. Then a next turn whose chunk starts off
+    # the chunks' grid, one token short of max_seq_len: its step writes past the prompt, within the width.
+    engine = JaxEngine(model_dir, max_batch=2 * MIN_BATCH, max_seq_len=40, prefill_chunk=16, prefix_block=4)
+    model = load_pretrained(model_dir)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=5)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (1, 4, 8, 9, 12, 16, 17, 24, 28, 33, 38)]
+    out = run(engine.generate(prompts, params))
+    for prompt, [c] in zip(prompts, out):
+        np.testing.assert_allclose(c.logprobs, learner_logprobs(model, prompt, c.token_ids, 1.0), atol=1e-5)
+    turn = prompts[8] + out[8][0].token_ids + rng.integers(3, 200, 9).tolist()
+    [[c]] = run(engine.generate([turn], SamplingParams(temperature=1.0, max_tokens=1, seed=5)))
+    assert engine.stats["prefix_cached_tokens"] == 29 and len(turn) == 39  # a rest of 10: one chunk, from slot 29
+    np.testing.assert_allclose(c.logprobs, learner_logprobs(model, turn, c.token_ids, 1.0), atol=1e-5)
+
+
 def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_dir):
     engine = JaxEngine(model_dir, batch_window_s=0.05)
     free = run(engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8)))[0][0]
@@ -200,7 +218,7 @@ def test_slots_ending_with_nothing_to_keep_are_freed_without_a_copy(model_dir):
     assert int(arrays.n_save) == 1 and (arrays.save_slot[0], arrays.save_row[0]) == (1, 3)
     keys_of_slot_1 = np.asarray(slots.state.cache.k_BxKxHxS[0][1, ..., :8])
     slots.pool, slots.state = insert(engine.params, engine.graphdef, slots.pool, slots.state, arrays,
-                                     chunk=16, width=slots.shapes.window(8))
+                                     chunk=16, tail=4, width=slots.shapes.window(8))
     np.testing.assert_array_equal(np.asarray(slots.pool.k_BxKxHxS[0][3, ..., :8]), keys_of_slot_1)
     assert np.asarray(slots.state.cache.length_B).tolist() == [0, 0, 0, 0]
 

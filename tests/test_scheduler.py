@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from bridge.engines.scheduler import MIN_BATCH, PrefixIndex, Row, Scheduler, prefill_order
+from bridge.engines.scheduler import MIN_BATCH, PrefixIndex, Row, Scheduler, prefill_order, prefill_steps
 
 
 def output(plan, sampled: dict[int, list[int]], live: set[int], logp: float = -0.5):
@@ -142,13 +142,27 @@ def test_prefill_order_puts_leaders_with_work_first_in_blocks():
     prompt_len = np.array([5, 5, 9, 3, 1, 1, 1, 1])
     cached = np.array([0, 5, 1, 3, 0, 0, 0, 0])
     leader = np.array([0, 0, 2, 3, 4, 5, 6, 7])
-    order, block_I, steps = prefill_order(prompt_len, cached, leader, real_rows=4, chunk=4, width=16)
-    assert order.tolist() == [0, 2, 1, 3, 4, 5, 6, 7]  # row 1 copies row 0, row 3 is all cached
-    assert steps == 4 and block_I[:4].tolist() == [0, 0, 1, 1]  # blocks of one row: 5 and 8 tokens, 2 chunks each
-    order, block_I, steps = prefill_order(np.tile(prompt_len, 2), np.tile(cached, 2), np.r_[leader, leader + 8],
-                                          real_rows=12, chunk=4, width=16)
-    assert order[:8].tolist() == [0, 2, 4, 5, 6, 7, 8, 10]  # padding (rows 12 on) prefills nothing
-    assert steps == 6 and block_I[:6].tolist() == [0, 0, 1, 2, 3, 3]  # blocks of two: each its longest rest
+    order, chunk_I, chunks, tail_I, tails = prefill_order(prompt_len, cached, leader, real_rows=4, chunk=4, tail=1,
+                                                          width=16)
+    assert order.tolist() == [2, 0, 1, 3, 4, 5, 6, 7]  # the longest rest first; row 1 copies row 0, row 3 is all cached
+    # Blocks of one row: rests of 8 (two chunks) and 5 (a chunk, then a tail).
+    assert chunks == 3 and chunk_I[:3].tolist() == [0, 0, 1]
+    assert tails == 1 and tail_I[:1].tolist() == [1]
+    order, chunk_I, chunks, tail_I, tails = prefill_order(
+        np.tile(prompt_len, 2), np.tile(cached, 2), np.r_[leader, leader + 8], real_rows=12, chunk=4, tail=2, width=16)
+    assert order[:8].tolist() == [2, 10, 0, 8, 4, 5, 6, 7]  # padding (rows 12 on) prefills nothing
+    # Blocks of two, rests (8, 8), (5, 5), (1, 1), (1, 1): each block as many steps as its longest rest.
+    assert chunks == 2 and chunk_I[:2].tolist() == [0, 1]
+    assert tails == 5 and tail_I[:5].tolist() == [0, 0, 1, 2, 3]
+    assert len(chunk_I) == 8 * (16 // 4) and len(tail_I) == 8 * 2  # each of 8 blocks its most steps: fixed shapes
+
+
+def test_a_rest_takes_chunks_while_more_than_two_tails_are_left_then_tails():
+    chunks, tails = prefill_steps(np.array([300, 94, 192, 256, 20, 65, 64, 0]), chunk=128, tail=32)
+    assert chunks.tolist() == [2, 1, 1, 2, 0, 1, 0, 0]
+    assert tails.tolist() == [2, 0, 2, 0, 1, 0, 2, 0]
+    chunks, tails = prefill_steps(np.array([5, 2, 1]), chunk=1, tail=1)  # a chunk no longer than the two tails
+    assert chunks.tolist() == [3, 0, 0] and tails.tolist() == [2, 2, 1]
 
 
 def test_a_tick_runs_a_power_of_two_of_rows_from_min_batch_up_to_max_batch():

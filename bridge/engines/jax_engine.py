@@ -60,7 +60,7 @@ class JaxEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str | None = None, max_batch: int = 64,
                  batch_window_s: float = 0.005, seed: int = 0, tokenizer=None, max_seq_len: int = 2048,
-                 prefill_chunk: int = 64, prefix_cache_rows: int | None = None, decode_steps: int = 16,
+                 prefill_chunk: int = 128, prefix_cache_rows: int | None = None, decode_steps: int = 16,
                  max_stop_ids: int = 8, prefix_block: int = 16, warm_up: bool = False, lora: dict | None = None):
         model = load_pretrained(model_dir, param_dtype=dtype, dtype=dtype)
         self.cfg: ModelConfig = model.cfg
@@ -76,8 +76,8 @@ class JaxEngine:
                             ("decode_steps", decode_steps), ("max_stop_ids", max_stop_ids), ("prefix_block", prefix_block)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jax engine: {name}={value!r} must be a positive integer")
-        self.shapes = Shapes(min(max_seq_len, self.cfg.max_position_embeddings), prefill_chunk, max_batch,
-                             decode_steps, max_stop_ids)
+        max_seq_len = min(max_seq_len, self.cfg.max_position_embeddings)
+        self.shapes = Shapes(max_seq_len, min(prefill_chunk, max_seq_len), max_batch, decode_steps, max_stop_ids)
         # Enough rows for every episode of two full batches to find its last turn again.
         rows = 2 * max_batch if prefix_cache_rows is None else prefix_cache_rows
         if not isinstance(rows, int) or rows < 0:

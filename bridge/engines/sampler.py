@@ -4,13 +4,13 @@ KV cache, shaped as JetStream's engine API (`jetstream/engine/engine_api.py`).
 One `DecodeState` pytree holds everything a decode step reads of a slot: its keys and values, its
 next-token logits, and its row's sampling settings, token budget, position and seed, written once
 when the row is inserted. `insert` runs a tick's `Plan` (`bridge.engines.scheduler`): it saves the
-caches of rows that ended to the prefix pool, prefills new rows (`chunk` tokens at a time, from
-whatever the pool holds of their prompt) into their slots, and moves live rows down to the first
-slots; `generate` advances the first `rows` slots up to `decode_steps` tokens, reading the prompt that a
-group of rows shares (a GRPO group's, `Scheduler.groups`) once for the group. `Slots` is the thin
-shell that runs a tick: `schedule()`, the device calls, `update_from_output()`. Shapes are fixed by
-`Shapes`: per power-of-two row count and cache window, one insert and two decode programs (the second
-reading shared prompts), all compiled by a warm-up.
+caches of rows that ended to the prefix pool, prefills new rows (in chunks, then what is left in
+tails, from whatever the pool holds of their prompt) into their slots, and moves live rows down to
+the first slots; `generate` advances the first `rows` slots up to `decode_steps` tokens, reading the
+prompt that a group of rows shares (a GRPO group's, `Scheduler.groups`) once for the group. `Slots`
+is the thin shell that runs a tick: `schedule()`, the device calls, `update_from_output()`. Shapes
+are fixed by `Shapes`: per power-of-two row count and cache window, one insert and two decode
+programs (the second reading shared prompts), all compiled by a warm-up.
 
 Every row carries its own temperature, top-p, top-k, token budget and seed, so requests with
 different settings share one compiled program and one tick. The logprob reported for a sampled
@@ -140,8 +140,10 @@ class InsertArrays(NamedTuple):
     cached: jax.Array
     leader: jax.Array  # positions in prefill order
     n_new: jax.Array
-    prefill_block: jax.Array
-    prefill_steps: jax.Array
+    chunk_block: jax.Array  # the prefill's steps of `chunk` tokens (`prefill_order`)
+    chunk_steps: jax.Array
+    tail_block: jax.Array  # then its steps of `tail` tokens
+    tail_steps: jax.Array
     tokens: jax.Array  # (K, W)
     prompt_len: jax.Array
     settings: RowSettings
@@ -173,23 +175,25 @@ def _compacted(flag_K, *arrays):
     return (*(a[order] for a in arrays), flag_K.sum(dtype=jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "width"), donate_argnames=("pool", "state"))
-def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArrays, chunk: int, width: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "tail", "width"), donate_argnames=("pool", "state"))
+def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArrays, chunk: int, tail: int,
+           width: int):
     """Runs a tick's inserts, in this order: copies the caches of slots plan.save_slot[k] to pool rows
     plan.save_row[k] (k < n_save) and frees every slot of save_slot; prefills n_new new rows into slots
     plan.slot[k] and writes their settings there; moves slot move_from[k] to move_to[k], settings and all
     (k < n_move). Other entries past those counts are padding.
 
     New row k starts from pool row src[k], whose first cached[k] slots hold its prompt's first tokens
-    (copied into its slot first; nothing is copied where nothing is cached), and prefills the rest
-    `chunk` tokens at a time in its slot, one block of `prefill_block_rows(K)` rows per step (the blocks
-    of `prefill_order`: rows come in its order). A row whose leader[k] is another row has the same
-    prompt and copies that row's slot once the prefill is done. Its slot's logits become those of its
-    prompt's last token. A row whose prompt is in its cache already, run again by a block, changes
-    nothing: its chunk is all padding, written past its length.
+    (copied into its slot first; nothing is copied where nothing is cached), and prefills the rest in
+    its slot, `chunk` tokens at a time while more than two tails are left, then `tail` at a time
+    (`prefill_steps`), one block of `prefill_block_rows(K)` rows per step (the blocks of
+    `prefill_order`: rows come in its order). A row whose leader[k] is another row has the same prompt
+    and copies that row's slot once the prefill is done. Its slot's logits become those of its
+    prompt's last token. A row of a block that has no part in a step writes nothing.
 
-    Every cache slot the inserts read or write lies in the first `width` (a new row's prompt and a chunk
-    past it, a saved or moved row's sequence): they copy and prefill only those, not the whole width.
+    Every cache slot the inserts read or write lies in the first `width` (a new row's prompt and the
+    `Shapes.past` slots a step may write past it, a saved or moved row's sequence): they copy and
+    prefill only those, not the whole width.
 
     Returns the pool and the decode state.
     """
@@ -206,37 +210,45 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     cache = _copy_rows(state.cache, pool, *_compacted(leads_K & (plan.cached > 0), plan.src, plan.slot), width)
     cache = cache._replace(length_B=cache.length_B.at[plan.slot].set(plan.cached, mode="drop"))
 
-    def prefill_body(carry):
-        i, cache, logits_BxV = carry
-        lo = plan.prefill_block[i] * R
+    def prefill(cache, logits_BxV, block_I, steps, size: int, more_than: int):
+        """`steps` prefill steps of `size` tokens, step i over the rows of block block_I[i]: a row takes
+        it while more than `more_than` tokens of its prompt are left; the others write nothing."""
 
-        def rows(x):
-            return jax.lax.dynamic_slice_in_dim(x, lo, R)
+        def body(carry):
+            i, cache, logits_BxV = carry
+            lo = block_I[i] * R
 
-        slot_R = rows(plan.slot)
-        take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first and write none
-        part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
-                       tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R])
-        start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
-        tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (chunk,)))(rows(plan.tokens), start_R)
-        slot_RxC = start_R[:, None] + jnp.arange(chunk)
-        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
-        last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
-        h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        ends_here_R = (start_R < prompt_len_R) & (last_R < chunk)
-        logits_RxV = model.logits(h_RxD[:, None])[:, 0]
-        logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
+            def rows(x):
+                return jax.lax.dynamic_slice_in_dim(x, lo, R)
 
-        def write(r, cache):
-            row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
-            return jax.lax.cond(slot_R[r] < B, lambda c: jax.tree.map(
-                lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
-                lambda c: c, cache)
+            slot_R = rows(plan.slot)
+            take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first
+            part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
+                           tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R])
+            start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
+            takes_R = (slot_R < B) & (prompt_len_R - start_R > more_than)
+            tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (size,)))(rows(plan.tokens), start_R)
+            slot_RxC = start_R[:, None] + jnp.arange(size)
+            h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
+            last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
+            h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, size - 1)[:, None, None], axis=1)[:, 0]
+            ends_here_R = takes_R & (last_R < size)
+            logits_RxV = model.logits(h_RxD[:, None])[:, 0]
+            logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
 
-        return i + 1, jax.lax.fori_loop(0, R, write, cache), logits_BxV
+            def write(r, cache):
+                row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
+                return jax.lax.cond(takes_R[r], lambda c: jax.tree.map(
+                    lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
+                    lambda c: c, cache)
 
-    _, cache, logits_BxV = jax.lax.while_loop(
-        lambda carry: carry[0] < plan.prefill_steps, prefill_body, (jnp.int32(0), cache, state.logits))
+            return i + 1, jax.lax.fori_loop(0, R, write, cache), logits_BxV
+
+        _, cache, logits_BxV = jax.lax.while_loop(lambda carry: carry[0] < steps, body, (jnp.int32(0), cache, logits_BxV))
+        return cache, logits_BxV
+
+    cache, logits_BxV = prefill(cache, state.logits, plan.chunk_block, plan.chunk_steps, chunk, more_than=2 * tail)
+    cache, logits_BxV = prefill(cache, logits_BxV, plan.tail_block, plan.tail_steps, tail, more_than=0)
     follows_K = ~leads_K & (jnp.arange(K) < plan.n_new)
     cache, logits_BxV = _copy_rows((cache, logits_BxV), None, *_compacted(follows_K, plan.slot[plan.leader], plan.slot),
                                    width)
@@ -350,8 +362,9 @@ def _committed(x):
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """The engine's fixed shapes: sequences of up to `max_seq_len` tokens (prompt + completion),
-    prompts prefilled `chunk` tokens at a time, `max_batch` decode slots advanced `decode_steps`
-    tokens per device call (batches bucketed to powers of two), up to `max_stop_ids` stop ids a row."""
+    prompts prefilled `chunk` tokens at a time and their last few `tail` (a quarter chunk) at a
+    time, `max_batch` decode slots advanced `decode_steps` tokens per device call (batches
+    bucketed to powers of two), up to `max_stop_ids` stop ids a row."""
 
     max_seq_len: int
     chunk: int
@@ -360,9 +373,19 @@ class Shapes:
     max_stop_ids: int = 8
 
     @property
+    def tail(self) -> int:
+        return max(1, self.chunk // 4)
+
+    @property
+    def past(self) -> int:
+        """Slots a prefill step may write past its row's prompt: a chunk taken with just over two
+        tails left, or a tail."""
+        return max(self.tail, self.chunk - 2 * self.tail)
+
+    @property
     def width(self) -> int:
-        """Cache slots per row: a chunk written at the last prompt token still fits."""
-        return self.max_seq_len + self.chunk
+        """Cache slots per row: a prefill step's writes past the longest prompt still fit."""
+        return self.max_seq_len + self.past
 
     def batch(self, rows: int) -> int:
         return min(bucket(rows), self.max_batch)
@@ -438,9 +461,9 @@ class Slots:
         arrays = self._insert_arrays(plan) if plan.inserts else None
         start = time.perf_counter()
         if arrays is not None:
-            used = max([plan.span] + [len(row.prompt) + self.shapes.chunk for row in plan.new])
-            self.pool, self.state = insert(params, graphdef, self.pool, self.state, arrays,
-                                           chunk=self.shapes.chunk, width=self.shapes.window(used))
+            used = max([plan.span] + [len(row.prompt) + self.shapes.past for row in plan.new])
+            self.pool, self.state = insert(params, graphdef, self.pool, self.state, arrays, chunk=self.shapes.chunk,
+                                           tail=self.shapes.tail, width=self.shapes.window(used))
             # Waited for before the decode is dispatched (the decode needs its state anyway), so that
             # the inserts' saves, copies and prefill are timed apart from the decoding.
             jax.block_until_ready(self.state)
@@ -480,7 +503,7 @@ class Slots:
             prompt_len[k] = len(row.prompt)
         cached, leader = pad(plan.cached, 0), np.arange(K, dtype=np.int32)
         leader[:n_new] = plan.leader
-        order, block_I, steps = prefill_order(prompt_len, cached, leader, n_new, self.shapes.chunk, W)
+        order, *passes = prefill_order(prompt_len, cached, leader, n_new, self.shapes.chunk, self.shapes.tail, W)
         position = np.argsort(order).astype(np.int32)  # of each row in `order`
         # Slots that end with nothing worth keeping (another version's, dropped) are freed, not copied.
         kept = np.argsort(plan.save_row == S, kind="stable")
@@ -488,7 +511,7 @@ class Slots:
             pad(plan.save_slot[kept], B), pad(plan.save_row[kept], S), np.int32((plan.save_row != S).sum()),
             pad(plan.move_from, B), pad(plan.move_to, B), np.int32(len(plan.move_from)),
             pad(plan.src, S)[order], pad(plan.slot, B)[order], cached[order], position[leader[order]], np.int32(n_new),
-            block_I, steps, tokens[order], prompt_len[order],
+            *passes, tokens[order], prompt_len[order],
             jax.tree.map(lambda x: x[order], RowSettings.of(plan.new, K, self.shapes.max_stop_ids)))
 
     def warm_up(self, graphdef, params) -> None:
@@ -501,7 +524,7 @@ class Slots:
                             np.zeros(n, np.int32), np.zeros(n, np.int32))
             for width in self.shapes.windows():
                 self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
-                                               chunk=self.shapes.chunk, width=width)
+                                               chunk=self.shapes.chunk, tail=self.shapes.tail, width=width)
                 self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
                                           width=width)
                 if own < self.shapes.width:

@@ -70,25 +70,41 @@ def prefill_block_rows(batch: int) -> int:
 
 
 def prefill_order(prompt_len: np.ndarray, cached: np.ndarray, leader: np.ndarray, real_rows: int,
-                  chunk: int, width: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
+                  chunk: int, tail: int, width: int) -> tuple[np.ndarray, np.ndarray, np.int32, np.ndarray, np.int32]:
     """The batch's rows reordered for the prefill: (order, the rows with a prompt rest to prefill
-    first; block_I, for each prefill step the block of `prefill_block_rows` rows (of the new
-    order) it runs, as many steps as the block's longest rest needs; the number of steps). Rows
-    that copy a leader's prefill and padding rows (from `real_rows` on) prefill nothing."""
+    first, longest rest first; then for each of the two passes, `chunk` tokens a step and `tail`
+    tokens a step: block_I, for each step the block of `prefill_block_rows` rows (of the new order) it
+    runs, and the number of steps). A row takes chunks while more than two tails of its rest are
+    left, then tails (`prefill_steps`). A block takes as many steps of each as its longest rest needs.
+    Rows that copy a leader's prefill and padding rows (from `real_rows` on) prefill nothing."""
     B = len(prompt_len)
     R = prefill_block_rows(B)
     rows = np.arange(B)
     todo = (rows < real_rows) & (leader == rows) & (cached < prompt_len)
-    order = np.concatenate([rows[todo], rows[~todo]]).astype(np.int32)
-    rest = (prompt_len - np.minimum(cached, prompt_len))[order[:todo.sum()]]
-    blocks = -(-len(rest) // R)
-    longest = np.zeros(blocks, np.int64)
-    if blocks:
-        np.maximum.at(longest, np.arange(len(rest)) // R, rest)
-    steps = np.repeat(np.arange(blocks), -(-longest // chunk))
-    block_I = np.zeros(-(-B // R) * -(-width // chunk), np.int32)  # a last, partial block is slid back in place
-    block_I[:len(steps)] = steps
-    return order, block_I, np.int32(len(steps))
+    rest = prompt_len - np.minimum(cached, prompt_len)
+    first = rows[todo][np.argsort(-rest[todo], kind="stable")]  # like rests in a block
+    order = np.concatenate([first, rows[~todo]]).astype(np.int32)
+    blocks = -(-len(first) // R)
+    passes = []
+    for need, most in zip(prefill_steps(rest[first], chunk, tail), (-(-width // chunk), 2)):
+        longest = np.zeros(blocks, np.int64)
+        if blocks:
+            np.maximum.at(longest, np.arange(len(first)) // R, need)
+        steps = np.repeat(np.arange(blocks), longest)
+        block_I = np.zeros(-(-B // R) * most, np.int32)  # a last, partial block is slid back in place
+        block_I[:len(steps)] = steps
+        passes += [block_I, np.int32(len(steps))]
+    return (order, *passes)
+
+
+def prefill_steps(rest: np.ndarray, chunk: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """The steps of `chunk` tokens, then of `tail` tokens (at most two), that prefill rests of `rest`
+    tokens: a chunk while more than two tails are left (the insert's rule). A step costs about a fixed
+    part plus its tokens: a continuing turn's few new tokens do not pay a whole chunk, nor a long
+    prompt's last tokens a step per tail."""
+    chunks = np.maximum(-(-(rest - 2 * tail) // chunk), 0)
+    left = np.maximum(rest - chunks * chunk, 0)
+    return chunks, -(-left // tail)
 
 
 class PrefixIndex:
