@@ -130,6 +130,37 @@ def test_sampled_tokens_follow_the_tempered_and_filtered_distribution():
         np.testing.assert_allclose(np.asarray(logp), full_logp[np.asarray(tokens)], rtol=1e-5)
 
 
+def test_inverse_cdf_over_many_blocks_picks_the_first_token_reaching_the_mass_and_never_one_without():
+    from bridge.engines.sampler import _inverse_cdf
+
+    V, rows = 1000, 8  # not a multiple of the block: the last block is padded
+    rng = np.random.default_rng(0)
+    probs = rng.exponential(size=(rows, V)).astype(np.float32)
+    probs[rng.random((rows, V)) < 0.3] = 0  # as top-k / top-p leave them
+    probs[:, 32:64] = 0  # a whole block without mass
+    probs[:, 31::32] = 0  # the last token of every block
+    probs[:, -5:] = 0
+    probs[0, 1:] = 0  # a single token
+    cdf = np.cumsum(probs.astype(np.float64), -1)
+    u = np.concatenate([rng.random((rows, 4000)), np.zeros((rows, 1)), np.full((rows, 1), 1 - 2 ** -24)], 1)
+    # Thresholds exactly at block ends, where float32 sums round either way.
+    u = np.concatenate([u, 1 - cdf[:, 30:V:32] / cdf[:, -1:]], 1).astype(np.float32)
+    picked = np.stack([np.asarray(jax.jit(_inverse_cdf)(jnp.asarray(probs), jnp.asarray(u[:, j])))
+                       for j in range(u.shape[1])], 1)
+    assert np.all(probs[np.arange(rows)[:, None], picked] > 0)
+    threshold = (1 - u.astype(np.float64)) * cdf[:, -1:]
+    want = np.stack([np.searchsorted(cdf[b], threshold[b], side="left") for b in range(rows)])
+    b = np.arange(rows)[:, None]
+
+    def near(index):  # the threshold within float32 rounding of where the token's mass starts or ends
+        ends = np.stack([cdf[b, np.maximum(index - 1, 0)], cdf[b, index]])
+        return np.any(np.abs(ends - threshold) <= 1e-5 * cdf[:, -1:], 0)
+
+    assert np.array_equal(picked[~near(want)], want[~near(want)])
+    assert (~near(want)).mean() > 0.9
+    assert np.all(near(picked)[picked != want])
+
+
 def test_truncated_sampling_reports_full_vocabulary_logprobs(model):
     prompt = [3, 4, 5]
     [greedy] = generate(model, [prompt], max_new_tokens=6)
