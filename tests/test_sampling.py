@@ -260,6 +260,25 @@ def test_a_row_inserted_into_running_slots_samples_what_it_samples_alone(model, 
     assert slots.stats["rows"] == len(others) + 3
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_calls_of_more_steps_than_their_window_sample_what_short_calls_do(model, temperature):
+    """A call may run more steps than its window holds slots (a batch-synchronous engine runs until
+    every row ended): every slot it wrote goes back to the cache, and the next turn continues from it."""
+    long = Shapes(max_seq_len=32, chunk=4, max_batch=4, decode_steps=40)
+    assert long.decode_steps > long.windows()[-1]
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    slots = slots_for(model, long, prefix_rows=4)  # keeps each turn's rows for the next
+    for turn in range(2):
+        short_rows = rows_of(prompts, 9, temperature=temperature, seed=3)
+        long_rows = rows_of(prompts, 9, temperature=temperature, seed=3)
+        run(model, short_rows)
+        run(model, long_rows, slots)
+        for a, b in zip(long_rows, short_rows):
+            same(a, b)
+        prompts = [p + r.tokens + [3, 4] for p, r in zip(prompts, long_rows)]  # the next turn
+    assert slots.scheduler.prefix.stats["cached_tokens"] > 0  # the second turn read the first's keys
+
+
 def test_a_dropped_row_frees_its_slot_for_a_waiting_one(model):
     graphdef, params = nnx.split(model)
     slots = slots_for(model, Shapes(max_seq_len=32, chunk=4, max_batch=2, decode_steps=3))

@@ -300,8 +300,11 @@ def _slots_from(x, offset_b, width: int, axis: int):
 
 def _new_slots_into(x, narrow, start_b, offset_b, steps: int, axis: int):
     """Writes the `steps` slots from `start_b` of each row of `narrow` (a call's cut of x: x's slots from
-    offset_b on) back into x: all that a decode call of that many steps can have written."""
-    new = _slots_from(narrow, start_b, steps, axis)
+    offset_b on) back into x: all that a decode call of that many steps can have written. A call of more
+    steps than its cut is wide runs over the whole cache (the host's windows hold a row's length plus
+    `steps`), where slicing and writing back both clamp a row's start to the cut's last `n` slots."""
+    n = min(steps, narrow.shape[axis + 1])
+    new = _slots_from(narrow, start_b, n, axis)
     return jax.vmap(lambda row, p, o: jax.lax.dynamic_update_slice_in_dim(row, p, o, axis))(x, new, offset_b + start_b)
 
 
