@@ -145,8 +145,8 @@ def prime_model(out_dir: Path, *, hidden: int, layers: int, intermediate: int, v
 
     t0 = time.perf_counter()
     tok = build_tokenizer(vocab_size=vocab)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A directory of its own: two benches priming at once must not write into each other's.
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
     build_tiny_model(tmp, "qwen3", seed=seed, tokenizer=tok, hidden_size=hidden, num_layers=layers,
                      intermediate_size=intermediate)
     # Both sides render the tool's schema as transformers' get_json_schema writes it.
@@ -186,13 +186,20 @@ def prime_model(out_dir: Path, *, hidden: int, layers: int, intermediate: int, v
         params, opt_state, loss, acc = train_step(params, opt_state, *batch)
     nnx.update(model, params)
     save_pretrained(model, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
     info = {"prime_steps": steps, "prime_loss": round(float(loss), 4),
             "prime_token_accuracy": round(float(acc), 4), "demonstrations": len(demos),
             "params": int(sum(x.size for x in jax.tree.leaves(params))), "prime_s": round(time.perf_counter() - t0, 1)}
-    (out_dir / "primed.json").write_text(json.dumps(info) + "\n")
-    return info
+    (tmp / "primed.json").write_text(json.dumps(info) + "\n")
+    # The model appears whole or not at all (`primed_model` takes a directory with primed.json).
+    if not (out_dir / "primed.json").is_file():
+        shutil.rmtree(out_dir, ignore_errors=True)  # a crashed run's leftovers
+        try:
+            tmp.rename(out_dir)
+            return info
+        except OSError:  # another bench renamed its own first: keep that one
+            pass
+    shutil.rmtree(tmp)
+    return json.loads((out_dir / "primed.json").read_text())
 
 
 def primed_model(args) -> tuple[Path, dict]:
@@ -319,13 +326,15 @@ def run_jaxrl(args, model_dir: Path, tasks: Path, tmp: Path, mode: str, pinned: 
     run_dir = tmp / name
     cfg_path = tmp / f"{name}.yaml"
     cpus = sorted(os.sched_getaffinity(0))[:2]
+    if pinned and len(cpus) < 2:
+        raise SystemExit("vs_trl: --stream pins the bridge and the trainer to a CPU each; run it on 2 CPUs or more")
     cfg_path.write_text(yaml.safe_dump(jaxrl_config(args, model_dir, tasks, run_dir, mode, cpus[:1] if pinned else []),
                                        sort_keys=False))
     jaxrl = Path(sys.executable).parent / "jaxrl"
     if not jaxrl.is_file():
         raise SystemExit(f"vs_trl: no `jaxrl` console script next to {sys.executable}: run the bench with the "
                          "python of the venv jaxrl is installed in")
-    cmd = ["taskset", "-c", str(cpus[1])] * pinned + [str(jaxrl), "train", str(cfg_path)]
+    cmd = (["taskset", "-c", str(cpus[1])] if pinned else []) + [str(jaxrl), "train", str(cfg_path)]
     launch, last = _run(cmd, tmp / f"{name}.log", args.timeout)
     end = time.time()
     summary = json.loads(last)
