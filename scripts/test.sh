@@ -22,7 +22,7 @@ trap 'rm -f "$vllm_log"' EXIT
 bash scripts/setup_vllm.sh > "$vllm_log" 2>&1 &
 vllm_setup=$!
 
-bash scripts/setup.sh test || exit 1
+bash scripts/setup.sh test || { wait "$vllm_setup"; exit 1; }  # leaving no install running
 # Three workers on CI's two cores (a test file stays on one: its module fixtures are built once), in
 # conftest's order: most tests wait on processes they start, and two workers kept the cores busy only
 # about 1.7 of 2 on average.
