@@ -14,7 +14,9 @@ may attend to; its own otherwise). A group too long for a row is split, each par
 
 Rows come in micro-batches of `rows` rows, longest units (groups, or episodes) first (first-fit
 decreasing), so that a micro-batch of short ones attends over a short window: micro-batch m's
-`window_M[m]` indexes `packed_windows(pack_tokens)`, the smallest that holds its longest unit.
+`window_M[m]` indexes `packed_windows(pack_tokens)`, the smallest that holds its longest segment and
+whose `prefix_window` holds its longest shared prompt (read apart from the window, so the window
+need not span a group). Where prompts are shared every unit starts at a query block's start.
 Shapes depend only on (B, rows, pack_tokens): the micro-batches a step needs are a count
 (`micro_batches`), and the arrays hold the most any step can need, one episode per row.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.models.decoder import QUERY_BLOCK, packed_windows
+from jaxrl.models.decoder import QUERY_BLOCK, packed_windows, prefix_window
 
 # The arrays of one micro-batch (`micro_batches` is the step's count of them).
 PACKED_KEYS = ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "prefix_MxRxL", "target_MxRxL", "window_M")
@@ -78,11 +80,19 @@ def _units(prompts: list[np.ndarray], completions: list[np.ndarray], group_size:
     return units
 
 
-def _place(length_U: np.ndarray, L: int, rows: int) -> tuple[list[list[int]], np.ndarray, int]:
+def _window(own: int, prompt: int, L: int) -> int:
+    """The index of the smallest of `packed_windows(L)` whose query blocks reach back over a
+    segment of `own` tokens, and whose `prefix_window` holds a shared prompt of `prompt` (0: none)."""
+    windows = packed_windows(L)
+    return next(i for i, w in enumerate(windows)
+                if w == L or (w >= own + QUERY_BLOCK - 1 and prefix_window(w, L) >= prompt))
+
+
+def _place(length_U: np.ndarray, window_U: np.ndarray, L: int, rows: int) -> tuple[list[list[int]], np.ndarray, int]:
     """First-fit decreasing: the longest units open rows first; each later one takes the first row
     with room. Rows keep their opening order, so micro-batches run longest first. Returns the
-    units of each row, each micro-batch's window (an index of `packed_windows(L)`: the smallest
-    that reaches back from a query block's end to its longest unit's start) and their count."""
+    units of each row, each micro-batch's window (the widest `window_U` of its units, an index of
+    `packed_windows(L)`) and their count."""
     free: list[int] = []
     placed: list[list[int]] = []
     for u in np.argsort(-length_U, kind="stable"):
@@ -95,11 +105,8 @@ def _place(length_U: np.ndarray, L: int, rows: int) -> tuple[list[list[int]], np
         free[row] -= n
         placed[row].append(int(u))
     micro_batches = -(-len(placed) // rows)
-    windows = packed_windows(L)
-    window_m = []
-    for m in range(micro_batches):
-        need = max(int(length_U[u]) for row in placed[m * rows:(m + 1) * rows] for u in row) + QUERY_BLOCK - 1
-        window_m.append(next(i for i, w in enumerate(windows) if w >= need or w == windows[-1]))
+    window_m = [max(int(window_U[u]) for row in placed[m * rows:(m + 1) * rows] for u in row)
+                for m in range(micro_batches)]
     return placed, np.asarray(window_m, np.int32), micro_batches
 
 
@@ -110,10 +117,10 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
     they are rows `first_row`... of `total_rows` (whole groups), which `target_MxRxL` counts in.
 
     With `group_size` > 1, groups of consecutive rows that share their prompt lay it out once where
-    that is the cheaper layout: fewer tokens, but a window that spans the group (its prompt and
-    every completion) rather than one episode. The cost of a layout: the token positions it runs,
-    each a token's dense work (`dense_keys`: the function of that name) plus the keys of its
-    micro-batch's window."""
+    that is the cheaper layout: fewer tokens, but each query block also reads its prompt's keys
+    (`prefix_window`) and each unit starts at a block's start. The cost of a layout: the token
+    positions it runs, each a token's dense work (`dense_keys`: the function of that name) plus the
+    keys of its micro-batch's window and prefix window."""
     check_fits(batch, pack_tokens)
     prompt_BxP, pmask_BxP = np.asarray(batch["prompt_BxP"]), np.asarray(batch["prompt_mask_BxP"]).astype(bool)
     comp_BxC, cmask_BxC = np.asarray(batch["completion_BxC"]), np.asarray(batch["completion_mask_BxC"]).astype(bool)
@@ -128,8 +135,14 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
         units = _units(prompts, c_idx, size, L)
         if size > 1 and all(prompt is None for prompt, *_ in units):
             break  # no group shares its prompt: the same units as apart
-        placed, window_M, micro_batches = _place(np.array([n for *_, n in units], np.int64), L, rows)
-        cost = rows * L * int((dense_keys + windows[window_M]).sum())
+        # Shared prompts are read per query block from a block's start: every unit starts at one.
+        length_U = np.array([-(-n // QUERY_BLOCK) * QUERY_BLOCK if size > 1 else n for *_, n in units], np.int64)
+        window_U = np.array([_window(n, 0, L) if prompt is None else
+                             _window(max(len(prompt) - 1, *(1 + len(c_idx[b]) for b in members)), len(prompt) - 1, L)
+                             for prompt, members, n in units])
+        placed, window_M, micro_batches = _place(length_U, window_U, L, rows)
+        prefix_keys = np.array([prefix_window(w, L) for w in windows])
+        cost = rows * L * int((dense_keys + windows[window_M] + prefix_keys[window_M]).sum())
         if best is None or cost < best[0]:
             best = (cost, units, placed, window_M, micro_batches)
     _, units, placed, window_m, micro_batches = best
@@ -148,10 +161,12 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
         target[r, at + len(context):at + n] = (first_row + b) * C + c_idx[b]
         return at + n
 
+    aligned = any(prompt is not None for prompt, *_ in units)
     for r, row_units in enumerate(placed):
         at, s = 0, 0
         for u in row_units:
             prompt, members, _ = units[u]
+            at = -(-at // QUERY_BLOCK) * QUERY_BLOCK if aligned else at
             s += 1
             if prompt is None:
                 at = lay(r, at, s, prompts[members[0]], members[0], 0, s)

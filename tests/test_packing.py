@@ -15,7 +15,7 @@ from jaxrl.learner import Learner
 from jaxrl.logprobs import completion_logprobs, packed_logprobs
 from jaxrl.losses import LossConfig
 from jaxrl.models import Decoder
-from jaxrl.models.decoder import packed_windows
+from jaxrl.models.decoder import packed_windows, prefix_window
 from jaxrl.models.lora import LoraConfig
 from jaxrl.optim import OptimizerConfig
 from jaxrl.packing import max_micro_batches, pack
@@ -126,7 +126,7 @@ def test_a_group_lays_its_prompt_out_once_only_where_that_is_the_cheaper_layout(
 
     # Long prompts, short completions: fewer rows at the same window.
     assert shared(episodes(B=8, P=48, shared=(0, 1)), 128)
-    # Long completions: the same rows, but a window over the whole group instead of one episode.
+    # Long completions: the same rows, but each block reads the group's prompt besides its window.
     assert not shared(episodes(B=8, P=12, C=100, long_rows=range(8), shared=(0, 1)), 512)
 
 
@@ -154,7 +154,10 @@ def test_packed_logprobs_equal_the_padded_ones(pack_tokens, rows, group_size):
     batch["prompt_mask_BxP"][4:8, -1], batch["prompt_BxP"][4:8, -1] = 1, 7
     ref, _ = completion_logprobs(model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"],
                                  batch["completion_mask_BxC"])
-    packed = pack(batch, pack_tokens, rows, group_size=group_size)
+    _assert_packed_logprobs_equal(model, batch, ref, pack(batch, pack_tokens, rows, group_size=group_size))
+
+
+def _assert_packed_logprobs_equal(model, batch, ref, packed):
     B, C = batch["completion_BxC"].shape
     ours = np.zeros(B * C + 1)
     for m in range(int(packed["micro_batches"])):
@@ -163,6 +166,21 @@ def test_packed_logprobs_equal_the_padded_ones(pack_tokens, rows, group_size):
         np.add.at(ours, packed["target_MxRxL"][m][:, 1:].ravel(), np.asarray(logp).ravel())
     mask = batch["completion_mask_BxC"]
     np.testing.assert_allclose(ours[:B * C].reshape(B, C) * mask, np.asarray(ref) * mask, atol=2e-5)
+
+
+def test_completions_beyond_their_window_still_see_their_whole_shared_prompt():
+    model = Decoder(MODEL_CFG, nnx.Rngs(0))
+    batch = episodes(B=8, P=48, C=100, long_rows=range(8), shared=(0, 1))  # groups of 47 + 4 x 101 tokens
+    packed = pack(batch, pack_tokens=512, rows=1, group_size=4)
+    window = packed_windows(512)[packed["window_M"][0]]
+    assert (window, prefix_window(window, 512)) == (256, 64)  # a group spans 451 tokens: not its window
+    segments, prefix = packed["segments_MxRxL"][0, 0], packed["prefix_MxRxL"][0, 0]
+    last = np.flatnonzero((prefix != segments) & (segments > 0))[-1]
+    window_start = (last // 64 + 1) * 64 - window
+    assert window_start > np.flatnonzero(segments == prefix[last])[-1]  # the prompt lies before its window
+    ref, _ = completion_logprobs(model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"],
+                                 batch["completion_mask_BxC"])
+    _assert_packed_logprobs_equal(model, batch, ref, packed)
 
 
 def _gradients(cfg: LearnerConfig, batch: dict, mesh) -> tuple[dict, dict]:

@@ -343,43 +343,73 @@ def packed_windows(length: int) -> tuple[int, ...]:
     return (*windows, length)
 
 
-def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT, window: int):
+def prefix_window(window: int, length: int) -> int:
+    """Keys of a query block's prefix segment (its group's shared prompt) read apart from its
+    window, where they lie before it: a quarter of the window, at least a query block; none where
+    the window is the whole row. Tied to the window so that the windows stay one short list."""
+    return 0 if window >= length else max(QUERY_BLOCK, window // 4)
+
+
+def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT, window: int,
+                              prefix_keys: int):
     """Each block of QUERY_BLOCK queries against the `window` keys that end with it, a query
     seeing the keys at or before it of its own segment and of its prefix segment: the work is
-    T x window, not T x T."""
+    T x window, not T x T. With `prefix_keys`, each block also reads that many keys from the start
+    of its queries' prefix segment (one per block: a group starts at a block's start), the ones
+    before its window, so a completion far from its prompt still sees all of it."""
     B, N, T, H = q_BxNxTxH.shape
+    Q = QUERY_BLOCK
     # Keys padded in front (segment 0: never visible), so every block's window is one slice.
     front = ((0, 0), (0, 0), (window, 0), (0, 0))
     k_pad, v_pad = jnp.pad(k_BxNxTxH, front), jnp.pad(v_BxNxTxH, front)
     seg_pad = jnp.pad(segments_BxT, ((0, 0), (window, 0)))
     # Key j of a block's window sits j + QUERY_BLOCK - window slots after the block's first query.
-    causal_QxW = jnp.arange(window)[None, :] + QUERY_BLOCK - window <= jnp.arange(QUERY_BLOCK)[:, None]
+    causal_QxW = jnp.arange(window)[None, :] + Q - window <= jnp.arange(Q)[:, None]
+    # Each block's prefix segment (0: none) and the padded slot its keys are read from: segments
+    # rise along a row, so a segment starts after the real slots of the ones before it.
+    foreign_BxT = (prefix_BxT != segments_BxT) & (segments_BxT > 0)
+    pid_BxZ = jnp.where(foreign_BxT, prefix_BxT, 0).reshape(B, T // Q, Q).max(-1)
+    first_BxZ = ((segments_BxT[:, None] > 0) & (segments_BxT[:, None] < pid_BxZ[..., None])).sum(-1)
+    from_BxZ = jnp.minimum(first_BxZ + window, T + window - prefix_keys).astype(jnp.int32)
+    take = jax.vmap(functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=prefix_keys, axis=-2))
 
-    def block(start):
-        q = jax.lax.dynamic_slice_in_dim(q_BxNxTxH, start, QUERY_BLOCK, axis=2)
-        k = jax.lax.dynamic_slice_in_dim(k_pad, start + QUERY_BLOCK, window, axis=2)
-        v = jax.lax.dynamic_slice_in_dim(v_pad, start + QUERY_BLOCK, window, axis=2)
-        seg_q = jax.lax.dynamic_slice_in_dim(segments_BxT, start, QUERY_BLOCK, axis=1)
-        pre_q = jax.lax.dynamic_slice_in_dim(prefix_BxT, start, QUERY_BLOCK, axis=1)
-        seg_k = jax.lax.dynamic_slice_in_dim(seg_pad, start + QUERY_BLOCK, window, axis=1)
+    def block(xs):
+        start, from_B = xs
+        q = jax.lax.dynamic_slice_in_dim(q_BxNxTxH, start, Q, axis=2)
+        k = jax.lax.dynamic_slice_in_dim(k_pad, start + Q, window, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v_pad, start + Q, window, axis=2)
+        seg_q = jax.lax.dynamic_slice_in_dim(segments_BxT, start, Q, axis=1)
+        pre_q = jax.lax.dynamic_slice_in_dim(prefix_BxT, start, Q, axis=1)
+        seg_k = jax.lax.dynamic_slice_in_dim(seg_pad, start + Q, window, axis=1)
         seen_BxQxW = (seg_q[:, :, None] == seg_k[:, None, :]) | (pre_q[:, :, None] == seg_k[:, None, :])
         visible_BxQxW = causal_QxW[None] & seen_BxQxW & (seg_q[:, :, None] > 0)
+        if prefix_keys:
+            slot_BxP = from_B[:, None] + jnp.arange(prefix_keys)
+            seg_p = jnp.take_along_axis(seg_pad, slot_BxP, axis=1)
+            # Only the prefix keys before the window: the window already holds the others.
+            visible_BxQxP = ((pre_q[:, :, None] == seg_p[:, None, :]) & (slot_BxP < start + Q)[:, None]
+                             & (seg_q != pre_q)[:, :, None])
+            k = jnp.concatenate([take(k_pad, from_B), k], axis=2)
+            v = jnp.concatenate([take(v_pad, from_B), v], axis=2)
+            visible_BxQxW = jnp.concatenate([visible_BxQxP, visible_BxQxW], axis=2)
         return _softmax_attention(q, k, v, visible_BxQxW)
 
-    out_KxBxNxQxH = jax.lax.map(block, jnp.arange(0, T, QUERY_BLOCK))
-    return out_KxBxNxQxH.transpose(1, 2, 0, 3, 4).reshape(B, N, T, H)
+    out_ZxBxNxQxH = jax.lax.map(block, (jnp.arange(0, T, Q), from_BxZ.T))
+    return out_ZxBxNxQxH.transpose(1, 2, 0, 3, 4).reshape(B, N, T, H)
 
 
 def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, window):
     """Causal attention within segments of packed rows (T a multiple of QUERY_BLOCK), a query also
     seeing its prefix segment (a group's shared prompt; its own segment otherwise), each query block
-    over `packed_windows(T)[window]` keys: enough for the longest prefix and segment of the batch."""
+    over `packed_windows(T)[window]` keys and `prefix_window` of its prefix's: enough for the longest
+    segment and prefix of the batch."""
     B, T, N, H = q_BxTxNxH.shape
     G = N // k_BxTxKxH.shape[2]
     q = q_BxTxNxH.transpose(0, 2, 1, 3)
     k = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
     v = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
-    branches = [functools.partial(_segment_window_attention, window=w) for w in packed_windows(T)]
+    branches = [functools.partial(_segment_window_attention, window=w, prefix_keys=prefix_window(w, T))
+                for w in packed_windows(T)]
     out = jax.lax.switch(window, branches, q, k, v, segments_BxT, prefix_BxT)
     return out.transpose(0, 2, 1, 3)
 
