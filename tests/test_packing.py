@@ -171,13 +171,14 @@ def _assert_packed_logprobs_equal(model, batch, ref, packed):
 def test_completions_beyond_their_window_still_see_their_whole_shared_prompt():
     model = Decoder(MODEL_CFG, nnx.Rngs(0))
     batch = episodes(B=8, P=48, C=100, long_rows=range(8), shared=(0, 1))  # groups of 47 + 4 x 101 tokens
-    packed = pack(batch, pack_tokens=512, rows=1, group_size=4)
-    window = packed_windows(512)[packed["window_M"][0]]
-    assert (window, prefix_window(window, 512)) == (256, 64)  # a group spans 451 tokens: not its window
+    packed = pack(batch, pack_tokens=1024, rows=1, group_size=4)
+    window = packed_windows(1024)[packed["window_M"][0]]
+    assert (window, prefix_window(window, 1024)) == (256, 64)  # a group spans 451 tokens: not its window
     segments, prefix = packed["segments_MxRxL"][0, 0], packed["prefix_MxRxL"][0, 0]
     last = np.flatnonzero((prefix != segments) & (segments > 0))[-1]
-    window_start = (last // 64 + 1) * 64 - window
-    assert window_start > np.flatnonzero(segments == prefix[last])[-1]  # the prompt lies before its window
+    prompt = np.flatnonzero(segments == prefix[last])
+    assert prompt[0] > (segments[:prompt[0]] > 0).sum()  # the second group, after the gap that aligns it
+    assert (last // 64 + 1) * 64 - window > prompt[-1]  # its prompt lies before its last block's window
     ref, _ = completion_logprobs(model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"],
                                  batch["completion_mask_BxC"])
     _assert_packed_logprobs_equal(model, batch, ref, packed)

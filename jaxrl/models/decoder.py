@@ -365,11 +365,10 @@ def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, pre
     seg_pad = jnp.pad(segments_BxT, ((0, 0), (window, 0)))
     # Key j of a block's window sits j + QUERY_BLOCK - window slots after the block's first query.
     causal_QxW = jnp.arange(window)[None, :] + Q - window <= jnp.arange(Q)[:, None]
-    # Each block's prefix segment (0: none) and the padded slot its keys are read from: segments
-    # rise along a row, so a segment starts after the real slots of the ones before it.
+    # Each block's prefix segment (0: none) and the padded slot its keys are read from (its first).
     foreign_BxT = (prefix_BxT != segments_BxT) & (segments_BxT > 0)
     pid_BxZ = jnp.where(foreign_BxT, prefix_BxT, 0).reshape(B, T // Q, Q).max(-1)
-    first_BxZ = ((segments_BxT[:, None] > 0) & (segments_BxT[:, None] < pid_BxZ[..., None])).sum(-1)
+    first_BxZ = jnp.argmax(segments_BxT[:, None] == pid_BxZ[..., None], axis=-1)
     from_BxZ = jnp.minimum(first_BxZ + window, T + window - prefix_keys).astype(jnp.int32)
     take = jax.vmap(functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=prefix_keys, axis=-2))
 
