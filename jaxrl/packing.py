@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.models.decoder import QUERY_BLOCK, packed_windows, prefix_window
+from jaxrl.models.decoder import QUERY_BLOCK, packed_windows, prefix_window, window_keys
 
 # The arrays of one micro-batch (`micro_batches` is the step's count of them).
 PACKED_KEYS = ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "prefix_MxRxL", "target_MxRxL", "window_M")
@@ -120,7 +120,7 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
     that is the cheaper layout: fewer tokens, but each query block also reads its prompt's keys
     (`prefix_window`) and each unit starts at a block's start. The cost of a layout: the token
     positions it runs, each a token's dense work (`dense_keys`: the function of that name) plus the
-    keys of its micro-batch's window and prefix window."""
+    keys a query reads at its micro-batch's window (`window_keys`)."""
     check_fits(batch, pack_tokens)
     prompt_BxP, pmask_BxP = np.asarray(batch["prompt_BxP"]), np.asarray(batch["prompt_mask_BxP"]).astype(bool)
     comp_BxC, cmask_BxC = np.asarray(batch["completion_BxC"]), np.asarray(batch["completion_mask_BxC"]).astype(bool)
@@ -141,8 +141,8 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
                              _window(max(len(prompt) - 1, *(1 + len(c_idx[b]) for b in members)), len(prompt) - 1, L)
                              for prompt, members, n in units])
         placed, window_M, micro_batches = _place(length_U, window_U, L, rows)
-        prefix_keys = np.array([prefix_window(w, L) for w in windows])
-        cost = rows * L * int((dense_keys + windows[window_M] + prefix_keys[window_M]).sum())
+        keys_W = np.array([window_keys(w, L) for w in windows])
+        cost = rows * L * float((dense_keys + keys_W[window_M]).sum())
         if best is None or cost < best[0]:
             best = (cost, units, placed, window_M, micro_batches)
     _, units, placed, window_m, micro_batches = best

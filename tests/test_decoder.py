@@ -9,8 +9,8 @@ import transformers
 from flax import nnx
 
 from jaxrl.models import Decoder, KVCache, load_pretrained, positions_from_mask
-from jaxrl.models.decoder import SharedPrefix, cached_attention, causal_attention, prefixed_attention, \
-    shared_prefix_attention
+from jaxrl.models.decoder import SharedPrefix, cached_attention, causal_attention, packed_attention, \
+    packed_windows, prefixed_attention, shared_prefix_attention
 from jaxrl.tiny import tiny_config
 
 VOCAB = 300
@@ -168,6 +168,54 @@ def test_prefixed_attention_is_attention_over_each_rows_prefix_then_its_own_keys
     assert all(float(jnp.abs(g).max()) > 1e-2 for g in want)
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_packed_attention_at_every_window_is_plain_attention_within_segments_and_their_prefix():
+    """Windows 128 (with its prefix keys), 256 (run as the whole row's causal blocks: no fewer keys)
+    and the whole row, values and gradients: groups of a 40-token prompt and completions that see
+    it (beyond window 128 from its start), lone segments, a padding tail."""
+    B, T, N, K, H = 2, 512, 4, 2, 8
+    rng = np.random.default_rng(0)
+    segments, prefix = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for b in range(B):
+        at, s = 0, 0
+        while at + 220 <= T:
+            s += 1
+            if rng.random() < 0.6:  # a group: its prompt, then completions its last ones' windows start after
+                at = -(-at // 64) * 64
+                segments[b, at:at + 40] = prefix[b, at:at + 40] = s
+                pid, at = s, at + 40
+                for _ in range(3):
+                    s, n = s + 1, int(rng.integers(40, 61))
+                    segments[b, at:at + n], prefix[b, at:at + n] = s, pid
+                    at += n
+            else:
+                n = int(rng.integers(1, 61))
+                segments[b, at:at + n] = prefix[b, at:at + n] = s
+                at += n
+    q = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, H), np.float32)) for _ in range(2))
+    real = segments > 0
+    weights = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32)) * real[:, :, None, None]
+    seg_q, pre_q, seg_k = segments[:, :, None], prefix[:, :, None], segments[:, None, :]
+    visible = (np.arange(T)[None] <= np.arange(T)[:, None])[None] & ((seg_q == seg_k) | (pre_q == seg_k)) & (seg_q > 0)
+
+    def plain(q, k, v):
+        k, v = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+        probs = jax.nn.softmax(jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min), -1)
+        return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+    want = jax.grad(lambda *a: jnp.sum(plain(*a) * weights), argnums=range(3))(q, k, v)
+    assert packed_windows(T) == (128, 256, 512)
+    for window in range(3):
+        def packed(q, k, v, window=window):
+            return packed_attention(q, k, v, jnp.asarray(segments), jnp.asarray(prefix), window)
+
+        np.testing.assert_allclose(np.asarray(packed(q, k, v))[real], np.asarray(plain(q, k, v))[real], atol=1e-5)
+        got = jax.grad(lambda *a: jnp.sum(packed(*a) * weights), argnums=range(3))(q, k, v)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, atol=1e-5)
 
 
 def test_shared_prefix_attention_is_cached_attention_over_each_rows_prefix_then_its_slots():

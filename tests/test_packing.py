@@ -81,7 +81,7 @@ def test_every_real_token_is_laid_out_once_with_its_own_positions_and_segment():
 
 
 def test_a_group_that_shares_its_prompt_lays_it_out_once_before_its_completions():
-    batch = episodes(B=8, P=48, shared=(0,))  # rows 0-3 share a prompt; 4-7 have their own
+    batch = episodes(B=8, P=96, shared=(0,))  # rows 0-3 share a prompt; 4-7 have their own
     packed = pack(batch, pack_tokens=256, rows=1, group_size=4)
     tokens, positions, segments, prefix, target = (packed[k].reshape(-1, 256) for k in
                                                    ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL",
