@@ -373,9 +373,8 @@ def window_keys(window: int, length: int) -> float:
 
 def _segment_causal_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT):
     """Packed rows' attention over the whole row in `causal_attention`'s blocks, a query seeing the
-    keys at or before it of its own segment and of its prefix segment. Its blocks' static, growing
-    key slices run 1.5-3.5x faster than the whole-row window of `_segment_window_attention`
-    (docs/benchmarks.md): half the keys, and no dynamic slices."""
+    keys at or before it of its own segment and of its prefix segment: half the keys of
+    `_segment_window_attention` at the whole row, in static slices (docs/benchmarks.md)."""
     def visible(start, end):
         seg_q, pre_q = segments_BxT[:, start:end, None], prefix_BxT[:, start:end, None]
         seg_k = segments_BxT[:, None, :end]
