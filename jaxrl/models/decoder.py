@@ -441,12 +441,11 @@ def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, 
     q = q_BxTxNxH.transpose(0, 2, 1, 3)
     k = jnp.repeat(k_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
     v = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
-    runs = [w if window_keys(w, T) < window_keys(T, T) else T for w in packed_windows(T)]
-    kept = sorted(set(runs))
-    branches = [functools.partial(_segment_window_attention, window=w, prefix_keys=prefix_window(w, T)) if w < T
-                else _segment_causal_attention for w in kept]
-    branch = jnp.asarray([kept.index(w) for w in runs], jnp.int32)[window]
-    out = jax.lax.switch(branch, branches, q, k, v, segments_BxT, prefix_BxT)
+    # window_keys grows with the window: the windows that read fewer keys than the whole row come first.
+    narrower = [w for w in packed_windows(T) if window_keys(w, T) < window_keys(T, T)]
+    branches = [functools.partial(_segment_window_attention, window=w, prefix_keys=prefix_window(w, T))
+                for w in narrower] + [_segment_causal_attention]
+    out = jax.lax.switch(jnp.minimum(window, len(narrower)), branches, q, k, v, segments_BxT, prefix_BxT)
     return out.transpose(0, 2, 1, 3)
 
 
