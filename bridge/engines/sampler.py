@@ -9,8 +9,8 @@ tails, from whatever the pool holds of their prompt) into their slots, and moves
 the first slots; `generate` advances the first `rows` slots up to `decode_steps` tokens, reading the
 prompt that a group of rows shares (a GRPO group's, `Scheduler.groups`) once for the group. `Slots`
 is the thin shell that runs a tick: `schedule()`, the device calls, `update_from_output()`. Shapes
-are fixed by `Shapes`: per power-of-two row count and cache window, one insert and two decode
-programs (the second reading shared prompts), all compiled by a warm-up.
+are fixed by `Shapes`: per power-of-two row count, one insert and one shared-prompt decode program
+per cache window and one decode program per (finer) decode window, all compiled by a warm-up.
 
 Every row carries its own temperature, top-p, top-k, token budget and seed, so requests with
 different settings share one compiled program and one tick. The logprob reported for a sampled
@@ -48,7 +48,7 @@ from flax import nnx
 from bridge.engines.scheduler import (NO_STOP, Groups, Plan, Row, Scheduler, bucket, group_capacity,
                                       prefill_block_rows, prefill_order)
 from jaxrl.models import Decoder, KVCache, ModelConfig
-from jaxrl.models.decoder import SharedPrefix, attention_windows
+from jaxrl.models.decoder import SharedPrefix, attention_windows, key_windows
 
 
 def _filter_logits(logits_BxV, top_p_B, top_k_B):
@@ -437,6 +437,16 @@ class Shapes:
         """The narrowest of `windows()` that holds `used` slots."""
         return next((w for w in self.windows() if w >= used), self.width)
 
+    def decode_windows(self) -> tuple[int, ...]:
+        """The widths a decode call of rows apart may be cut to: finer than `windows()`, since such a
+        call's attention reads every slot of its window at every step, most of a step's time, where an
+        insert reads them once. Multiples of 64 from 128, at most 8 (`key_windows`)."""
+        return tuple(w for w in key_windows(self.width) if w >= min(128, self.width))
+
+    def decode_window(self, used: int) -> int:
+        """The narrowest of `decode_windows()` that holds `used` slots."""
+        return next((w for w in self.decode_windows() if w >= used), self.width)
+
 
 class Slots:
     """A tick: the scheduler's plan, the device calls that run it, the scheduler's update from their
@@ -510,7 +520,7 @@ class Slots:
         if groups is None:
             used = self.scheduler.in_use(range(plan.batch)) + steps
             self.state, tokens, logprobs, live = generate(params, graphdef, self.state, rows=plan.batch, steps=steps,
-                                                          width=self.shapes.window(used))
+                                                          width=self.shapes.decode_window(used))
         else:
             self.state, tokens, logprobs, live = generate(
                 params, graphdef, self.state, rows=plan.batch, steps=steps, width=own,
@@ -555,11 +565,12 @@ class Slots:
             U, m = group_capacity(n)
             groups = Groups(np.zeros(U, np.int32), np.zeros(U, np.int32), np.zeros((U, m), np.int32),
                             np.zeros(n, np.int32), np.zeros(n, np.int32))
+            for width in self.shapes.decode_windows():
+                self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
+                                          width=width)
             for width in self.shapes.windows():
                 self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
                                                chunk=self.shapes.chunk, tail=self.shapes.tail, width=width)
-                self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
-                                          width=width)
                 if own < self.shapes.width:
                     self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
                                               width=own, groups=groups, prefix_width=width)
