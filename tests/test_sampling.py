@@ -116,9 +116,9 @@ def test_sampled_tokens_follow_the_tempered_and_filtered_distribution():
     from bridge.engines.sampler import _sample
 
     n, logits_V = 40_000, np.array([2.0, 1.0, 0.5, 0.0, -1.0, -30.0], np.float32)
-    keys = jax.vmap(jax.random.key)(jnp.arange(n))
+    u = jax.random.uniform(jax.random.key(0), (n,))
     for temperature, top_k in ((0.7, 0), (1.3, 3)):
-        tokens, logp = _sample(jnp.tile(logits_V, (n, 1)), keys, jnp.full(n, temperature), jnp.ones(n),
+        tokens, logp = _sample(jnp.tile(logits_V, (n, 1)), u, jnp.full(n, temperature), jnp.ones(n),
                                jnp.full(n, top_k))
         want = np.exp(logits_V / temperature)
         if top_k:

@@ -96,7 +96,9 @@ def _inverse_cdf(probs_BxV, u_B, block: int = 32):
     return block_B * block + _first_reaching(cum_BxK, threshold_B - before_B, x_BxK)
 
 
-def _sample(logits_BxV, key_B, temperature_B, top_p_B, top_k_B):
+def _sample(logits_BxV, u_B, temperature_B, top_p_B, top_k_B):
+    """Each row's token and its logprob, the token the inverse CDF of its filtered, tempered
+    distribution gives at its uniform u_B in [0, 1)."""
     greedy_B = temperature_B <= 0
     scaled = logits_BxV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
     # One exponential pass serves the sampled token's log-softmax and the sampling: the top token
@@ -108,7 +110,7 @@ def _sample(logits_BxV, key_B, temperature_B, top_p_B, top_k_B):
     probs_BxV = jax.lax.cond(
         needs_filter, lambda: jnp.where(_filter_logits(scaled, top_p_B, top_k_B) > -jnp.inf, exp_BxV, 0.0),
         lambda: exp_BxV)
-    sampled_B = _inverse_cdf(probs_BxV, jax.vmap(jax.random.uniform)(key_B))
+    sampled_B = _inverse_cdf(probs_BxV, u_B)
     # The argmax is a slow variadic reduce on XLA:CPU: only when a row is greedy.
     token_B = jax.lax.cond(jnp.any(greedy_B), lambda: jnp.where(greedy_B, jnp.argmax(logits_BxV, -1), sampled_B),
                            lambda: sampled_B).astype(jnp.int32)
@@ -331,11 +333,15 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
     s = part.settings
     # Both halves of a 64-bit seed (a key takes 32 bits): distinct seeds give distinct streams.
     base_keys = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed[0]), seed[1]))(s.seed)
+    # A slot is live from the call's start until it stops, so at step i a live slot samples at
+    # position + i: every step's uniforms drawn at once, before the loop (threefry is a loop of its
+    # own on XLA:CPU, and was ~4% of a step drawn in it).
+    u_bxS = jax.vmap(lambda key, p: jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, p + i)))(
+        jnp.arange(steps)))(base_keys, part.position)
 
     def body(carry):
         i, logits_bxV, cache, live_b, position_b, out_tokens, out_logp = carry
-        keys_b = jax.vmap(jax.random.fold_in)(base_keys, position_b)
-        token_b, logp_b = _sample(logits_bxV, keys_b, s.temperature, s.top_p, s.top_k)
+        token_b, logp_b = _sample(logits_bxV, u_bxS[:, i], s.temperature, s.top_p, s.top_k)
         out_tokens = out_tokens.at[:, i].set(jnp.where(live_b, token_b, -1))
         out_logp = out_logp.at[:, i].set(jnp.where(live_b, logp_b, 0.0))
         position_b = position_b + live_b
