@@ -143,10 +143,16 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x_BxTxNxH, positions_BxT, inv_freq):
-    freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-    cos = jnp.cos(jnp.concatenate([freqs_BxTxF] * 2, -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([freqs_BxTxF] * 2, -1))[:, :, None, :]
+def rope_tables(positions_BxT, cfg: ModelConfig):
+    """cos and sin of each position's RoPE angles, (B, T, 1, H) each: computed once for all layers,
+    where XLA recomputed them inside every layer's fused rotation (a decode step's largest small ops)."""
+    freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(rope_inv_freq(cfg))
+    angles_BxTx1xH = jnp.concatenate([freqs_BxTxF] * 2, -1)[:, :, None, :]
+    return jnp.cos(angles_BxTx1xH), jnp.sin(angles_BxTx1xH)
+
+
+def apply_rope(x_BxTxNxH, rope):
+    cos, sin = rope
     xf = x_BxTxNxH.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -164,7 +170,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
 
-    def _qkv(self, x_BxTxD, positions_BxT, inv_freq):
+    def _qkv(self, x_BxTxD, rope):
         B, T, _ = x_BxTxD.shape
         K, H = self.num_kv_heads, self.head_dim
         q = self.q_proj(x_BxTxD).reshape(B, T, self.num_heads, H)
@@ -172,11 +178,11 @@ class Attention(nnx.Module):
         v = self.v_proj(x_BxTxD).reshape(B, T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq), v
+        return apply_rope(q, rope), apply_rope(k, rope), v
 
-    def __call__(self, x_BxTxD, positions_BxT, inv_freq, keys: _KeySlots, layer_cache):
+    def __call__(self, x_BxTxD, rope, keys: _KeySlots, layer_cache):
         B, T, _ = x_BxTxD.shape
-        q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
+        q, k, v = self._qkv(x_BxTxD, rope)
         if layer_cache is not None:
             shared_kv = layer_cache[2:]
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
@@ -192,12 +198,12 @@ class Attention(nnx.Module):
             out = causal_attention(q, k, v, keys.mask_BxT)
         return self.o_proj(out.reshape(B, T, -1)), layer_cache
 
-    def prefixed(self, x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT):
+    def prefixed(self, x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, mask_GxP, mask_BxT):
         """Attention of G prefixes and of B = G * n rows continuing them (row b: prefix b // n).
         A continuation's queries see its prefix's real keys before its own (`prefixed_attention`)."""
         (G, P, _), (B, T, _) = x_GxPxD.shape, x_BxTxD.shape
-        q_p, k_p, v_p = self._qkv(x_GxPxD, positions_GxP, inv_freq)
-        q, k, v = self._qkv(x_BxTxD, positions_BxT, inv_freq)
+        q_p, k_p, v_p = self._qkv(x_GxPxD, rope_GxP)
+        q, k, v = self._qkv(x_BxTxD, rope_BxT)
         out_p = causal_attention(q_p, k_p, v_p, mask_GxP)
         out = prefixed_attention(q, k_p, v_p, mask_GxP, k, v, mask_BxT)
         return self.o_proj(out_p.reshape(G, P, -1)), self.o_proj(out.reshape(B, T, -1))
@@ -559,15 +565,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions_BxT, inv_freq, keys, layer_cache):
-        attn, kv = self.self_attn(self.input_layernorm(x), positions_BxT, inv_freq, keys, layer_cache)
+    def __call__(self, x, rope, keys, layer_cache):
+        attn, kv = self.self_attn(self.input_layernorm(x), rope, keys, layer_cache)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
-    def prefixed(self, x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT):
+    def prefixed(self, x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, mask_GxP, mask_BxT):
         """The layer over G prefixes and the B rows continuing them (see `Attention.prefixed`)."""
         attn_p, attn = self.self_attn.prefixed(self.input_layernorm(x_GxPxD), self.input_layernorm(x_BxTxD),
-                                               positions_GxP, positions_BxT, inv_freq, mask_GxP, mask_BxT)
+                                               rope_GxP, rope_BxT, mask_GxP, mask_BxT)
         x_GxPxD, x_BxTxD = x_GxPxD + attn_p, x_BxTxD + attn
         return (x_GxPxD + self.mlp(self.post_attention_layernorm(x_GxPxD)),
                 x_BxTxD + self.mlp(self.post_attention_layernorm(x_BxTxD)))
@@ -628,10 +634,10 @@ class Decoder(nnx.Module):
                              shared=shared)
 
         x = self._embed(tokens_BxT)
-        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        rope = rope_tables(positions_BxT, self.cfg)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions_BxT, inv_freq, keys,
+            x, kv = layer(x, rope, keys,
                           None if cache is None else (cache.k_BxKxHxS[i], cache.v_BxKxSxH[i])
                           + (() if shared is None else (shared.k_UxKxHxP[i], shared.v_UxKxPxH[i])))
             if cache is not None:
@@ -648,9 +654,9 @@ class Decoder(nnx.Module):
         `packed_windows(L)[window]` keys."""
         keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL, prefix_RxL)
         x = self._embed(tokens_RxL)
-        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        rope = rope_tables(positions_RxL, self.cfg)
         for layer in self.layers:
-            x, _ = layer(x, positions_RxL, inv_freq, keys, None)
+            x, _ = layer(x, rope, keys, None)
         return self.norm(x)
 
     def prefixed_hidden(self, prefix_GxP, prefix_mask_GxP, tokens_BxT, mask_BxT):
@@ -661,11 +667,10 @@ class Decoder(nnx.Module):
         prefix_mask_GxP, mask_BxT = prefix_mask_GxP.astype(bool), mask_BxT.astype(bool)
         positions_GxP = positions_from_mask(prefix_mask_GxP)
         positions_BxT = positions_from_mask(mask_BxT, jnp.repeat(prefix_mask_GxP.sum(-1, dtype=jnp.int32), B // G))
-        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        rope_GxP, rope_BxT = rope_tables(positions_GxP, self.cfg), rope_tables(positions_BxT, self.cfg)
         x_GxPxD, x_BxTxD = self._embed(prefix_GxP), self._embed(tokens_BxT)
         for layer in self.layers:
-            x_GxPxD, x_BxTxD = layer.prefixed(x_GxPxD, x_BxTxD, positions_GxP, positions_BxT, inv_freq,
-                                              prefix_mask_GxP, mask_BxT)
+            x_GxPxD, x_BxTxD = layer.prefixed(x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, prefix_mask_GxP, mask_BxT)
         return self.norm(x_GxPxD), self.norm(x_BxTxD)
 
     def _embed(self, tokens_BxT):
