@@ -130,22 +130,34 @@ def test_sampled_tokens_follow_the_tempered_and_filtered_distribution():
         np.testing.assert_allclose(np.asarray(logp), full_logp[np.asarray(tokens)], rtol=1e-5)
 
 
-def test_inverse_cdf_over_many_blocks_picks_the_first_token_reaching_the_mass_and_never_one_without():
-    from bridge.engines.sampler import _inverse_cdf
+def test_cdf_blocks_keep_both_prefix_sums_small_and_divide_the_vocabulary_where_they_can():
+    from bridge.engines.sampler import cdf_block
 
-    V, rows = 1000, 8  # not a multiple of the block: the last block is padded
+    for vocab in (1000, 32000, 50257, 151936):
+        block = cdf_block(vocab)
+        assert max(block, -(-vocab // block)) <= 2 * np.sqrt(vocab) + 8, vocab
+    assert 1000 % cdf_block(1000) == 0 and 32000 % cdf_block(32000) == 0
+
+
+@pytest.mark.parametrize("block", [32, None])  # 32: the last block padded; None: cdf_block(1000) = 25
+def test_inverse_cdf_over_many_blocks_picks_the_first_token_reaching_the_mass_and_never_one_without(block):
+    from bridge.engines.sampler import _inverse_cdf, cdf_block
+
+    V, rows = 1000, 8
+    size = block or cdf_block(V)
     rng = np.random.default_rng(0)
     probs = rng.exponential(size=(rows, V)).astype(np.float32)
     probs[rng.random((rows, V)) < 0.3] = 0  # as top-k / top-p leave them
-    probs[:, 32:64] = 0  # a whole block without mass
-    probs[:, 31::32] = 0  # the last token of every block
+    probs[:, size:2 * size] = 0  # a whole block without mass
+    probs[:, size - 1::size] = 0  # the last token of every block
     probs[:, -5:] = 0
     probs[0, 1:] = 0  # a single token
     cdf = np.cumsum(probs.astype(np.float64), -1)
     u = np.concatenate([rng.random((rows, 4000)), np.zeros((rows, 1)), np.full((rows, 1), 1 - 2 ** -24)], 1)
     # Thresholds exactly at block ends, where float32 sums round either way.
-    u = np.concatenate([u, 1 - cdf[:, 30:V:32] / cdf[:, -1:]], 1).astype(np.float32)
-    picked = np.stack([np.asarray(jax.jit(_inverse_cdf)(jnp.asarray(probs), jnp.asarray(u[:, j])))
+    u = np.concatenate([u, 1 - cdf[:, size - 2:V:size] / cdf[:, -1:]], 1).astype(np.float32)
+    run = jax.jit(_inverse_cdf, static_argnums=2)
+    picked = np.stack([np.asarray(run(jnp.asarray(probs), jnp.asarray(u[:, j]), block))
                        for j in range(u.shape[1])], 1)
     assert np.all(probs[np.arange(rows)[:, None], picked] > 0)
     threshold = (1 - u.astype(np.float64)) * cdf[:, -1:]

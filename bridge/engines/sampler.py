@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import NamedTuple
 
@@ -76,13 +77,23 @@ def _first_reaching(cum_BxN, threshold_B, mass_BxN):
     return jnp.minimum(first_B, jnp.max(jnp.where(has_BxN, index_N, -1), -1))
 
 
-def _inverse_cdf(probs_BxV, u_B, block: int = 32):
+def cdf_block(vocab: int) -> int:
+    """`_inverse_cdf`'s block for a vocabulary: near its square root, so that both levels' prefix-sum
+    matrices are small (blocks of 32 made Qwen's 151,936 tokens a 4,748 x 4,748 one), and a divisor
+    of it where one is close (no padding to copy each step), else a multiple of 8."""
+    root = math.sqrt(vocab)
+    near = [d for d in range(max(1, math.ceil(root / 2)), math.floor(2 * root) + 1) if vocab % d == 0]
+    return min(near, key=lambda d: abs(d - root)) if near else 8 * math.ceil(root / 8)
+
+
+def _inverse_cdf(probs_BxV, u_B, block: int | None = None):
     """The token at which each row's cumulative mass first reaches (1 - u) of its total, u in [0, 1):
     one uniform a row, where the Gumbel trick draws one per vocabulary entry (threefry over B x V was a
-    fifth of a decode step on CPU). In two levels, blocks of `block` tokens and then the tokens of the
-    chosen block, each prefix sum a small matmul: a cumulative sum over the vocabulary is a
-    reduce-window on XLA:CPU, most of a step's sampling."""
+    fifth of a decode step on CPU). In two levels, blocks of `block` tokens (`cdf_block`) and then the
+    tokens of the chosen block, each prefix sum a small matmul: a cumulative sum over the vocabulary
+    is a reduce-window on XLA:CPU, most of a step's sampling."""
     B, V = probs_BxV.shape
+    block = block or cdf_block(V)
     n = -(-V // block)
     x_BxnxK = jnp.pad(probs_BxV, ((0, 0), (0, n * block - V))).reshape(B, n, block)
     mass_Bxn = x_BxnxK.sum(-1)
