@@ -291,6 +291,26 @@ def test_decode_calls_of_more_steps_than_their_window_sample_what_short_calls_do
     assert slots.scheduler.prefix.stats["cached_tokens"] > 0  # the second turn read the first's keys
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_decoded_in_windows_narrower_than_the_cache_sample_what_a_full_pass_gives(model, temperature):
+    """A decode call reads only its narrowest decode window that holds its rows: short rows read
+    the first 128 of 302 slots and sample what a one-window cache samples; a row growing past 128
+    moves to the next window mid-row. Every logprob is the full forward pass's, greedy its argmax."""
+    wide = Shapes(max_seq_len=300, chunk=4, max_batch=4, decode_steps=3)
+    assert wide.decode_windows() == (128, 192, 256, 302)
+    short = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    narrow_rows = run(model, rows_of(short, 16, temperature=temperature, seed=5), slots_for(model, wide))
+    for a, b in zip(narrow_rows, run(model, rows_of(short, 16, temperature=temperature, seed=5))):
+        same(a, b)
+    crossing = list(np.random.default_rng(1).integers(1, 128, 118))  # 118 + 16 tokens: windows 128, then 192
+    for prompt, row in zip(short + [crossing], narrow_rows + run(
+            model, rows_of([crossing], 16, temperature=temperature, seed=5), slots_for(model, wide))):
+        logp, at_tokens = _full_logp(model, prompt, row.tokens, temperature or 1.0)
+        np.testing.assert_allclose(row.logprobs, at_tokens, atol=1e-5)
+        if not temperature:
+            assert row.tokens == np.asarray(logp).argmax(-1).tolist()
+
+
 def test_a_dropped_row_frees_its_slot_for_a_waiting_one(model):
     graphdef, params = nnx.split(model)
     slots = slots_for(model, Shapes(max_seq_len=32, chunk=4, max_batch=2, decode_steps=3))
