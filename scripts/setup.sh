@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs jaxrl editable with the given extras, e.g. `test`.
-# torch==2.13.0 (test extra) resolves to the machine's local CPU wheel through pip's find-links.
+# Creates .venv (if missing) and installs jaxrl editable with the given extras, e.g. `test`, at the
+# exact versions of locks/main.txt (pip constraints: a registry release changes nothing until
+# scripts/lock.sh is run on purpose). torch==2.13.0+cpu is the machine's local wheel (pip's find-links).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -16,7 +17,7 @@ spec="."
 # An editable install writes jaxrl.egg-info into the tree: one at a time where flock(1) is (scripts/test.sh
 # sets up .venv-vllm beside this).
 locked=(); command -v flock > /dev/null && locked=(flock .setup.lock)
-${locked[@]+"${locked[@]}"} "${pip[@]}" install -q -e "$spec"
+${locked[@]+"${locked[@]}"} "${pip[@]}" install -q -c locks/main.txt -e "$spec"
 if [[ ",$extras," == *",test,"* ]]; then
   # A real openenv-core 0.3.0 server for the wire-compatibility tests (the catalogue's servers pin
   # 0.2.3 / 0.3.0). Its code only, beside the environment's packages rather than among them: tests

