@@ -57,6 +57,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxrl.models import ModelConfig, hf_names
+from jaxrl.models.hf import hf_layout
 from jaxrl.models.config import DTYPES
 from jaxrl.models.lora import LoraConfig, adapter_config, adapter_tensors
 from jaxrl.snapshot_store import DirectoryStore, ObjectStore, copy_keys, open_store
@@ -89,7 +90,7 @@ class Snapshot:
 
 @functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
 def _to_serving(x: jax.Array, transposed: bool, dtype) -> jax.Array:
-    return (x.T if transposed else x).astype(dtype)
+    return hf_layout(x, transposed).astype(dtype)
 
 
 def serving_tensors(cfg: ModelConfig, params: nnx.State, dtype) -> dict[str, jax.Array]:

@@ -8,11 +8,15 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import Decoder, ModelConfig, RopeScaling, save_classifier, save_pretrained
+from jaxrl.models.families import FAMILIES
+
+# An MoE family's tiny shape: 8 experts of width 32, 2 a token.
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def tiny_config(family: str = "qwen3", tied: bool = True, vocab_size: int = 512, **overrides) -> ModelConfig:
-    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 32: vLLM's CPU minimum)."""
-    qkv_bias = family == "qwen2"
+    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 32: vLLM's CPU minimum); an MoE family's
+    with `TINY_MOE` experts."""
     fields = dict(
         model_type=family,
         vocab_size=vocab_size,
@@ -25,10 +29,12 @@ def tiny_config(family: str = "qwen3", tied: bool = True, vocab_size: int = 512,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
-        qkv_bias=qkv_bias,
-        qk_norm=family == "qwen3",
+        qkv_bias=FAMILIES[family].qkv_bias,
+        qk_norm=FAMILIES[family].qk_norm,
         max_position_embeddings=2048,
     )
+    if FAMILIES[family].moe_tensors is not None:
+        fields.update(TINY_MOE)
     if family == "llama":
         fields["rope_scaling"] = RopeScaling(
             factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64

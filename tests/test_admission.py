@@ -16,6 +16,9 @@ from jaxrl.snapshots import Snapshot, SnapshotWriter
 from jaxrl.tiny import tiny_config
 
 CFG = tiny_config("qwen3")
+MOE_CFG = tiny_config("qwen3_moe")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+              "norm_topk_prob")
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
 
 
@@ -39,7 +42,8 @@ def refusal(snapshot: Snapshot, served=CFG, lora=None) -> str:
 
 @pytest.mark.parametrize("family, changes", [
     ("qwen3", {}), ("qwen2", {}), ("llama", {"tied": False, "qkv_bias": True, "o_bias": True, "mlp_bias": True}),
-], ids=["qwen3-qk-norm", "qwen2-qkv-bias", "llama-untied-biases"])
+    ("qwen3_moe", {"mlp_only_layers": (0,)}),
+], ids=["qwen3-qk-norm", "qwen2-qkv-bias", "llama-untied-biases", "qwen3-moe"])
 def test_each_familys_published_weights_are_admitted(family, changes, tmp_path):
     cfg = tiny_config(family, **changes)
     params = nnx.state(Decoder(cfg, nnx.Rngs(0)), nnx.Param)
@@ -62,18 +66,20 @@ def test_a_missing_version_or_directory_is_refused(tmp_path):
         admit(str(tmp_path / "nowhere"), 1, CFG, None)
 
 
-def _changed(field: str):
-    value = getattr(CFG, field)
+def _changed(base, field: str):
+    value = getattr(base, field)
     if isinstance(value, bool):
         return not value
-    return {"model_type": "llama", "num_kv_heads": 1}.get(field, value * 2 if isinstance(value, int) else value)
+    return {"model_type": "llama", "num_kv_heads": 1, "num_experts_per_tok": 1, "mlp_only_layers": (1,)}.get(
+        field, value * 2 if isinstance(value, int) else value)
 
 
 @pytest.mark.parametrize("field", ARCHITECTURE_FIELDS)
 def test_another_architecture_is_refused(field):
-    served = dataclasses.replace(CFG, **{field: _changed(field)})
-    message = refusal(whole(), served)
-    assert f"{field} {getattr(CFG, field)} (serving {getattr(served, field)})" in message
+    base = MOE_CFG if field in MOE_FIELDS else CFG
+    served = dataclasses.replace(base, **{field: _changed(base, field)})
+    message = refusal(whole(base), served)
+    assert f"{field} {getattr(base, field)} (serving {getattr(served, field)})" in message
     assert message.endswith("publish weights of the model this bridge serves")
 
 

@@ -21,6 +21,9 @@ VARIANTS = [
     ("qwen2", dict()),
     ("qwen3", dict()),
     ("qwen3", dict(num_layers=3, num_kv_heads=1)),
+    ("qwen3_moe", dict()),
+    ("qwen3_moe", dict(num_layers=3, norm_topk_prob=True, mlp_only_layers=(1,), num_experts_per_tok=3)),
+    ("qwen3_moe", dict(num_layers=4, decoder_sparse_step=2)),
 ]
 
 
@@ -72,7 +75,8 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
     np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family, slots", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen3", 512)])
+@pytest.mark.parametrize("family, slots", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen3", 512),
+                                           ("qwen3_moe", 16)])
 def test_cached_decoding_matches_full_forward(family, slots):
     """With 512 slots the queries attend to the smallest of key_windows (64 slots)."""
     cfg = tiny_config(family, vocab_size=VOCAB)

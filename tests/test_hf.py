@@ -45,7 +45,7 @@ def _tensors(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)])
 def test_hf_to_jaxrl_to_hf_is_bit_exact(tmp_path, family, tied, dtype):
     cfg = tiny_config(family, tied=tied, vocab_size=300)
     torch.manual_seed(0)
@@ -137,7 +137,8 @@ def test_corrupt_safetensors_file_is_a_clear_error(tmp_path):
         load_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("family,tied,sharded", [("llama", False, True), ("qwen2", True, False)])
+@pytest.mark.parametrize("family,tied,sharded", [("llama", False, True), ("qwen2", True, False),
+                                                 ("qwen3_moe", False, True)])
 def test_params_from_hf_tensors_are_from_hf_tensors_placed_like_the_old_ones(family, tied, sharded):
     """What the bridge swaps in: the model from_hf_tensors builds, in the served params' structure,
     dtype and shardings, with the served params left as they were."""
@@ -160,7 +161,7 @@ def test_params_from_hf_tensors_are_from_hf_tensors_placed_like_the_old_ones(fam
     for before, after in zip(old_values, jax.tree.leaves(old)):
         np.testing.assert_array_equal(before, np.asarray(after))
 
-    name = "model.layers.1.mlp.up_proj.weight"
+    name = "model.layers.1.self_attn.q_proj.weight"
     with pytest.raises(CheckpointError, match=rf"snap: tensor '{name}' has shape \(7, 64\), expected \(128, 64\)"):
         params_from_hf_tensors(cfg, {**tensors, name: np.zeros((7, 64), np.float32)}, old, "snap")
     with pytest.raises(CheckpointError, match=rf"snap: tensors differ .* \(missing \['{name}'\], unexpected \[\]\)"):

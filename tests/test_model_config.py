@@ -7,7 +7,7 @@ from jaxrl.models import ModelConfig, ModelConfigError, RopeScaling
 from jaxrl.tiny import tiny_config
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_round_trip_through_transformers_config(family, tied):
     cfg = tiny_config(family, tied=tied)

@@ -77,6 +77,7 @@ def _orbax_manager(directory, **options):
     ("qwen3", "float32", False),
     ("qwen2", "bfloat16", False),  # qkv biases
     ("llama", "bfloat16", True),  # rope scaling; params split over an fsdp x tp mesh
+    ("qwen3_moe", "bfloat16", True),  # stacked experts, split over the mesh too
 ])
 def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, family, dtype, sharded):
     cfg = tiny_config(family, tied=False, vocab_size=256)
@@ -85,7 +86,9 @@ def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, family, dtype, sha
     if sharded:
         mesh = make_mesh(MeshConfig(fsdp=4, tp=2))
         params = jax.device_put(params, param_shardings(params, mesh))
-        assert len(params["layers"][0]["mlp"]["up_proj"]["kernel"].get_value().sharding.device_set) == 8
+        mlp = params["layers"][0]["mlp"]
+        split = mlp["gate_up"] if cfg.num_experts else mlp["up_proj"]["kernel"]
+        assert len(split.get_value().sharding.device_set) == 8
     writer = SnapshotWriter(tmp_path, cfg, dtype=dtype)
     assert writer.publish(params, 7) == tmp_path / "7"
     writer.close()

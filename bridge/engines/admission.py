@@ -22,6 +22,8 @@ _FIX = "publish weights of the model this bridge serves"
 ARCHITECTURE_FIELDS = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
     "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+    "norm_topk_prob",
 )
 
 

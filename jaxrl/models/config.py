@@ -1,4 +1,5 @@
-"""Model configuration for the Llama / Qwen2 / Qwen3 decoder family, to and from HF config.json."""
+"""Model configuration: the fields the decoder reads, to and from Hugging Face config.json (each family's
+keys: `jaxrl.models.families`)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,6 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-
-# model_type -> (architecture class name, whether q/k/v carry a bias, whether q/k are RMS-normed)
-FAMILIES: dict[str, tuple[str, bool, bool]] = {
-    "llama": ("LlamaForCausalLM", False, False),
-    "qwen2": ("Qwen2ForCausalLM", True, False),
-    "qwen3": ("Qwen3ForCausalLM", False, True),
-}
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -55,12 +49,31 @@ class ModelConfig:
     pad_token_id: int | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
+    # Mixture of experts (0 experts: every layer is a dense MLP). A layer i is MoE unless it is one of
+    # `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step` (Qwen-MoE's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
 
     def __post_init__(self):
+        from jaxrl.models.families import FAMILIES
+
         if self.model_type not in FAMILIES:
             raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; supported: {sorted(FAMILIES)}"
             )
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts and FAMILIES[self.model_type].moe_tensors is None:
+            raise ModelConfigError(f"num_experts={self.num_experts}: {self.model_type} has no mixture-of-experts "
+                                   "layers; use an MoE family (qwen3_moe)")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                                   f"{self.num_experts}]")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ModelConfigError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1 with experts")
         for key in ("param_dtype", "dtype"):
             if getattr(self, key) not in DTYPES:
                 raise ModelConfigError(f"{key}={getattr(self, key)!r}; allowed: {sorted(DTYPES)}")
@@ -81,102 +94,32 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def is_moe(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts, in order."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe(i))
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json", classifier: bool = False) -> ModelConfig:
         """Builds a config from a Hugging Face config dict; `source` names it in errors. `classifier`:
         the decoder of a sequence-classification checkpoint (`*ForSequenceClassification`), asked for
         by name so that one is never loaded as a policy whose LM head is missing."""
-        model_type = hf.get("model_type")
-        if model_type not in FAMILIES:
-            raise ModelConfigError(
-                f"{source}: model_type {model_type!r} (architectures {hf.get('architectures')}) is "
-                f"not supported; jaxrl loads {sorted(FAMILIES)}"
-            )
-        arch, qkv_bias, qk_norm = FAMILIES[model_type]
-        if classifier:
-            arch = arch.replace("ForCausalLM", "ForSequenceClassification")
-        archs = hf.get("architectures") or [arch]
-        if arch not in archs:
-            raise ModelConfigError(f"{source}: architectures {archs} is not {arch!r}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
-        if hf.get("use_sliding_window"):
-            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads"):
-            if key not in hf:
-                raise ModelConfigError(f"{source}: missing required key {key!r}")
-        num_heads = hf["num_attention_heads"]
-        rope_theta, rope_scaling = _rope_from_hf(hf, source)
-        attention_bias = bool(hf.get("attention_bias", False))
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias or attention_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=qk_norm,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-            param_dtype=dtype if dtype in DTYPES else "float32",
-            dtype=dtype if dtype in DTYPES else "float32",
-        )
+        from jaxrl.models.families import config_from_hf
+
+        return config_from_hf(hf, source, classifier)
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face config.json dict that transformers loads as the same model."""
-        arch, family_qkv_bias, _ = FAMILIES[self.model_type]
-        if self.qkv_bias != (family_qkv_bias or self.o_bias):
-            raise ModelConfigError(
-                f"qkv_bias={self.qkv_bias} with o_bias={self.o_bias} cannot be expressed as a "
-                f"{self.model_type} config"
-            )
-        hf: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": self.param_dtype,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-        }
-        if self.model_type != "qwen2":
-            hf["attention_bias"] = self.o_bias
-        if self.model_type == "llama":
-            hf["mlp_bias"] = self.mlp_bias
-        if self.rope_scaling is not None:
-            hf["rope_parameters"] = {
-                "rope_type": "llama3",
-                "rope_theta": self.rope_theta,
-                **dataclasses.asdict(self.rope_scaling),
-            }
-        return hf
+        from jaxrl.models.families import config_to_hf
+
+        return config_to_hf(self)
 
 
-def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_scaling") or {})
     params.update(hf.get("rope_parameters") or {})

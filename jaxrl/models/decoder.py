@@ -1,7 +1,12 @@
-"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 families, with an optional KV cache.
+"""Flax NNX decoder of every family (`jaxrl.models.families`): dense or mixture-of-experts MLPs, with
+an optional KV cache.
 
 Parameters carry logical axis names (`out_sharding` metadata); `LOGICAL_AXIS_RULES` maps them
 onto a mesh with `fsdp` and `tp` axes.
+
+An MoE model's forward passes take an optional replayed route of every token (`replay_BxTxU`: per MoE
+layer in order, its top-k expert ids; U = MoE layers x top-k) and, asked with `routed=True`, also return
+`Routed`: the router's own route of every token and the load-balancing statistics.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.models import moe
 from jaxrl.models.config import ModelConfig
 
 # Logical parameter axes -> mesh axes. Hidden size is split over fsdp, head / mlp / vocab
@@ -26,6 +32,7 @@ LOGICAL_AXIS_RULES = (
     ("kv_heads", "tp"),
     ("mlp", "tp"),
     ("norm", None),
+    ("expert", None),
 )
 
 _INIT_STD = 0.02
@@ -558,25 +565,76 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nnx.Module):
+class MoE(nnx.Module):
+    """A mixture of experts: a linear router picks each token's top-k experts (`jaxrl.models.moe.route`),
+    each a gated MLP; the experts' weights are stacked, gate and up fused: (E, D, 2I) and (E, I, D)."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = Linear(d, e, ("embed", None), False, cfg, rngs)
+        self.gate_up = _param(rngs, (e, d, 2 * f), ("expert", "embed", "mlp"), cfg, "normal")
+        self.down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg, "normal")
+        self.top_k, self.norm_topk, self.dtype = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.jnp_dtype
+
+    def __call__(self, x_BxTxD, mask_BxT, replay_BxTxK=None):
+        """(output, the router's own top-k (B, T, K), its statistics over the tokens where mask_BxT holds)."""
+        B, T, D = x_BxTxD.shape
+        x_NxD = x_BxTxD.reshape(B * T, D).astype(self.dtype)
+        logits_NxE = self.router(x_NxD)
+        replay = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
+        experts, weights, own = moe.route(logits_NxE, self.top_k, "softmax", self.norm_topk, replay)
+        y_NxD = moe.experts_forward(x_NxD, experts, weights, self.gate_up[...].astype(self.dtype),
+                                    self.down[...].astype(self.dtype), moe.silu_glu)
+        stats = moe.router_stats(logits_NxE, own, mask_BxT.reshape(-1))
+        return y_NxD.reshape(B, T, D), own.reshape(B, T, -1), stats
+
+
+class Routed(NamedTuple):
+    """What the MoE layers of a forward pass did: each token's route by its routers' own top-k (U = MoE
+    layers x top-k, layer by layer) and the load-balancing statistics over its real tokens."""
+
+    own_BxTxU: jax.Array  # int32
+    stats: moe.RouterStats
+
+
+def _routed(parts: list) -> Routed | None:
+    """The `Routed` of one forward pass from its MoE layers' (own route, stats); None without MoE layers."""
+    if not parts:
+        return None
+    return Routed(jnp.concatenate([own for own, _ in parts], -1), moe.sum_stats([stats for _, stats in parts]))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.is_moe(layer) else MLP(cfg, rngs)
 
-    def __call__(self, x, rope, keys, layer_cache):
+    def _mlp(self, x, mask, replay, parts: list):
+        """The MLP's output; an MoE layer appends its (own route, stats) to `parts`."""
+        if not isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        y, own, stats = self.mlp(x, mask, replay)
+        parts.append((own, stats))
+        return y
+
+    def __call__(self, x, rope, keys, layer_cache, replay=None, parts: list | None = None):
         attn, kv = self.self_attn(self.input_layernorm(x), rope, keys, layer_cache)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        mask = keys.mask_BxT if keys.segments_BxT is None else keys.segments_BxT > 0
+        return x + self._mlp(self.post_attention_layernorm(x), mask, replay, [] if parts is None else parts), kv
 
-    def prefixed(self, x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, mask_GxP, mask_BxT):
+    def prefixed(self, x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, mask_GxP, mask_BxT, replay_p=None, replay=None,
+                 parts_p: list | None = None, parts: list | None = None):
         """The layer over G prefixes and the B rows continuing them (see `Attention.prefixed`)."""
         attn_p, attn = self.self_attn.prefixed(self.input_layernorm(x_GxPxD), self.input_layernorm(x_BxTxD),
                                                rope_GxP, rope_BxT, mask_GxP, mask_BxT)
         x_GxPxD, x_BxTxD = x_GxPxD + attn_p, x_BxTxD + attn
-        return (x_GxPxD + self.mlp(self.post_attention_layernorm(x_GxPxD)),
-                x_BxTxD + self.mlp(self.post_attention_layernorm(x_BxTxD)))
+        return (x_GxPxD + self._mlp(self.post_attention_layernorm(x_GxPxD), mask_GxP, replay_p,
+                                    [] if parts_p is None else parts_p),
+                x_BxTxD + self._mlp(self.post_attention_layernorm(x_BxTxD), mask_BxT, replay,
+                                    [] if parts is None else parts))
 
 
 class _KeySlots(NamedTuple):
@@ -597,7 +655,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg, "normal")
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg)
         self.lm_head = (
             None
@@ -605,9 +663,18 @@ class Decoder(nnx.Module):
             else _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, "normal")
         )
 
+    def _replays(self, replay_BxTxU) -> list:
+        """Each layer's slice of a replayed route (None for dense layers, or without one)."""
+        K, replays, j = self.cfg.num_experts_per_tok, [None] * self.cfg.num_layers, 0
+        if replay_BxTxU is None:
+            return replays
+        for i in self.cfg.moe_layers:
+            replays[i], j = replay_BxTxU[..., j:j + K], j + K
+        return replays
+
     def hidden(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True,
-               shared: SharedPrefix | None = None):
-        """Final normed hidden states (B, T, D) and the updated cache.
+               shared: SharedPrefix | None = None, replay_BxTxU=None, routed: bool = False):
+        """Final normed hidden states (B, T, D) and the updated cache (and `Routed` with `routed`).
 
         mask_BxT is 1 on real tokens and 0 on padding. Without a cache, causality follows slot
         order (left padding is the usual layout) and positions only drive RoPE. With a cache the
@@ -635,42 +702,50 @@ class Decoder(nnx.Module):
 
         x = self._embed(tokens_BxT)
         rope = rope_tables(positions_BxT, self.cfg)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
+        new_k, new_v, parts = [], [], []
+        for i, (layer, replay) in enumerate(zip(self.layers, self._replays(replay_BxTxU))):
             x, kv = layer(x, rope, keys,
                           None if cache is None else (cache.k_BxKxHxS[i], cache.v_BxKxSxH[i])
-                          + (() if shared is None else (shared.k_UxKxHxP[i], shared.v_UxKxPxH[i])))
+                          + (() if shared is None else (shared.k_UxKxHxP[i], shared.v_UxKxPxH[i])), replay, parts)
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         if cache is not None:
             cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32))
-        return self.norm(x), cache
+        return (self.norm(x), cache, _routed(parts)) if routed else (self.norm(x), cache)
 
-    def packed_hidden(self, tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window):
-        """Final normed hidden states (R, L, D) of packed rows: segments (numbered from 1 in
-        each row, 0 for padding) attend within themselves and to their prefix segment (a shared
-        prompt before them; their own where they have none), each query block over
+    def packed_hidden(self, tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window, replay_RxLxU=None,
+                      routed: bool = False):
+        """Final normed hidden states (R, L, D) of packed rows (and `Routed` with `routed`): segments
+        (numbered from 1 in each row, 0 for padding) attend within themselves and to their prefix segment
+        (a shared prompt before them; their own where they have none), each query block over
         `packed_windows(L)[window]` keys."""
         keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL, prefix_RxL)
         x = self._embed(tokens_RxL)
         rope = rope_tables(positions_RxL, self.cfg)
-        for layer in self.layers:
-            x, _ = layer(x, rope, keys, None)
-        return self.norm(x)
+        parts = []
+        for layer, replay in zip(self.layers, self._replays(replay_RxLxU)):
+            x, _ = layer(x, rope, keys, None, replay, parts)
+        return (self.norm(x), _routed(parts)) if routed else self.norm(x)
 
-    def prefixed_hidden(self, prefix_GxP, prefix_mask_GxP, tokens_BxT, mask_BxT):
+    def prefixed_hidden(self, prefix_GxP, prefix_mask_GxP, tokens_BxT, mask_BxT, replay_GxPxU=None, replay_BxTxU=None,
+                        routed: bool = False):
         """`hidden` of B = G * n rows that share prefixes, each prefix computed once: row b is
         prefix b // n (left-padded) followed by its own tokens (right-padded, real ones first).
-        Returns the prefixes' final normed hidden states (G, P, D) and the rows' (B, T, D)."""
+        Returns the prefixes' final normed hidden states (G, P, D) and the rows' (B, T, D) (and with
+        `routed`, the prefixes' and the rows' `Routed`)."""
         G, B = prefix_GxP.shape[0], tokens_BxT.shape[0]
         prefix_mask_GxP, mask_BxT = prefix_mask_GxP.astype(bool), mask_BxT.astype(bool)
         positions_GxP = positions_from_mask(prefix_mask_GxP)
         positions_BxT = positions_from_mask(mask_BxT, jnp.repeat(prefix_mask_GxP.sum(-1, dtype=jnp.int32), B // G))
         rope_GxP, rope_BxT = rope_tables(positions_GxP, self.cfg), rope_tables(positions_BxT, self.cfg)
         x_GxPxD, x_BxTxD = self._embed(prefix_GxP), self._embed(tokens_BxT)
-        for layer in self.layers:
-            x_GxPxD, x_BxTxD = layer.prefixed(x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, prefix_mask_GxP, mask_BxT)
+        parts_p, parts = [], []
+        for layer, replay_p, replay in zip(self.layers, self._replays(replay_GxPxU), self._replays(replay_BxTxU)):
+            x_GxPxD, x_BxTxD = layer.prefixed(x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, prefix_mask_GxP, mask_BxT,
+                                              replay_p, replay, parts_p, parts)
+        if routed:
+            return self.norm(x_GxPxD), self.norm(x_BxTxD), _routed(parts_p), _routed(parts)
         return self.norm(x_GxPxD), self.norm(x_BxTxD)
 
     def _embed(self, tokens_BxT):
@@ -684,9 +759,9 @@ class Decoder(nnx.Module):
         return head_logits(h_BxTxD, self.head_weight())
 
     def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache | None = None, windowed: bool = True,
-                 shared: SharedPrefix | None = None):
-        h, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache, windowed, shared)
-        return self.logits(h), cache
+                 shared: SharedPrefix | None = None, replay_BxTxU=None, routed: bool = False):
+        out = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache, windowed, shared, replay_BxTxU, routed)
+        return (self.logits(out[0]), *out[1:])
 
 
 def head_logits(h_BxTxD, w_DxV):

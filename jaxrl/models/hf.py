@@ -1,7 +1,9 @@
 """Hugging Face checkpoints: config.json + safetensors (single file or sharded index) <-> Decoder.
 
-`hf_names` is the one mapping between jaxrl parameter paths and Hugging Face tensor names; weight
-snapshots for the bridge use it too, so any engine can load them without knowing jaxrl's tree.
+`hf_names` is the one mapping between jaxrl parameter paths and Hugging Face tensor names (transformers'
+own, experts stacked per layer); weight snapshots for the bridge use it too, so any engine can load them
+without knowing jaxrl's tree. A family's checkpoint layout on disk (one tensor per expert) is converted
+where files are read and written (`Family.from_checkpoint` / `to_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from jaxrl.models.config import FAMILIES, ModelConfig
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoder import Decoder
+from jaxrl.models.families import FAMILIES
+from jaxrl.models.family import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 SCORE_HEAD = "score.weight"  # a sequence-classification checkpoint's head: (num_labels, hidden), no bias
@@ -30,19 +34,26 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded: names the file, the tensor and the fix."""
+def hf_layout(x, transposed: bool):
+    """A parameter in Hugging Face's layout (or back): the last two axes swapped where `transposed`."""
+    return x.swapaxes(-1, -2) if transposed else x
 
 
 def hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple, bool]]:
-    """(HF tensor name, jaxrl state path, transposed) for every parameter of the model."""
+    """(HF tensor name, jaxrl state path, transposed) for every parameter of the model; `transposed`: the
+    last two axes are swapped (`hf_layout`)."""
+    family = FAMILIES[cfg.model_type]
     yield "model.embed_tokens.weight", ("embed_tokens",), False
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             yield f"{pre}.{norm}.weight", ("layers", i, norm, "weight"), False
         projs = [("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projs += [("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")]
+        if cfg.is_moe(i):
+            for name, path, transposed in family.moe_tensors(cfg, pre):
+                yield name, ("layers", i, *path), transposed
+        else:
+            projs += [("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")]
         for block, proj in projs:
             yield f"{pre}.{block}.{proj}.weight", ("layers", i, block, proj, "kernel"), True
             has_bias = (
@@ -66,21 +77,16 @@ def projection_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}[proj]
 
 
+@functools.lru_cache(maxsize=16)
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: shape in HF's (out, in) layout} of every parameter, from the config alone."""
-    shapes = {}
-    for name, path, _ in hf_names(cfg):
-        if path[0] in ("embed_tokens", "lm_head"):
-            shapes[name] = (cfg.vocab_size, cfg.hidden_size)
-        elif path[-1] == "kernel":
-            shapes[name] = projection_shape(cfg, path[3])[::-1]
-        elif path[-1] == "bias":
-            shapes[name] = projection_shape(cfg, path[3])[1:]
-        elif path[-2] in ("q_norm", "k_norm"):
-            shapes[name] = (cfg.head_dim,)
-        else:
-            shapes[name] = (cfg.hidden_size,)
-    return shapes
+    """{HF tensor name: shape in HF's layout} of every parameter, from the config alone."""
+    params = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    return {name: _hf_shape(_lookup(params, path).shape, transposed) for name, path, transposed in hf_names(cfg)}
+
+
+def _hf_shape(shape, transposed: bool) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
 
 
 def _lookup(state, path):
@@ -93,8 +99,7 @@ def to_hf_tensors(cfg: ModelConfig, params: nnx.State, dtype=None) -> dict[str, 
     """Flat {HF name: array} in HF layout (out, in), optionally cast to `dtype`."""
     out = {}
     for name, path, transposed in hf_names(cfg):
-        value = _lookup(params, path)[...]
-        value = value.T if transposed else value
+        value = hf_layout(_lookup(params, path)[...], transposed)
         out[name] = value if dtype is None else value.astype(dtype)
     return out
 
@@ -126,15 +131,15 @@ def from_hf_tensors(
                 f"{cfg.model_type}); the checkpoint is incomplete or its config.json does not match"
             )
         value = tensors[name]
-        got = tuple(value.shape[::-1] if transposed else value.shape)
+        got = _hf_shape(value.shape, transposed)
         if got != want:
-            hf_want = want[::-1] if transposed else want
+            hf_want = _hf_shape(want, transposed)
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(value.shape)}, expected {hf_want} "
                 f"from config.json"
             )
         value = jnp.asarray(value, cfg.jnp_param_dtype)
-        param.set_value(value.T if transposed else value)
+        param.set_value(hf_layout(value, transposed))
     nnx.update(model, params)
     return model
 
@@ -180,10 +185,10 @@ def params_from_hf_tensors(
     host = [None] * len(leaves)
     for name, i, transposed in slots:
         old, value = leaves[i], tensors[name]
-        want = old.shape[::-1] if transposed else old.shape
-        if tuple(value.shape) != tuple(want):
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(want)}")
-        host[i] = np.asarray(value.T if transposed else value, old.dtype)
+        want = _hf_shape(old.shape, transposed)
+        if tuple(value.shape) != want:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(value.shape)}, expected {want}")
+        host[i] = np.asarray(hf_layout(value, transposed), old.dtype)
     placed = jax.device_put(host, [x.sharding for x in leaves])
     return jax.tree_util.tree_unflatten(treedef, placed)
 
@@ -231,6 +236,11 @@ def read_safetensors(path: str | Path) -> dict[str, jax.Array]:
     return tensors
 
 
+def read_checkpoint(path: str | Path, cfg: ModelConfig) -> dict:
+    """A directory's tensors under `hf_names`' names (its family's checkpoint layout converted)."""
+    return FAMILIES[cfg.model_type].from_checkpoint(cfg, read_safetensors(path), str(path))
+
+
 def load_model_config(path: str | Path, param_dtype: str | None = None, dtype: str | None = None) -> ModelConfig:
     """The config of a Hugging Face model directory, as `load_pretrained` builds its model."""
     cfg = ModelConfig.from_hf(read_config(path), source=str(Path(path) / "config.json"))
@@ -239,7 +249,8 @@ def load_model_config(path: str | Path, param_dtype: str | None = None, dtype: s
 
 def load_pretrained(path: str | Path, param_dtype: str | None = None, dtype: str | None = None) -> Decoder:
     """Loads a Hugging Face model directory; dtypes default to the checkpoint's."""
-    return from_hf_tensors(load_model_config(path, param_dtype, dtype), read_safetensors(path), source=str(path))
+    cfg = load_model_config(path, param_dtype, dtype)
+    return from_hf_tensors(cfg, read_checkpoint(path, cfg), source=str(path))
 
 
 def load_classifier(path: str | Path, dtype: str | None = None) -> tuple[Decoder, jax.Array]:
@@ -251,7 +262,7 @@ def load_classifier(path: str | Path, dtype: str | None = None) -> tuple[Decoder
     cfg = ModelConfig.from_hf(hf_config, source=str(Path(path) / "config.json"), classifier=True)
     # No LM head: a tied decoder expects none (the classifier never reads logits over the vocabulary).
     cfg = cfg.replace(tie_word_embeddings=True, **({"param_dtype": dtype, "dtype": dtype} if dtype else {}))
-    tensors = read_safetensors(path)
+    tensors = read_checkpoint(path, cfg)
     head = tensors.pop(SCORE_HEAD, None)
     if head is None:
         raise CheckpointError(f"{path}: no {SCORE_HEAD!r} tensor; a sequence-classification checkpoint "
@@ -271,12 +282,12 @@ def save_classifier(model: Decoder, head_DxL: jax.Array, path: str | Path) -> No
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     labels = head_DxL.shape[1]
-    config = {**cfg.to_hf(), "architectures": [FAMILIES[cfg.model_type][0].replace("ForCausalLM",
-                                                                                     "ForSequenceClassification")],
+    config = {**cfg.to_hf(), "architectures": [FAMILIES[cfg.model_type].classifier],
               "num_labels": labels, "id2label": {str(i): f"LABEL_{i}" for i in range(labels)},
               "label2id": {f"LABEL_{i}": i for i in range(labels)}}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {**to_hf_tensors(cfg, nnx.state(model, nnx.Param)), SCORE_HEAD: jnp.asarray(head_DxL).T}
+    tensors = {**FAMILIES[cfg.model_type].to_checkpoint(cfg, to_hf_tensors(cfg, nnx.state(model, nnx.Param))),
+               SCORE_HEAD: jnp.asarray(head_DxL).T}
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
 
 
@@ -308,7 +319,7 @@ def save_pretrained(
     With several processes (a model sharded over them) every process calls it: each tensor is
     gathered, and process 0 writes."""
     cfg = model.cfg
-    tensors = to_hf_tensors(cfg, nnx.state(model, nnx.Param))
+    tensors = FAMILIES[cfg.model_type].to_checkpoint(cfg, to_hf_tensors(cfg, nnx.state(model, nnx.Param)))
     if jax.process_count() > 1:
         tensors = {name: multihost_utils.process_allgather(x, tiled=True) for name, x in tensors.items()}
         if jax.process_index() != 0:

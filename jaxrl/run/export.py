@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxrl.models import ModelConfig, from_hf_tensors, hf_names, save_pretrained
 from jaxrl.models.config import DTYPES, ModelConfigError
-from jaxrl.models.hf import CheckpointError, read_config, read_safetensors
+from jaxrl.models.hf import CheckpointError, hf_layout, read_checkpoint, read_config
 from jaxrl.models.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, check_adapter_tensors, config_from_peft,
                                merged_tensors, peft_names)
 from jaxrl.run.run_dir import RunDir
@@ -242,7 +242,8 @@ def _merge(cfg: ModelConfig, adapter_config: dict, adapters: dict, base: str | P
                                                                   "intermediate_size", "num_heads", "num_kv_heads")):
             raise ExportError(f"{base}: a different model from the one {source}'s adapters were trained on; give the "
                               "base model directory with --base")
-        tensors = merged_tensors(cfg, config_from_peft(adapter_config, str(source)), read_safetensors(base), adapters)
+        tensors = merged_tensors(cfg, config_from_peft(adapter_config, str(source)), read_checkpoint(base, base_cfg),
+                                 adapters)
     except (CheckpointError, LoraError) as e:
         raise ExportError(f"{e}; give the base model directory the run trained on with --base") from None
     return base_cfg, hf_config, tensors
@@ -330,7 +331,7 @@ def _params_to_hf(names, params, path: Path) -> dict[str, np.ndarray]:
         if not isinstance(node, np.ndarray):
             raise ExportError(f"{path}/state: params/{'/'.join(map(str, param_path))} is not an array")
         used.add(id(node))
-        tensors[name] = node.T if transposed else node
+        tensors[name] = hf_layout(node, transposed)
     extra = [
         "/".join(str(getattr(k, "key", k)) for k in p)
         for p, leaf in jax.tree_util.tree_leaves_with_path(params)

@@ -1,0 +1,137 @@
+"""Mixture-of-experts math: routing, the experts' grouped matmul, and the load-balancing statistics.
+
+Pure functions of arrays; `decoder.MoE` holds the weights. A token's route is its `top_k` expert ids.
+With a replayed route (rollout routing replay, R3: arXiv 2510.11370) the token goes to the recorded
+experts instead of its router's top-k, and their weights still come from its own router's scores over
+them, so the router keeps its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCORINGS = ("softmax", "topk_softmax")
+
+
+class RouterStats(NamedTuple):
+    """One or more MoE layers' routing over the real tokens of a forward pass: what the load-balancing
+    loss needs, summed (layers add up), and the router's own top-k of every token."""
+
+    top_k_counts_E: jax.Array  # float32: assignments of the router's own top-k to each expert
+    probs_E: jax.Array  # float32: the softmax of the router's logits, summed over tokens
+    tokens: jax.Array  # float32: real tokens, once per layer
+
+
+def route(logits_NxE, top_k: int, scoring: str, norm_topk: bool, replay_NxK=None):
+    """(experts_NxK int32, weights_NxK float32, own_NxK int32): each token's experts (`replay_NxK` where
+    given, else its router's top-k `own_NxK`) and their weights from the router's scores over them.
+
+    `softmax` (Qwen-MoE, Mixtral): probabilities over every expert, optionally renormalised over the
+    chosen ones (`norm_topk`). `topk_softmax` (gpt-oss): a softmax over the chosen experts' logits."""
+    logits = logits_NxE.astype(jnp.float32)
+    if scoring == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        own = jax.lax.top_k(probs, top_k)[1]
+        experts = own if replay_NxK is None else replay_NxK.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, -1)
+        if norm_topk:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return experts, weights, own
+    if scoring == "topk_softmax":
+        own = jax.lax.top_k(logits, top_k)[1]
+        experts = own if replay_NxK is None else replay_NxK.astype(jnp.int32)
+        return experts, jax.nn.softmax(jnp.take_along_axis(logits, experts, -1), axis=-1), own
+    raise ValueError(f"router scoring {scoring!r}; one of {SCORINGS}")
+
+
+def router_stats(logits_NxE, own_NxK, mask_N) -> RouterStats:
+    """The load-balancing statistics of one layer over the tokens where mask_N holds."""
+    E = logits_NxE.shape[-1]
+    real_N = mask_N.astype(jnp.float32)
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    counts_E = jnp.zeros(E, jnp.float32).at[own_NxK.reshape(-1)].add(jnp.repeat(real_N, own_NxK.shape[-1]))
+    return RouterStats(jax.lax.stop_gradient(counts_E), (probs_NxE * real_N[:, None]).sum(0), real_N.sum())
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """Switch Transformer's auxiliary loss as transformers computes it for Qwen-MoE and gpt-oss
+    (`load_balancing_loss_func`): E * sum_e f_e P_e, f the share of top-k assignments and P the mean
+    router probability of expert e, both over every layer's real tokens together."""
+    E = stats.probs_E.shape[-1]
+    rows = jnp.maximum(stats.tokens, 1.0)
+    return E * jnp.sum((stats.top_k_counts_E / rows) * (stats.probs_E / rows))
+
+
+def sum_stats(stats: list[RouterStats]) -> RouterStats:
+    return RouterStats(*(sum(parts) for parts in zip(*stats)))
+
+
+def _block_rows(assignments: int, experts: int) -> int:
+    """Rows per block of `_blocked_matmul`: a power of two near half the mean rows an expert gets (so
+    blocks padded to it add at most about half the work), from 8 to 256."""
+    mean = max(1, assignments // (2 * experts))
+    return int(min(256, max(8, 2 ** int(np.log2(mean)))))
+
+
+def _blocked_matmul(x_AxD, w_ExDxF, sizes_E):
+    """`ragged_dot` as blocks of rows that each belong to one expert: every expert's rows padded to whole
+    blocks, one batched matmul of each block with its expert's weight. Its work grows with the rows, not
+    with the experts (XLA:CPU lowers `ragged_dot` to a dense product over every expert)."""
+    A, D = x_AxD.shape
+    E = w_ExDxF.shape[0]
+    b = _block_rows(A, E)
+    n = -(-(A + E * (b - 1)) // b)  # blocks enough for any split of A rows over E experts
+    padded_E = -(-sizes_E // b) * b
+    padded_end_E = jnp.cumsum(padded_E)
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    expert_A = jnp.repeat(jnp.arange(E), sizes_E, total_repeat_length=A)
+    dest_A = (padded_end_E - padded_E)[expert_A] + jnp.arange(A) - start_E[expert_A]
+    x_PxD = jnp.zeros((n * b, D), x_AxD.dtype).at[dest_A].set(x_AxD, unique_indices=True)
+    expert_n = jnp.minimum(jnp.searchsorted(padded_end_E, jnp.arange(n) * b, side="right"), E - 1)
+    y = jnp.einsum("nbd,ndf->nbf", x_PxD.reshape(n, b, D), w_ExDxF[expert_n], preferred_element_type=jnp.float32)
+    return y.reshape(n * b, -1)[dest_A].astype(x_AxD.dtype)
+
+
+def grouped_matmul(x_AxD, w_ExDxF, sizes_E):
+    """Rows sorted by expert (the first sizes_E[0] rows expert 0's, ...) each times its expert's weight:
+    `jax.lax.ragged_dot` on GPU and TPU, blocks of rows on CPU."""
+
+    def ragged(x, w, sizes):
+        return jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    return jax.lax.platform_dependent(x_AxD, w_ExDxF, sizes_E, cpu=_blocked_matmul, default=ragged)
+
+
+def experts_forward(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation, gate_up_bias_ExG=None,
+                    down_bias_ExD=None):
+    """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]), each expert down(activation(x gate_up)). The
+    token-expert pairs are sorted by expert and run as two grouped matmuls."""
+    N, K = experts_NxK.shape
+    E = gate_up_ExDxG.shape[0]
+    flat_A = experts_NxK.reshape(-1)
+    order_A = jnp.argsort(flat_A, stable=True)
+    expert_A, token_A = flat_A[order_A], order_A // K
+    sizes_E = jnp.zeros(E, jnp.int32).at[flat_A].add(1)
+    h_AxG = grouped_matmul(x_NxD[token_A], gate_up_ExDxG, sizes_E)
+    if gate_up_bias_ExG is not None:
+        h_AxG = h_AxG + gate_up_bias_ExG[expert_A].astype(h_AxG.dtype)
+    out_AxD = grouped_matmul(activation(h_AxG), down_ExIxD, sizes_E)
+    if down_bias_ExD is not None:
+        out_AxD = out_AxD + down_bias_ExD[expert_A].astype(out_AxD.dtype)
+    out_AxD = out_AxD * weights_NxK.reshape(-1)[order_A][:, None].astype(out_AxD.dtype)
+    return jnp.zeros_like(x_NxD).at[token_A].add(out_AxD)
+
+
+def silu_glu(h_AxG):
+    """Qwen-MoE's expert activation: silu(gate) * up, gate and up the two halves of the fused projection."""
+    gate, up = jnp.split(h_AxG, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def route_dtype(num_experts: int):
+    """The smallest unsigned integer that holds an expert id: what routes are stored and sent as."""
+    return np.uint8 if num_experts <= 256 else np.uint16

@@ -1,0 +1,119 @@
+"""Mixture-of-experts math against references: the grouped matmul against a dense product over every
+expert, routing and the load-balancing loss against transformers' Qwen3-MoE code."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
+
+from jaxrl.models import moe
+
+
+def _dense_experts(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD):
+    """Every expert on every token, then each token's own experts picked: the reference."""
+    h_ExNxG = jnp.einsum("nd,edg->eng", x_NxD, gate_up_ExDxG)
+    out_ExNxD = jnp.einsum("eni,eid->end", moe.silu_glu(h_ExNxG), down_ExIxD)
+    picked_NxKxD = out_ExNxD[experts_NxK, jnp.arange(x_NxD.shape[0])[:, None]]
+    return (picked_NxKxD * weights_NxK[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 17, 1, 0, 40, 3, 0], [0] * 7 + [64], [1] * 8, [300, 2, 0, 0, 1, 0, 0, 9]])
+def test_blocked_matmul_is_ragged_dot_with_its_gradients(sizes):
+    rng = np.random.default_rng(len(sizes) + sum(sizes))
+    A, E, D, F = sum(sizes), len(sizes), 24, 40
+    x = jnp.asarray(rng.normal(size=(A, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(E, D, F)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    want = jax.lax.ragged_dot(x, w, sizes)  # XLA:CPU's dense expansion: exact, however slow
+    np.testing.assert_allclose(moe._blocked_matmul(x, w, sizes), want, rtol=1e-5, atol=1e-4)
+    assert moe.grouped_matmul(x, w, sizes).shape == (A, F)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
+
+    got = jax.grad(loss(moe._blocked_matmul), (0, 1))(x, w)
+    ref = jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-4)
+
+
+def test_block_rows_keep_padding_under_half_the_work():
+    for assignments, experts in [(16, 8), (512, 128), (8192, 16), (10**6, 64)]:
+        b = moe._block_rows(assignments, experts)
+        assert 8 <= b <= 256 and b & (b - 1) == 0
+        assert experts * b <= max(assignments, 8 * experts), (assignments, experts, b)
+
+
+def test_experts_forward_is_every_expert_on_every_token_then_picked():
+    rng = np.random.default_rng(0)
+    N, D, E, I, K = 37, 16, 6, 12, 2
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(N, K)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(E, D, 2 * I)) / 4, jnp.float32)
+    down = jnp.asarray(rng.normal(size=(E, I, D)) / 4, jnp.float32)
+    got = moe.experts_forward(x, experts, weights, gate_up, down, moe.silu_glu)
+    np.testing.assert_allclose(got, _dense_experts(x, experts, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+
+    def grads(f):
+        return jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 2, 3, 4))
+    for g, r in zip(grads(lambda x, e, w, gu, d: moe.experts_forward(x, e, w, gu, d, moe.silu_glu))(
+            x, experts, weights, gate_up, down), grads(_dense_experts)(x, experts, weights, gate_up, down)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_routing_is_transformers_and_a_replayed_route_keeps_the_routers_gradient(norm_topk):
+    rng = np.random.default_rng(1)
+    N, D, E, K = 20, 16, 8, 3
+    x = rng.normal(size=(N, D)).astype(np.float32)
+    w_router = rng.normal(size=(E, D)).astype(np.float32)
+    config = hf_moe.Qwen3MoeConfig(hidden_size=D, num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk)
+    router = hf_moe.Qwen3MoeTopKRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(w_router))
+        _, hf_weights, hf_experts = router(torch.tensor(x))
+    logits = jnp.asarray(x @ w_router.T)
+    experts, weights, own = moe.route(logits, K, "softmax", norm_topk)
+    np.testing.assert_array_equal(experts, hf_experts.numpy())
+    np.testing.assert_array_equal(own, experts)
+    np.testing.assert_allclose(weights, hf_weights.numpy(), rtol=1e-6, atol=1e-6)
+
+    replay = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]), jnp.int32)
+    experts, weights, own = moe.route(logits, K, "softmax", norm_topk, replay)
+    np.testing.assert_array_equal(experts, replay)
+    np.testing.assert_array_equal(own, hf_experts.numpy())  # still the router's own choice, for the metrics
+    probs = jax.nn.softmax(logits)
+    want = jnp.take_along_axis(probs, replay, -1)
+    np.testing.assert_allclose(weights, want / want.sum(-1, keepdims=True) if norm_topk else want, rtol=1e-6)
+    c = jnp.asarray(rng.normal(size=(N, K)), jnp.float32)
+    grad = jax.grad(lambda z: (moe.route(z, K, "softmax", norm_topk, replay)[1] * c).sum())(logits)
+    assert np.abs(np.asarray(grad)).max() > 1e-3, "the replayed experts' weights must still train the router"
+
+
+def test_topk_softmax_scoring_weights_the_chosen_experts_by_a_softmax_of_their_logits():
+    logits = jnp.asarray([[0.5, 3.0, -1.0, 2.0], [1.0, 1.5, 4.0, 0.0]])
+    experts, weights, _ = moe.route(logits, 2, "topk_softmax", False)
+    np.testing.assert_array_equal(experts, [[1, 3], [2, 1]])
+    np.testing.assert_allclose(weights, jax.nn.softmax(jnp.asarray([[3.0, 2.0], [4.0, 1.5]])), rtol=1e-6)
+    with pytest.raises(ValueError, match="router scoring 'sigmoid'"):
+        moe.route(logits, 2, "sigmoid", False)
+
+
+def test_load_balancing_loss_is_transformers_over_layers_and_real_tokens():
+    rng = np.random.default_rng(2)
+    layers, N, E, K = 3, 26, 8, 2
+    logits = [rng.normal(size=(N, E)).astype(np.float32) for _ in range(layers)]
+    mask = (rng.uniform(size=N) < 0.7).astype(np.int64)
+    want = hf_moe.load_balancing_loss_func(tuple(torch.tensor(z) for z in logits), E, K,
+                                           torch.tensor(mask[None])).item()
+    stats = [moe.router_stats(jnp.asarray(z), jax.lax.top_k(jax.nn.softmax(jnp.asarray(z)), K)[1],
+                              jnp.asarray(mask, bool)) for z in logits]
+    np.testing.assert_allclose(moe.load_balancing_loss(moe.sum_stats(stats)), want, rtol=1e-5)
+
+
+def test_routes_are_stored_in_the_smallest_unsigned_integer():
+    assert moe.route_dtype(8) == moe.route_dtype(256) == np.uint8
+    assert moe.route_dtype(257) == np.uint16
