@@ -80,6 +80,7 @@ async def run_episode(
             [[completion]] = await engine.generate([context], turn_params)
             traj.generate_s += time.perf_counter() - t0
             traj.append(completion.token_ids, completion.logprobs, True, completion.token_versions)
+            traj.add_routes(completion.routes)
             traj.num_turns += 1
             if hook is None:
                 traj.finish_reason = completion.finish_reason

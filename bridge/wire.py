@@ -30,7 +30,7 @@ import numpy as np
 from bridge.engines.base import SamplingParams, derive_seed
 from bridge.proto import bridge_pb2 as pb
 
-PROTOCOL_VERSION = 2  # 2: seeds per group (PromptGroup.seed), none per request
+PROTOCOL_VERSION = 3  # 2: seeds per group (PromptGroup.seed), none per request; 3: MoE routes
 
 # The process contract: a bridge (`python -m bridge serve`) prints BRIDGE_LISTENING host:port and an
 # environment server (`python -m bridge env serve`) ENV_LISTENING http://host:port once they serve.
@@ -346,6 +346,9 @@ class TrajectoryData:
     # The bridge's warnings about what the model sees of the environment, new since its last episode
     # (the trainer's console shows each once; the bridge's log has them all).
     notices: list[str] = dataclasses.field(default_factory=list)
+    # An MoE policy's expert ids of each token of prompt + completion the sampler fed to the model (a
+    # prefix of them), (tokens, MoE layers x top-k), uint8 or uint16; empty otherwise.
+    routes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.uint8))
 
     def append(self, ids, logprobs, trained: bool, version: int | list[int]) -> None:
         """`version`: the weights' version of every token, or of each (new weights may arrive while a
@@ -358,6 +361,13 @@ class TrajectoryData:
         self.loss_mask = np.concatenate([self.loss_mask, np.full(n, int(trained), np.uint8)])
         self.token_versions = np.concatenate(
             [self.token_versions, np.asarray(versions, np.int64) if trained else np.full(n, ENV_VERSION, np.int64)])
+
+    def add_routes(self, routes: np.ndarray | None) -> None:
+        """A turn's routes (its context's tokens and its completion's): those past what the episode
+        holds, so that each token keeps the route of the turn that first fed it to the model."""
+        if routes is None:
+            return
+        self.routes = routes if not len(self.routes) else np.concatenate([self.routes, routes[len(self.routes):]])
 
     @property
     def num_completion_tokens(self) -> int:
@@ -389,6 +399,9 @@ def trajectory_to_proto(traj: TrajectoryData) -> pb.Trajectory:
         metrics=dict(traj.metrics),
         teacher_logprobs=encode_array(traj.teacher_logprobs, LOGPROBS),
         notices=list(traj.notices),
+        routes=encode_array(traj.routes, traj.routes.dtype.newbyteorder("<")),
+        route_width=traj.routes.shape[1] if traj.routes.ndim == 2 else 0,
+        route_itemsize=traj.routes.dtype.itemsize,
     )
 
 
@@ -419,4 +432,19 @@ def trajectory_from_proto(msg: pb.Trajectory) -> TrajectoryData:
         teacher_logprobs=decode_array(msg.teacher_logprobs, LOGPROBS, f"{what} teacher_logprobs",
                                       n if msg.teacher_logprobs else 0),
         notices=list(msg.notices),
+        routes=_decode_routes(msg, what),
     )
+
+
+def _decode_routes(msg: pb.Trajectory, what: str) -> np.ndarray:
+    if not msg.routes:
+        return np.zeros((0, 0), np.uint8)
+    if msg.route_itemsize not in (1, 2) or msg.route_width < 1:
+        raise WireError(f"{what} routes: route_width {msg.route_width} of {msg.route_itemsize}-byte ids; expected "
+                        "a width >= 1 of 1- or 2-byte ids")
+    ids = decode_array(msg.routes, np.dtype(f"<u{msg.route_itemsize}"), f"{what} routes")
+    tokens = len(msg.prompt_ids) // IDS.itemsize + len(msg.completion_ids) // IDS.itemsize
+    if len(ids) % msg.route_width or len(ids) // msg.route_width > tokens:
+        raise WireError(f"{what} routes: {len(ids)} expert ids are not whole routes of {msg.route_width} for at "
+                        f"most its {tokens} tokens")
+    return ids.reshape(-1, msg.route_width)

@@ -350,3 +350,38 @@ def test_an_adapter_snapshot_serves_the_learners_lora_model(model_dir, tmp_path)
     with pytest.raises(SnapshotRefused, match="holds LoRA adapters, but this engine serves whole weights"):
         run(JaxEngine(model_dir).load_snapshot(str(tmp_path / "snaps"), 2))
     assert engine.policy_version == 2
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("moe"), "qwen3_moe")
+
+
+def own_routes(model, tokens):
+    """The model's own route of every token in one full forward pass."""
+    tokens = jnp.asarray([tokens])
+    _, _, routed = model.hidden(tokens, jnp.arange(tokens.shape[1])[None], jnp.ones_like(tokens), routed=True)
+    return np.asarray(routed.own_BxTxU[0])
+
+
+def test_an_moe_engine_records_every_fed_tokens_route_in_prefill_decode_and_cached_prefixes(moe_model_dir):
+    engine = JaxEngine(moe_model_dir, max_batch=MIN_BATCH, max_seq_len=256, prefill_chunk=16, decode_steps=8,
+                       prefix_block=4, warm_up=True)
+    model = load_pretrained(moe_model_dir)
+    before = programs()
+    prompt = [3 + i % 200 for i in range(120)]  # shared by a group: decoded reading it once
+    [group] = run(engine.generate([prompt], SamplingParams(n=MIN_BATCH, max_tokens=30, seed=7)))
+    turns = [prompt + c.token_ids + [40, 41] for c in group]  # next turns: their prefixes come from the pool
+    later = run(engine.generate(turns, SamplingParams(max_tokens=20, seed=8)))
+    assert engine.stats["shared_batches"] > 0 and engine.stats["prefix_cached_tokens"] > 0
+    assert programs() == before, "the routes' reads are compiled by the warm-up"
+    for context, c in [(prompt, c) for c in group] + [(t, c) for t, [c] in zip(turns, later)]:
+        fed = context + c.token_ids[:-1]
+        assert c.routes.dtype == np.uint8 and c.routes.shape == (len(fed), model.cfg.route_width)
+        np.testing.assert_array_equal(c.routes, own_routes(model, fed))
+        np.testing.assert_allclose(c.logprobs, learner_logprobs(model, context, c.token_ids, 1.0), atol=1e-5)
+
+
+def test_a_dense_engine_reports_no_routes(model_dir):
+    [[c]] = run(JaxEngine(model_dir).generate([[5, 6, 7]], SamplingParams(max_tokens=3, seed=0)))
+    assert c.routes is None

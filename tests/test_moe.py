@@ -114,6 +114,14 @@ def test_load_balancing_loss_is_transformers_over_layers_and_real_tokens():
     np.testing.assert_allclose(moe.load_balancing_loss(moe.sum_stats(stats)), want, rtol=1e-5)
 
 
-def test_routes_are_stored_in_the_smallest_unsigned_integer():
-    assert moe.route_dtype(8) == moe.route_dtype(256) == np.uint8
-    assert moe.route_dtype(257) == np.uint16
+def test_routes_are_stored_in_the_smallest_unsigned_integer_beside_no_route():
+    assert moe.route_dtype(8) == moe.route_dtype(254) == np.uint8 and moe.no_route(8) == 255
+    assert moe.route_dtype(256) == np.uint16 and moe.no_route(256) == 65535
+
+
+def test_a_token_without_a_recorded_route_takes_its_routers_own():
+    logits = jnp.asarray([[0.5, 3.0, -1.0, 2.0], [1.0, 1.5, 4.0, 0.0]])
+    replay = jnp.asarray([[0, 2], [moe.no_route(4)] * 2], jnp.uint8)
+    experts, _, own = moe.route(logits, 2, "softmax", True, replay)
+    np.testing.assert_array_equal(experts, [[0, 2], [2, 1]])
+    np.testing.assert_array_equal(own, [[1, 3], [2, 1]])

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,6 +84,22 @@ def test_tool_tokens_are_context_with_mask_zero(engine):
             assert traj.sampler_logprobs[pos:pos + 3].tolist() == [0.0] * 3
             pos += 3
     assert pos == len(traj.completion_ids) == len(traj.loss_mask) == len(traj.sampler_logprobs)
+
+
+def test_an_moe_episodes_routes_cover_every_fed_token_turn_by_turn(tmp_path):
+    from jaxrl.models import load_pretrained
+
+    moe_dir = build_tiny_model(tmp_path, "qwen3_moe")
+    moe_engine = JaxEngine(moe_dir)
+    params = dataclasses.replace(PARAMS, max_turns=5, max_total_tokens=100)
+    traj = asyncio.run(run_episode(moe_engine, "g", 0, [1, 2], params, ToolHook(done_after=3)))
+    tokens = np.concatenate([traj.prompt_ids, traj.completion_ids])
+    # The last turn's last token is never fed: every token before it has its route.
+    assert traj.routes.shape == (len(tokens) - 1, moe_engine.cfg.route_width)
+    model = load_pretrained(moe_dir)
+    fed = jnp.asarray(tokens[None, :-1])
+    _, _, routed = model.hidden(fed, jnp.arange(fed.shape[1])[None], jnp.ones_like(fed), routed=True)
+    np.testing.assert_array_equal(traj.routes, np.asarray(routed.own_BxTxU[0]))
 
 
 def test_each_turn_samples_with_a_seed_of_its_own(engine):

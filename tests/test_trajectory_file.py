@@ -13,6 +13,7 @@ def test_groups_come_back_exactly(tmp_path):
     groups = [[traj("a", 0, [1, 2], [3, 4, 5], [1, 0, 1], {"env": 1.0}),
                traj("a", 1, [1, 2], [6], [1], {"env": 0.0, "fmt": 0.5}, finish="length", version=3)],
               [traj("b", 0, [7], [8, 9], [1, 1], {}, env="dice")]]
+    groups[1][0].routes = np.asarray([[1, 2], [3, 4]], np.uint8)  # an MoE policy's
     save_trajectories(tmp_path / "t.jsonl", groups[:1])
     save_trajectories(tmp_path / "t.jsonl", groups[1:], append=True)
     back = load_trajectories(tmp_path / "t.jsonl")
@@ -21,6 +22,7 @@ def test_groups_come_back_exactly(tmp_path):
         for key in ("prompt_ids", "completion_ids", "sampler_logprobs", "loss_mask", "token_versions"):
             assert np.array_equal(getattr(want, key), getattr(got, key)) and getattr(want, key).dtype == getattr(
                 got, key).dtype
+        assert np.array_equal(want.routes, got.routes) and got.routes.shape == want.routes.shape
         assert (got.rewards, got.finish_reason, got.env, got.metrics) == (want.rewards, want.finish_reason, want.env,
                                                                           want.metrics)
 

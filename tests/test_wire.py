@@ -44,7 +44,34 @@ def test_arrays_are_little_endian_bytes():
     assert msg.completion_ids == np.array([5, 6, 7, 40, 41, 8], "<i4").tobytes()
     assert msg.token_versions == np.array([3, 3, 3, -1, -1, 4], "<i8").tobytes()
     assert msg.loss_mask == bytes([1, 1, 1, 0, 0, 1])
-    assert msg.protocol_version == wire.PROTOCOL_VERSION == 2
+    assert msg.protocol_version == wire.PROTOCOL_VERSION == 3
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_routes_round_trip_and_bad_ones_are_refused(dtype):
+    traj = _trajectory()
+    traj.routes = np.arange(8 * 4, dtype=dtype).reshape(8, 4)  # 9 tokens, the last never fed
+    msg = wire.trajectory_to_proto(traj)
+    data = wire.trajectory_from_proto(pb.Trajectory.FromString(msg.SerializeToString()))
+    assert data.routes.dtype == dtype
+    np.testing.assert_array_equal(data.routes, traj.routes)
+    assert wire.trajectory_from_proto(wire.trajectory_to_proto(_trajectory())).routes.shape == (0, 0)
+    for field, value, message in [("route_width", 3, "32 expert ids are not whole routes of 3"),
+                                  ("route_itemsize", 4, "route_width 4 of 4-byte ids"),
+                                  ("routes", np.zeros(40, dtype).tobytes(), "are not whole routes of 4 for at most its 9")]:
+        bad = pb.Trajectory.FromString(msg.SerializeToString())
+        setattr(bad, field, value)
+        with pytest.raises(wire.WireError, match=message):
+            wire.trajectory_from_proto(bad)
+
+
+def test_an_episode_keeps_each_tokens_route_from_the_turn_that_first_fed_it():
+    traj = _trajectory()
+    traj.add_routes(None)
+    assert traj.routes.shape == (0, 0)
+    traj.add_routes(np.full((5, 2), 1, np.uint8))  # turn 1: prompt (3) and its completion's first 2
+    traj.add_routes(np.full((8, 2), 2, np.uint8))  # turn 2 fed the whole context again (a prefill)
+    np.testing.assert_array_equal(traj.routes[:, 0], [1] * 5 + [2] * 3)
 
 
 @pytest.mark.parametrize("field, value, message", [

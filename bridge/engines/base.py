@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 
 def derive_seed(*parts: int | str) -> int:
     """A 63-bit seed that is a hash of `parts` (BLAKE2b of their repr), so that seeds derived from
@@ -88,6 +90,10 @@ class Completion:
     # under way when new weights arrive goes on with them).
     policy_version: int
     token_versions: list[int] | None = None  # each token's policy version; None: all policy_version
+    # An MoE model's expert ids, from an engine that records them: the route of every token the model
+    # was fed, the prompt's and the completion's but the last, (len(prompt) + len(token_ids) - 1, MoE
+    # layers x top-k), layer by layer (vLLM's `routed_experts` convention); None otherwise.
+    routes: np.ndarray | None = None
 
     def __post_init__(self):
         if self.token_versions is None:

@@ -196,7 +196,8 @@ class JaxEngine:
             cut = self._stop_string_end(row.tokens, params.stop)
             if cut is not None:
                 end, reason = cut, "stop"
-        return Completion(row.tokens[:end], row.logprobs[:end], reason, row.versions[0], row.versions[:end])
+        routes = None if row.routes is None else row.routes[:len(row.prompt) + end - 1]
+        return Completion(row.tokens[:end], row.logprobs[:end], reason, row.versions[0], row.versions[:end], routes)
 
     def _stop_string_end(self, tokens, stops) -> int | None:
         """Tokens up to the one that completes the first stop string (token ids stay untouched)."""

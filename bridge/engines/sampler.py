@@ -194,7 +194,7 @@ def _copy_rows(dst, src, from_N, to_N, n, width: int):
     """Row to_N[i] of the arrays of `dst` becomes row from_N[i] of those of `src` (None: of `dst`
     itself, as it is by then), for i < n, a cache's keys and values only in their first `width` slots.
     One row at a time, in place: XLA:CPU's scatter of whole rows was several times slower."""
-    slot_axis = {"k_BxKxHxS": 3, "v_BxKxSxH": 2}
+    slot_axis = {"k_BxKxHxS": 3, "v_BxKxSxH": 2, "routes_BxSxU": 1}
 
     def row(path, x, i):
         size = [1, *x.shape[1:]]
@@ -265,7 +265,8 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
             slot_R = rows(plan.slot)
             take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first
             part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
-                           tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R])
+                           tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R],
+                           None if cache.routes_BxSxU is None else cache.routes_BxSxU[take_R, :width])
             start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
             takes_R = (slot_R < B) & (prompt_len_R - start_R > more_than)
             tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (size,)))(rows(plan.tokens), start_R)
@@ -369,14 +370,16 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
     if groups is None:
         shared, offset_b = None, jnp.zeros(rows, jnp.int32)
         narrow = wide._replace(k_BxKxHxS=tuple(k[..., :width] for k in wide.k_BxKxHxS),
-                               v_BxKxSxH=tuple(v[:, :, :width] for v in wide.v_BxKxSxH))
+                               v_BxKxSxH=tuple(v[:, :, :width] for v in wide.v_BxKxSxH),
+                               routes_BxSxU=None if wide.routes_BxSxU is None else wide.routes_BxSxU[:, :width])
     else:
         offset_b = groups.length[groups.group]
         shared = SharedPrefix(tuple(k[groups.src, ..., :prefix_width] for k in wide.k_BxKxHxS),
                               tuple(v[groups.src, :, :prefix_width] for v in wide.v_BxKxSxH),
                               groups.length, groups.members, groups.group, groups.rank)
         narrow = KVCache(tuple(_slots_from(k, offset_b, width, 2) for k in wide.k_BxKxHxS),
-                         tuple(_slots_from(v, offset_b, width, 1) for v in wide.v_BxKxSxH), wide.length_B - offset_b)
+                         tuple(_slots_from(v, offset_b, width, 1) for v in wide.v_BxKxSxH), wide.length_B - offset_b,
+                         None if wide.routes_BxSxU is None else _slots_from(wide.routes_BxSxU, offset_b, width, 0))
     init = (jnp.int32(0), part.logits, narrow, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
             jnp.zeros((rows, steps), jnp.float32))
     _, logits, narrow, live, position, out_tokens, out_logp = jax.lax.while_loop(
@@ -387,10 +390,18 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
     start_b = init[2].length_B
     cache = KVCache(tuple(_new_slots_into(k, n, start_b, offset_b, steps, 2) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
                     tuple(_new_slots_into(v, n, start_b, offset_b, steps, 1) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
-                    narrow.length_B + offset_b)
+                    narrow.length_B + offset_b,
+                    None if wide.routes_BxSxU is None else
+                    _new_slots_into(wide.routes_BxSxU, narrow.routes_BxSxU, start_b, offset_b, steps, 0))
     part = part._replace(cache=cache, logits=logits, live=live, position=position)
     state = jax.tree.map(lambda whole, p: jax.lax.dynamic_update_slice_in_dim(whole, p, 0, 0), state, part)
     return state, out_tokens, out_logp, live
+
+
+@jax.jit
+def _slot_routes(routes_BxSxU, slots_n):
+    """The recorded routes of slots slots_n (padded to one of the engine's batch sizes)."""
+    return routes_BxSxU[slots_n]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "batch", "width", "max_stop_ids"))
@@ -543,8 +554,21 @@ class Slots:
                 params, graphdef, self.state, rows=plan.batch, steps=steps, width=own,
                 groups=groups, prefix_width=self.shapes.window(int(groups.length.max())))
         output = jax.device_get((tokens, logprobs, live))
+        ended = self.scheduler.update_from_output(plan, *output, version)
+        if ended and self.state.cache.routes_BxSxU is not None:
+            # In update_from_output's order: the slots that sampled and are no longer live.
+            self._attach_routes(ended, np.flatnonzero((output[0] >= 0).any(-1) & ~output[2]))
         self.device_s += time.perf_counter() - start
-        return self.scheduler.update_from_output(plan, *output, version)
+        return ended
+
+    def _attach_routes(self, rows: list[Row], slots: np.ndarray) -> None:
+        """Each ended row's routes, read from its slot before an insert reuses it: one transfer of the
+        rows' slots (their count padded to a batch size, whose programs the warm-up compiled)."""
+        index = np.zeros(self.shapes.batch(len(slots)), np.int32)
+        index[:len(slots)] = slots
+        routes = jax.device_get(_slot_routes(self.state.cache.routes_BxSxU, index))
+        for row, fed in zip(rows, routes):
+            row.routes = fed[:len(row.prompt) + len(row.tokens) - 1]
 
     def _insert_arrays(self, plan: Plan, batch: int | None = None) -> InsertArrays:
         B, S, W = self.shapes.max_batch, self.prefix.scratch, self.shapes.width
@@ -585,6 +609,8 @@ class Slots:
             for width in self.shapes.decode_windows():
                 self.state, *_ = generate(params, graphdef, self.state, rows=n, steps=self.shapes.decode_steps,
                                           width=width)
+            if self.state.cache.routes_BxSxU is not None:
+                _slot_routes(self.state.cache.routes_BxSxU, np.zeros(n, np.int32))
             for width in self.shapes.windows():
                 self.pool, self.state = insert(params, graphdef, self.pool, self.state, self._insert_arrays(plan, n),
                                                chunk=self.shapes.chunk, tail=self.shapes.tail, width=width)

@@ -50,6 +50,9 @@ class Row:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)  # the weights behind each token's logits
     finish_reason: str | None = None  # "stop" or "length" once it ended
+    # An MoE model's: the route of every token fed to the model (the prompt's and the tokens but the
+    # last), (len(prompt) + len(tokens) - 1, route width), once it ended
+    routes: np.ndarray | None = None
 
 
 # The fewest rows a tick runs: a decode step of one row costs about what one of eight does (the

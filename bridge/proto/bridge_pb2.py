@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62ridge/proto/bridge.proto\x12\x0fjaxrl.bridge.v1\"\x83\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x01(\x0c\x12\x0c\n\x04stop\x18\x06 \x03(\tJ\x04\x08\x07\x10\x08\"o\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x01(\x0c\x12\x0b\n\x03\x65nv\x18\x03 \x01(\t\x12\x11\n\ttask_json\x18\x04 \x01(\t\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf8\x01\n\x0eRolloutRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12,\n\x06groups\x18\x02 \x03(\x0b\x32\x1c.jaxrl.bridge.v1.PromptGroup\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.jaxrl.bridge.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x03\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x07 \x01(\x05\x12\x0e\n\x06policy\x18\x08 \x01(\t\"O\n\x07Timings\x12\x12\n\ngenerate_s\x18\x01 \x01(\x01\x12\r\n\x05\x65nv_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x10\n\x08reward_s\x18\x04 \x01(\x01\"\xb3\x04\n\nTrajectory\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x16\n\x0eindex_in_group\x18\x03 \x01(\x05\x12\x12\n\nprompt_ids\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63ompletion_ids\x18\x05 \x01(\x0c\x12\x18\n\x10sampler_logprobs\x18\x06 \x01(\x0c\x12\x11\n\tloss_mask\x18\x07 \x01(\x0c\x12\x16\n\x0etoken_versions\x18\x08 \x01(\x0c\x12\x39\n\x07rewards\x18\t \x03(\x0b\x32(.jaxrl.bridge.v1.Trajectory.RewardsEntry\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x0b\n\x03\x65nv\x18\x0b \x01(\t\x12)\n\x07timings\x18\x0c \x01(\x0b\x32\x18.jaxrl.bridge.v1.Timings\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x11\n\tnum_turns\x18\x0e \x01(\x05\x12\x39\n\x07metrics\x18\x0f \x03(\x0b\x32(.jaxrl.bridge.v1.Trajectory.MetricsEntry\x12\x18\n\x10teacher_logprobs\x18\x10 \x01(\x0c\x12\x0f\n\x07notices\x18\x11 \x03(\t\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"N\n\x13LoadSnapshotRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"N\n\x11LoadSnapshotReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06load_s\x18\x03 \x01(\x01\")\n\rHealthRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"_\n\x0bHealthReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"(\n\x0cStatsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\x94\x01\n\nStatsReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12;\n\x08\x63ounters\x18\x02 \x03(\x0b\x32).jaxrl.bridge.v1.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x0fShutdownRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\")\n\rShutdownReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r2\x88\x03\n\x06\x42ridge\x12I\n\x07Rollout\x12\x1f.jaxrl.bridge.v1.RolloutRequest\x1a\x1b.jaxrl.bridge.v1.Trajectory0\x01\x12X\n\x0cLoadSnapshot\x12$.jaxrl.bridge.v1.LoadSnapshotRequest\x1a\".jaxrl.bridge.v1.LoadSnapshotReply\x12\x46\n\x06Health\x12\x1e.jaxrl.bridge.v1.HealthRequest\x1a\x1c.jaxrl.bridge.v1.HealthReply\x12\x43\n\x05Stats\x12\x1d.jaxrl.bridge.v1.StatsRequest\x1a\x1b.jaxrl.bridge.v1.StatsReply\x12L\n\x08Shutdown\x12 .jaxrl.bridge.v1.ShutdownRequest\x1a\x1e.jaxrl.bridge.v1.ShutdownReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62ridge/proto/bridge.proto\x12\x0fjaxrl.bridge.v1\"\x83\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x01(\x0c\x12\x0c\n\x04stop\x18\x06 \x03(\tJ\x04\x08\x07\x10\x08\"o\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x01(\x0c\x12\x0b\n\x03\x65nv\x18\x03 \x01(\t\x12\x11\n\ttask_json\x18\x04 \x01(\t\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf8\x01\n\x0eRolloutRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12,\n\x06groups\x18\x02 \x03(\x0b\x32\x1c.jaxrl.bridge.v1.PromptGroup\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.jaxrl.bridge.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x03\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x07 \x01(\x05\x12\x0e\n\x06policy\x18\x08 \x01(\t\"O\n\x07Timings\x12\x12\n\ngenerate_s\x18\x01 \x01(\x01\x12\r\n\x05\x65nv_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x10\n\x08reward_s\x18\x04 \x01(\x01\"\xf0\x04\n\nTrajectory\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x16\n\x0eindex_in_group\x18\x03 \x01(\x05\x12\x12\n\nprompt_ids\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63ompletion_ids\x18\x05 \x01(\x0c\x12\x18\n\x10sampler_logprobs\x18\x06 \x01(\x0c\x12\x11\n\tloss_mask\x18\x07 \x01(\x0c\x12\x16\n\x0etoken_versions\x18\x08 \x01(\x0c\x12\x39\n\x07rewards\x18\t \x03(\x0b\x32(.jaxrl.bridge.v1.Trajectory.RewardsEntry\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x0b\n\x03\x65nv\x18\x0b \x01(\t\x12)\n\x07timings\x18\x0c \x01(\x0b\x32\x18.jaxrl.bridge.v1.Timings\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x11\n\tnum_turns\x18\x0e \x01(\x05\x12\x39\n\x07metrics\x18\x0f \x03(\x0b\x32(.jaxrl.bridge.v1.Trajectory.MetricsEntry\x12\x18\n\x10teacher_logprobs\x18\x10 \x01(\x0c\x12\x0f\n\x07notices\x18\x11 \x03(\t\x12\x0e\n\x06routes\x18\x12 \x01(\x0c\x12\x13\n\x0broute_width\x18\x13 \x01(\r\x12\x16\n\x0eroute_itemsize\x18\x14 \x01(\r\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"N\n\x13LoadSnapshotRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"N\n\x11LoadSnapshotReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06load_s\x18\x03 \x01(\x01\")\n\rHealthRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"_\n\x0bHealthReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"(\n\x0cStatsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\x94\x01\n\nStatsReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12;\n\x08\x63ounters\x18\x02 \x03(\x0b\x32).jaxrl.bridge.v1.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"+\n\x0fShutdownRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\")\n\rShutdownReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r2\x88\x03\n\x06\x42ridge\x12I\n\x07Rollout\x12\x1f.jaxrl.bridge.v1.RolloutRequest\x1a\x1b.jaxrl.bridge.v1.Trajectory0\x01\x12X\n\x0cLoadSnapshot\x12$.jaxrl.bridge.v1.LoadSnapshotRequest\x1a\".jaxrl.bridge.v1.LoadSnapshotReply\x12\x46\n\x06Health\x12\x1e.jaxrl.bridge.v1.HealthRequest\x1a\x1c.jaxrl.bridge.v1.HealthReply\x12\x43\n\x05Stats\x12\x1d.jaxrl.bridge.v1.StatsRequest\x1a\x1b.jaxrl.bridge.v1.StatsReply\x12L\n\x08Shutdown\x12 .jaxrl.bridge.v1.ShutdownRequest\x1a\x1e.jaxrl.bridge.v1.ShutdownReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS']._serialized_start=544
   _globals['_TIMINGS']._serialized_end=623
   _globals['_TRAJECTORY']._serialized_start=626
-  _globals['_TRAJECTORY']._serialized_end=1189
-  _globals['_TRAJECTORY_REWARDSENTRY']._serialized_start=1095
-  _globals['_TRAJECTORY_REWARDSENTRY']._serialized_end=1141
-  _globals['_TRAJECTORY_METRICSENTRY']._serialized_start=1143
-  _globals['_TRAJECTORY_METRICSENTRY']._serialized_end=1189
-  _globals['_LOADSNAPSHOTREQUEST']._serialized_start=1191
-  _globals['_LOADSNAPSHOTREQUEST']._serialized_end=1269
-  _globals['_LOADSNAPSHOTREPLY']._serialized_start=1271
-  _globals['_LOADSNAPSHOTREPLY']._serialized_end=1349
-  _globals['_HEALTHREQUEST']._serialized_start=1351
-  _globals['_HEALTHREQUEST']._serialized_end=1392
-  _globals['_HEALTHREPLY']._serialized_start=1394
-  _globals['_HEALTHREPLY']._serialized_end=1489
-  _globals['_STATSREQUEST']._serialized_start=1491
-  _globals['_STATSREQUEST']._serialized_end=1531
-  _globals['_STATSREPLY']._serialized_start=1534
-  _globals['_STATSREPLY']._serialized_end=1682
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1635
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1682
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1684
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1727
-  _globals['_SHUTDOWNREPLY']._serialized_start=1729
-  _globals['_SHUTDOWNREPLY']._serialized_end=1770
-  _globals['_BRIDGE']._serialized_start=1773
-  _globals['_BRIDGE']._serialized_end=2165
+  _globals['_TRAJECTORY']._serialized_end=1250
+  _globals['_TRAJECTORY_REWARDSENTRY']._serialized_start=1156
+  _globals['_TRAJECTORY_REWARDSENTRY']._serialized_end=1202
+  _globals['_TRAJECTORY_METRICSENTRY']._serialized_start=1204
+  _globals['_TRAJECTORY_METRICSENTRY']._serialized_end=1250
+  _globals['_LOADSNAPSHOTREQUEST']._serialized_start=1252
+  _globals['_LOADSNAPSHOTREQUEST']._serialized_end=1330
+  _globals['_LOADSNAPSHOTREPLY']._serialized_start=1332
+  _globals['_LOADSNAPSHOTREPLY']._serialized_end=1410
+  _globals['_HEALTHREQUEST']._serialized_start=1412
+  _globals['_HEALTHREQUEST']._serialized_end=1453
+  _globals['_HEALTHREPLY']._serialized_start=1455
+  _globals['_HEALTHREPLY']._serialized_end=1550
+  _globals['_STATSREQUEST']._serialized_start=1552
+  _globals['_STATSREQUEST']._serialized_end=1592
+  _globals['_STATSREPLY']._serialized_start=1595
+  _globals['_STATSREPLY']._serialized_end=1743
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1696
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1743
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1745
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1788
+  _globals['_SHUTDOWNREPLY']._serialized_start=1790
+  _globals['_SHUTDOWNREPLY']._serialized_end=1831
+  _globals['_BRIDGE']._serialized_start=1834
+  _globals['_BRIDGE']._serialized_end=2226
 # @@protoc_insertion_point(module_scope)

@@ -103,6 +103,11 @@ class ModelConfig:
         """The layers whose MLP is a mixture of experts, in order."""
         return tuple(i for i in range(self.num_layers) if self.is_moe(i))
 
+    @property
+    def route_width(self) -> int:
+        """Expert ids in a token's route: its top-k in every MoE layer, layer by layer (0: a dense model)."""
+        return len(self.moe_layers) * self.num_experts_per_tok
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json", classifier: bool = False) -> ModelConfig:
         """Builds a config from a Hugging Face config dict; `source` names it in errors. `classifier`:

@@ -55,15 +55,21 @@ class KVCache(NamedTuple):
     k_BxKxHxS: tuple[jax.Array, ...]
     v_BxKxSxH: tuple[jax.Array, ...]
     length_B: jax.Array  # int32
+    # An MoE model's: the route its routers gave the token in each slot (`moe.route_dtype`), recorded
+    # as keys and values are, so that a sampler can report every token's route (None: dense models).
+    routes_BxSxU: jax.Array | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
         k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
         v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        routes = (jnp.full((batch, max_len, cfg.route_width), moe.no_route(cfg.num_experts),
+                           moe.route_dtype(cfg.num_experts)) if cfg.route_width else None)
         return cls(
             tuple(jnp.zeros(k_shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
             tuple(jnp.zeros(v_shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
             jnp.zeros((batch,), jnp.int32),
+            routes,
         )
 
 
@@ -71,6 +77,12 @@ def _write_rows(cache_BxKxSxH, new_BxTxKxH, start_B):
     """Row b's new values at slots [start_B[b], start_B[b] + T)."""
     new_BxKxTxH = new_BxTxKxH.transpose(0, 2, 1, 3).astype(cache_BxKxSxH.dtype)
     return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(cache_BxKxSxH, new_BxKxTxH, start_B)
+
+
+def _write_route_rows(routes_BxSxU, new_BxTxU, start_B):
+    """Row b's new routes at slots [start_B[b], start_B[b] + T)."""
+    new = new_BxTxU.astype(routes_BxSxU.dtype)
+    return jax.vmap(lambda r, x, s: jax.lax.dynamic_update_slice(r, x, (s, 0)))(routes_BxSxU, new, start_B)
 
 
 def _write_key_rows(cache_BxKxHxS, new_BxTxKxH, start_B):
@@ -711,7 +723,10 @@ class Decoder(nnx.Module):
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         if cache is not None:
-            cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32))
+            routes = cache.routes_BxSxU
+            if routes is not None:
+                routes = _write_route_rows(routes, _routed(parts).own_BxTxU, cache.length_B)
+            cache = KVCache(tuple(new_k), tuple(new_v), cache.length_B + mask_BxT.sum(-1, dtype=jnp.int32), routes)
         return (self.norm(x), cache, _routed(parts)) if routed else (self.norm(x), cache)
 
     def packed_hidden(self, tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window, replay_RxLxU=None,

@@ -26,26 +26,39 @@ class RouterStats(NamedTuple):
     tokens: jax.Array  # float32: real tokens, once per layer
 
 
+def route_dtype(num_experts: int):
+    """The unsigned integer routes are stored and sent as: the smallest that holds every expert id and
+    `no_route` beside them."""
+    return np.uint8 if num_experts < 255 else np.uint16
+
+
+def no_route(num_experts: int) -> int:
+    """The id that marks a token without a recorded route (one no sampler ever fed to the model)."""
+    return int(np.iinfo(route_dtype(num_experts)).max)
+
+
 def route(logits_NxE, top_k: int, scoring: str, norm_topk: bool, replay_NxK=None):
     """(experts_NxK int32, weights_NxK float32, own_NxK int32): each token's experts (`replay_NxK` where
-    given, else its router's top-k `own_NxK`) and their weights from the router's scores over them.
+    given and recorded, else its router's top-k `own_NxK`) and their weights from the router's scores
+    over them. A replayed token without a recorded route (`no_route`) takes its own.
 
     `softmax` (Qwen-MoE, Mixtral): probabilities over every expert, optionally renormalised over the
     chosen ones (`norm_topk`). `topk_softmax` (gpt-oss): a softmax over the chosen experts' logits."""
     logits = logits_NxE.astype(jnp.float32)
-    if scoring == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        own = jax.lax.top_k(probs, top_k)[1]
-        experts = own if replay_NxK is None else replay_NxK.astype(jnp.int32)
-        weights = jnp.take_along_axis(probs, experts, -1)
-        if norm_topk:
-            weights = weights / weights.sum(-1, keepdims=True)
-        return experts, weights, own
+    if scoring not in SCORINGS:
+        raise ValueError(f"router scoring {scoring!r}; one of {SCORINGS}")
+    probs = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else None
+    own = jax.lax.top_k(logits if probs is None else probs, top_k)[1]
+    experts = own
+    if replay_NxK is not None:
+        recorded_Nx1 = replay_NxK[:, :1] != no_route(logits.shape[-1])
+        experts = jnp.where(recorded_Nx1, replay_NxK.astype(jnp.int32), own)
     if scoring == "topk_softmax":
-        own = jax.lax.top_k(logits, top_k)[1]
-        experts = own if replay_NxK is None else replay_NxK.astype(jnp.int32)
         return experts, jax.nn.softmax(jnp.take_along_axis(logits, experts, -1), axis=-1), own
-    raise ValueError(f"router scoring {scoring!r}; one of {SCORINGS}")
+    weights = jnp.take_along_axis(probs, experts, -1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return experts, weights, own
 
 
 def router_stats(logits_NxE, own_NxK, mask_N) -> RouterStats:
@@ -132,6 +145,3 @@ def silu_glu(h_AxG):
     return jax.nn.silu(gate) * up
 
 
-def route_dtype(num_experts: int):
-    """The smallest unsigned integer that holds an expert id: what routes are stored and sent as."""
-    return np.uint8 if num_experts <= 256 else np.uint16

@@ -14,8 +14,10 @@ import numpy as np
 from bridge.wire import IDS, LOGPROBS, MASK, VERSIONS, TrajectoryData
 
 ARRAYS = {"prompt_ids": IDS, "completion_ids": IDS, "sampler_logprobs": LOGPROBS, "loss_mask": MASK,
-          "token_versions": VERSIONS, "teacher_logprobs": LOGPROBS}
-OPTIONAL = ("teacher_logprobs",)  # files written before distillation have none
+          "token_versions": VERSIONS, "teacher_logprobs": LOGPROBS, "routes": np.dtype("<u2")}
+# Files written before distillation have no teacher logprobs, before MoE no routes. Routes read back
+# as uint16, which holds any expert id (the learner casts them to its model's route dtype).
+OPTIONAL = ("teacher_logprobs", "routes")
 
 
 class TrajectoryFileError(ValueError):
@@ -49,6 +51,7 @@ def load_trajectories(path: str | Path) -> list[list[TrajectoryData]]:
             row = json.loads(line)
             row.update({k: np.asarray(row[k] if k not in OPTIONAL else row.get(k, []), dtype.newbyteorder("="))
                         for k, dtype in ARRAYS.items()})
+            row["routes"] = row["routes"].reshape(len(row["routes"]), -1 if len(row["routes"]) else 0)
             t = TrajectoryData(**{k: v for k, v in row.items() if k in fields})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise TrajectoryFileError(f"trajectory file {path} line {i}: not a trajectory ({type(e).__name__}: "
