@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from jaxrl.models import moe
 from jaxrl.models.decoder import Decoder, dot_over_rows, positions_from_mask
 
 
@@ -152,6 +153,8 @@ def completion_logprobs(
     chunk: int = 128,
     with_entropy: bool = False,
     prompt_group: int = 1,
+    replay=None,
+    routed: bool = False,
 ):
     """Log-probabilities (B, C) of each completion token given everything before it.
 
@@ -159,30 +162,45 @@ def completion_logprobs(
     results included: they are context even where the loss ignores them). With `prompt_group`
     n > 1, rows come in blocks of n that share one prompt (a GRPO group), and each block's
     prompt goes through the model once instead of n times.
+
+    An MoE model's: `replay` (prompt_routes_BxPxU, completion_routes_BxCxU) routes each token to the
+    recorded experts (`Decoder.hidden`); with `routed`, also returns the router's own routes of the
+    completion tokens (B, C, U) and the load-balancing statistics of the whole pass.
     """
+    prompt_routes, completion_routes = (None, None) if replay is None else replay
     if prompt_group > 1:
-        h_GxPxD, h_BxCxD = model.prefixed_hidden(prompt_BxP[::prompt_group], prompt_mask_BxP[::prompt_group],
-                                                 completion_BxC, completion_mask_BxC)
+        out = model.prefixed_hidden(prompt_BxP[::prompt_group], prompt_mask_BxP[::prompt_group], completion_BxC,
+                                    completion_mask_BxC, None if replay is None else prompt_routes[::prompt_group],
+                                    completion_routes, routed=routed)
+        h_GxPxD, h_BxCxD = out[:2]
         # The hidden state at t predicts token t + 1: the prompt's last one, the first completion token.
         h_BxCxD = jnp.concatenate([jnp.repeat(h_GxPxD[:, -1:], prompt_group, axis=0), h_BxCxD[:, :-1]], axis=1)
+        routing = routed and (out[3].own_BxTxU, moe.sum_stats([out[2].stats, out[3].stats]))
     else:
         P = prompt_BxP.shape[1]
         tokens = jnp.concatenate([prompt_BxP, completion_BxC], axis=1)
         mask = jnp.concatenate([prompt_mask_BxP, completion_mask_BxC], axis=1)
-        h_BxTxD, _ = model.hidden(tokens, positions_from_mask(mask), mask)
-        h_BxCxD = h_BxTxD[:, P - 1:-1]
+        replay_BxTxU = None if replay is None else jnp.concatenate([prompt_routes, completion_routes], axis=1)
+        out = model.hidden(tokens, positions_from_mask(mask), mask, replay_BxTxU=replay_BxTxU, routed=routed)
+        h_BxCxD = out[0][:, P - 1:-1]
+        routing = routed and (out[2].own_BxTxU[:, P:], out[2].stats)
     # The stored weight, not `head_weight()`: a tied embedding's transpose would be copied.
     tied = model.lm_head is None
     w = model.embed_tokens[...] if tied else model.lm_head[...]
-    return chunked_logprobs(h_BxCxD, w, completion_BxC, temperature, chunk, with_entropy, tied)
+    logp, entropy = chunked_logprobs(h_BxCxD, w, completion_BxC, temperature, chunk, with_entropy, tied)
+    return (logp, entropy, *routing) if routed else (logp, entropy)
 
 
 def packed_logprobs(model: Decoder, tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window,
-                    temperature: float = 1.0, chunk: int = 128, with_entropy: bool = False):
+                    temperature: float = 1.0, chunk: int = 128, with_entropy: bool = False, replay_RxLxU=None,
+                    routed: bool = False):
     """Log-probabilities (R, L - 1) of packed tokens 1..L-1, each given the tokens before it of its
     segment and of its prefix segment (`Decoder.packed_hidden`); the first token of a segment gets a
-    number that means nothing."""
-    h_RxLxD = model.packed_hidden(tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window)
+    number that means nothing. An MoE model's `replay_RxLxU` and `routed` as `completion_logprobs`'
+    (the own routes of every packed token, (R, L, U))."""
+    out = model.packed_hidden(tokens_RxL, positions_RxL, segments_RxL, prefix_RxL, window, replay_RxLxU, routed)
+    h_RxLxD = out[0] if routed else out
     tied = model.lm_head is None
     w = model.embed_tokens[...] if tied else model.lm_head[...]
-    return chunked_logprobs(h_RxLxD[:, :-1], w, tokens_RxL[:, 1:], temperature, chunk, with_entropy, tied)
+    logp, entropy = chunked_logprobs(h_RxLxD[:, :-1], w, tokens_RxL[:, 1:], temperature, chunk, with_entropy, tied)
+    return (logp, entropy, out[1].own_BxTxU, out[1].stats) if routed else (logp, entropy)

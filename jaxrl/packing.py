@@ -27,7 +27,8 @@ import numpy as np
 
 from jaxrl.models.decoder import QUERY_BLOCK, packed_windows, prefix_window, window_keys
 
-# The arrays of one micro-batch (`micro_batches` is the step's count of them).
+# The arrays of one micro-batch (`micro_batches` is the step's count of them); an MoE batch's also
+# `routes_MxRxLxU`, the recorded routes of its tokens.
 PACKED_KEYS = ("tokens_MxRxL", "positions_MxRxL", "segments_MxRxL", "prefix_MxRxL", "target_MxRxL", "window_M")
 
 
@@ -150,12 +151,22 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
     shape = (M * rows, L)
     tokens, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
     segments, prefix, target = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.full(shape, total * C, np.int32)
+    # An MoE batch's recorded routes go where their tokens go (padding: the dtype's `no_route`).
+    routed = "completion_routes_BxCxU" in batch
+    if routed:
+        proutes_BxPxU, croutes_BxCxU = np.asarray(batch["prompt_routes_BxPxU"]), np.asarray(batch["completion_routes_BxCxU"])
+        prompt_routes = [proutes_BxPxU[b][pmask_BxP[b]] for b in range(B)]
+        routes = np.full((*shape, croutes_BxCxU.shape[-1]), np.iinfo(croutes_BxCxU.dtype).max, croutes_BxCxU.dtype)
 
     def lay(r, at, s, context, b, first_position, see):
-        """Episode b's completion after `context` as segment s from `at`; returns where it ends."""
+        """Episode b's completion after `context` (the end of its prompt) as segment s from `at`; returns
+        where it ends."""
         n = len(context) + len(c_idx[b])
         tokens[r, at:at + len(context)] = context
         tokens[r, at + len(context):at + n] = comp_BxC[b, c_idx[b]]
+        if routed:
+            routes[r, at:at + len(context)] = prompt_routes[b][len(prompt_routes[b]) - len(context):]
+            routes[r, at + len(context):at + n] = croutes_BxCxU[b, c_idx[b]]
         positions[r, at:at + n] = first_position + np.arange(n)
         segments[r, at:at + n], prefix[r, at:at + n] = s, see
         target[r, at + len(context):at + n] = (first_row + b) * C + c_idx[b]
@@ -173,6 +184,8 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
                 continue
             head = len(prompt) - 1
             tokens[r, at:at + head], positions[r, at:at + head] = prompt[:-1], np.arange(head)
+            if routed:
+                routes[r, at:at + head] = prompt_routes[members[0]][:-1]
             segments[r, at:at + head] = prefix[r, at:at + head] = shared = s
             at += head
             for b in members:
@@ -180,6 +193,9 @@ def pack(batch: dict[str, np.ndarray], pack_tokens: int, rows: int, first_row: i
                 at = lay(r, at, s, prompt[-1:], b, head, shared)
     window_M = np.zeros(M, np.int32)
     window_M[:micro_batches] = window_m
-    return {"tokens_MxRxL": tokens.reshape(M, rows, L), "positions_MxRxL": positions.reshape(M, rows, L),
-            "segments_MxRxL": segments.reshape(M, rows, L), "prefix_MxRxL": prefix.reshape(M, rows, L),
-            "target_MxRxL": target.reshape(M, rows, L), "window_M": window_M, "micro_batches": np.int32(micro_batches)}
+    packed = {"tokens_MxRxL": tokens.reshape(M, rows, L), "positions_MxRxL": positions.reshape(M, rows, L),
+              "segments_MxRxL": segments.reshape(M, rows, L), "prefix_MxRxL": prefix.reshape(M, rows, L),
+              "target_MxRxL": target.reshape(M, rows, L), "window_M": window_M, "micro_batches": np.int32(micro_batches)}
+    if routed:
+        packed["routes_MxRxLxU"] = routes.reshape(M, rows, L, -1)
+    return packed

@@ -77,10 +77,10 @@ def batch_sharding(mesh, ndim: int) -> NamedSharding:
 
 def batch_shardings(mesh, batch: dict) -> dict[str, NamedSharding]:
     """Where each array of a learner batch lives: its rows over the batch axes (packed micro-batches,
-    `*_MxRxL`: their rows, the second axis), the packing's per-step numbers on every device."""
+    `*_MxRxL` and `*_MxRxLxU`: their rows, the second axis), the packing's per-step numbers on every device."""
     def one(key, ndim):
-        if key.endswith("_MxRxL"):
-            return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))
+        if key.endswith(("_MxRxL", "_MxRxLxU")):
+            return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, *([None] * (ndim - 2))))
         if key in ("window_M", "micro_batches"):
             return NamedSharding(mesh, PartitionSpec())
         return batch_sharding(mesh, ndim)

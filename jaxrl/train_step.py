@@ -20,6 +20,7 @@ from flax import nnx
 from jaxrl.advantages import AdvantageConfig, check_group_size, compute_advantages, validate_rewards
 from jaxrl.logprobs import completion_logprobs, packed_logprobs
 from jaxrl.losses import LossBatch, LossConfig, loss_normalizer, policy_loss
+from jaxrl.models import moe
 from jaxrl.models.decoder import QUERY_BLOCK
 from jaxrl.models.lora import LoraConfig, training_mode
 from jaxrl.optim import OptimizerConfig, learning_rate_schedule
@@ -37,7 +38,9 @@ BATCH_KEYS = {
     "loss_mask_BxC": None,
     "rewards_BxR": np.floating,
 }
-OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating, "teacher_logp_BxC": np.floating}
+# An MoE policy's batch: the routes its sampler recorded (`moe.no_route` where none was).
+OPTIONAL_BATCH_KEYS = {"sampler_logp_BxC": np.floating, "teacher_logp_BxC": np.floating,
+                       "prompt_routes_BxPxU": np.unsignedinteger, "completion_routes_BxCxU": np.unsignedinteger}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,13 @@ class LearnerConfig:
     lora: LoraConfig | None = option(
         "train low-rank adapters only: the base stays frozen in model.dtype (no gradient, no optimiser state) and "
         "snapshots carry the adapters alone (PEFT's layout); null: every weight trains", default=None)
+    routing_replay: bool = option(
+        "an MoE policy: route every token to the experts its sampler routed it to (rollout routing replay, R3), "
+        "weighted by the learner's own router over them, so that the importance ratio compares one computation; "
+        "false: the learner's routers choose (moe/route_mismatch says how often they differ)", default=False)
+    router_aux_loss_coef: float = option(
+        "an MoE policy: the weight of the load-balancing loss (transformers' Switch formula, logged as "
+        "loss/router_aux) added to the policy loss; 0: logged only", default=0.0)
 
     def __post_init__(self):
         for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk", "prompt_widths"):
@@ -90,6 +100,9 @@ class LearnerConfig:
                                  "are pack_rows rows of pack_tokens tokens, as many as a step fills; set grad_accum 1")
         if self.pack_rows is not None and (not isinstance(self.pack_rows, int) or self.pack_rows < 1):
             raise ValueError(f"learner.pack_rows={self.pack_rows!r} must be an integer >= 1")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"learner.router_aux_loss_coef={self.router_aux_loss_coef!r} must be >= 0 (0.001 is "
+                             "transformers' default for Qwen3-MoE)")
 
 
 class TrainState(NamedTuple):
@@ -116,6 +129,14 @@ def validate_train_batch(batch: dict, cfg: LearnerConfig, num_batch_shards: int 
     C = shapes["completion_BxC"][1]
     want = {"prompt_mask_BxP": (B, P), "completion_BxC": (B, C), "completion_mask_BxC": (B, C),
             "loss_mask_BxC": (B, C), "sampler_logp_BxC": (B, C), "teacher_logp_BxC": (B, C)}
+    if ("prompt_routes_BxPxU" in batch) != ("completion_routes_BxCxU" in batch):
+        raise ValueError("train batch has routes of prompts or of completions alone; give both or neither")
+    if "completion_routes_BxCxU" in batch:
+        U = shapes["completion_routes_BxCxU"][-1]
+        want |= {"prompt_routes_BxPxU": (B, P, U), "completion_routes_BxCxU": (B, C, U)}
+    elif cfg.routing_replay:
+        raise ValueError("learner.routing_replay needs the rollouts' routes (prompt_routes_BxPxU, "
+                         "completion_routes_BxCxU): a mixture-of-experts policy's batch carries them")
     for key, shape in want.items():
         if key in shapes and shapes[key] != shape:
             raise ValueError(f"train batch {key} has shape {shapes[key]}, expected {shape} "
@@ -180,7 +201,26 @@ def _combine_metrics(metrics_A: dict, tokens_A) -> dict:
 
 def _packed_micro_batch(packed: dict, m) -> dict:
     return {k: jax.lax.dynamic_index_in_dim(packed[k], m, keepdims=False)
-            for k in PACKED_KEYS}
+            for k in (*PACKED_KEYS, "routes_MxRxLxU") if k in packed}
+
+
+def _moe_terms(own_xU, recorded_xU, routed_x, gap_y, trained_y, stats, weight, cfg: LearnerConfig):
+    """An MoE micro-batch's load-balancing term of the loss (its share `weight` of the step's trained
+    tokens) and metrics: how many of the tokens where `routed_x` holds (trained ones, any layout) the
+    learner's routers route otherwise than the sampler recorded (as sets of experts), and the mean
+    learner-sampler logprob gap `gap_y` over the trained tokens `trained_y` in the mode it trains in."""
+    aux = moe.load_balancing_loss(stats)
+    counted = routed_x * (recorded_xU[..., 0] != np.iinfo(recorded_xU.dtype).max)
+    differ = jnp.any(jnp.sort(own_xU, -1) != jnp.sort(recorded_xU.astype(jnp.int32), -1), -1)
+    metrics = {"loss/router_aux": aux,
+               "moe/route_mismatch": jnp.sum(differ * counted) / jnp.maximum(counted.sum(), 1),
+               _gap_name(cfg.routing_replay): jnp.sum(gap_y * trained_y) / jnp.maximum(trained_y.sum(), 1)}
+    return cfg.router_aux_loss_coef * aux * weight, metrics
+
+
+def _gap_name(replay: bool) -> str:
+    """The metric of the mean |learner - sampler| logprob of trained tokens, the learner routing as named."""
+    return f"moe/logp_gap_{'replay' if replay else 'own_routes'}"
 
 
 def _to_rows(x_RxL, target_RxL, B: int, C: int):
@@ -258,9 +298,11 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
                 if cfg.lora is not None and cfg.lora.dropout else None)
 
     if "tokens_MxRxL" in batch:
-        grads_of, frozen_logprobs = _packed_passes(batch, cfg, adv_B, loss_mask, model_of, loss_of, dropout_keys)
+        grads_of, frozen_logprobs, other_gap = _packed_passes(batch, cfg, adv_B, loss_mask, model_of, loss_of,
+                                                              dropout_keys)
     else:
-        grads_of, frozen_logprobs = _padded_passes(batch, cfg, adv_B, prompt_group, model_of, loss_of, dropout_keys)
+        grads_of, frozen_logprobs, other_gap = _padded_passes(batch, cfg, adv_B, loss_mask, prompt_group, model_of,
+                                                              loss_of, dropout_keys)
 
     # logp_old is fixed before the first update; with a single pass the loss uses
     # stop_gradient(logp) instead, which is the same number without a forward pass.
@@ -285,27 +327,43 @@ def train_step(state: TrainState, batch: dict, graphdef: nnx.GraphDef, cfg: Lear
         metrics.update({f"last_{k}": v[-1] for k, v in metrics_I.items() if k in last})
     metrics.update(adv_stats)
     metrics["completion_tokens"] = loss_mask.sum()
+    if other_gap is not None:  # an MoE batch: the gap also as the other routing would give it
+        metrics[_gap_name(not cfg.routing_replay)] = other_gap(state.params)
     return TrainState(step, params, opt_state, state.ref_params), metrics
 
 
-def _padded_passes(batch, cfg: LearnerConfig, adv_B, prompt_group: int, model_of, loss_of, dropout_keys):
-    """(grads_of, frozen_logprobs) over `grad_accum` micro-batches of the padded rows."""
+def _padded_passes(batch, cfg: LearnerConfig, adv_B, loss_mask, prompt_group: int, model_of, loss_of,
+                   dropout_keys):
+    """(grads_of, frozen_logprobs, other_gap) over `grad_accum` micro-batches of the padded rows; other_gap
+    (None but for an MoE batch): the mean learner-sampler logprob gap of trained tokens when the learner
+    routes the other way than `cfg.routing_replay` says."""
     A = cfg.grad_accum
     micro = {k: _micro_batches(v, A, prompt_group) for k, v in batch.items() if k != "rewards_BxR"}
     micro["adv_B"] = _micro_batches(adv_B, A, prompt_group)
+    routed = "completion_routes_BxCxU" in batch
+    trained = jnp.maximum(loss_mask.sum(), 1)
 
-    def logprobs(params, mb, with_entropy=False, dropout_key=None):
+    def logprobs(params, mb, with_entropy=False, dropout_key=None, replay=cfg.routing_replay):
         return completion_logprobs(
             model_of(params, dropout_key), mb["prompt_BxP"], mb["prompt_mask_BxP"], mb["completion_BxC"],
             mb["completion_mask_BxC"], cfg.temperature, cfg.logp_chunk, with_entropy, prompt_group,
+            (mb["prompt_routes_BxPxU"], mb["completion_routes_BxCxU"]) if routed and replay else None, routed,
         )
 
-    def frozen_logprobs(params):
-        return jax.lax.map(lambda mb: jax.lax.stop_gradient(logprobs(params, mb)[0]), micro)
+    def frozen_logprobs(params, replay=cfg.routing_replay):
+        return jax.lax.map(lambda mb: jax.lax.stop_gradient(logprobs(params, mb, replay=replay)[0]), micro)
 
     def micro_loss(params, mb, dropout_key):
-        logp, entropy = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
-        return loss_of(logp, entropy, mb, mb["loss_mask_BxC"])
+        logp, entropy, *routing = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
+        mask = mb["loss_mask_BxC"]
+        loss, metrics = loss_of(logp, entropy, mb, mask)
+        if routed:
+            own, stats = routing
+            gap = jnp.abs(jax.lax.stop_gradient(logp) - mb["sampler_logp_BxC"])
+            aux, moe_metrics = _moe_terms(own, mb["completion_routes_BxCxU"], mask, gap, mask, stats,
+                                          mask.sum() / trained, cfg)
+            loss, metrics = loss + aux, {**metrics, **moe_metrics, "loss": metrics["loss"] + aux}
+        return loss, metrics
 
     def grads_of(params, step, fixed):
         def accumulate(grads, mb_and_key):
@@ -317,34 +375,51 @@ def _padded_passes(batch, cfg: LearnerConfig, adv_B, prompt_group: int, model_of
         tokens_A = micro["loss_mask_BxC"].sum(axis=(1, 2)).astype(jnp.float32)
         return grads, _combine_metrics(metrics_A, tokens_A)
 
-    return grads_of, frozen_logprobs
+    def other_gap(params):
+        gap = jnp.abs(frozen_logprobs(params, not cfg.routing_replay) - micro["sampler_logp_BxC"])
+        return jnp.sum(gap * micro["loss_mask_BxC"]) / trained
+
+    return grads_of, frozen_logprobs, other_gap if routed else None
 
 
 def _packed_passes(batch, cfg: LearnerConfig, adv_B, loss_mask, model_of, loss_of, dropout_keys):
-    """(grads_of, frozen_logprobs) over the packed micro-batches the step needs (a loop of
-    `micro_batches` iterations: the arrays hold the most any step can need)."""
+    """(grads_of, frozen_logprobs, other_gap) over the packed micro-batches the step needs (a loop of
+    `micro_batches` iterations: the arrays hold the most any step can need); other_gap as
+    `_padded_passes`'."""
     B, C = loss_mask.shape
     M = batch["tokens_MxRxL"].shape[0]
     rows = {k: v for k, v in batch.items() if k.endswith(("_BxC", "_BxP"))}
     rows["adv_B"] = adv_B
+    routed = "routes_MxRxLxU" in batch
+    trained = jnp.maximum(loss_mask.sum(), 1)
 
-    def logprobs(params, mb, with_entropy=False, dropout_key=None):
-        logp, entropy = packed_logprobs(
+    def logprobs(params, mb, with_entropy=False, dropout_key=None, replay=cfg.routing_replay):
+        logp, entropy, *routing = packed_logprobs(
             model_of(params, dropout_key), mb["tokens_MxRxL"], mb["positions_MxRxL"], mb["segments_MxRxL"],
-            mb["prefix_MxRxL"], mb["window_M"], cfg.temperature, cfg.logp_chunk, with_entropy)
+            mb["prefix_MxRxL"], mb["window_M"], cfg.temperature, cfg.logp_chunk, with_entropy,
+            mb["routes_MxRxLxU"] if routed and replay else None, routed)
         target = mb["target_MxRxL"][:, 1:]
         present = _to_rows(jnp.ones_like(logp), target, B, C)
-        return _to_rows(logp, target, B, C), entropy if entropy is None else _to_rows(entropy, target, B, C), present
+        return (_to_rows(logp, target, B, C), entropy if entropy is None else _to_rows(entropy, target, B, C), present,
+                *routing)
 
-    def frozen_logprobs(params):
+    def frozen_logprobs(params, replay=cfg.routing_replay):
         def one(m, logp_BxC):
-            return logp_BxC + jax.lax.stop_gradient(logprobs(params, _packed_micro_batch(batch, m))[0])
+            return logp_BxC + jax.lax.stop_gradient(logprobs(params, _packed_micro_batch(batch, m), replay=replay)[0])
         return jax.lax.fori_loop(0, batch["micro_batches"], one, jnp.zeros((B, C), jnp.float32))
 
     def micro_loss(params, mb, dropout_key, fixed):
-        logp, entropy, present = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
+        logp, entropy, present, *routing = logprobs(params, mb, with_entropy=True, dropout_key=dropout_key)
         mask = loss_mask * present
         loss, metrics = loss_of(logp, entropy, {**rows, **fixed}, mask)
+        if routed:
+            own_RxLxU, stats = routing
+            # A packed token's loss mask, through where its logprob goes (nothing past the last row).
+            trained_RxL = jnp.take(loss_mask.ravel(), mb["target_MxRxL"], mode="fill", fill_value=0)
+            gap = jnp.abs(jax.lax.stop_gradient(logp) - rows["sampler_logp_BxC"])
+            aux, moe_metrics = _moe_terms(own_RxLxU, mb["routes_MxRxLxU"], trained_RxL, gap, mask, stats,
+                                          mask.sum() / trained, cfg)
+            loss, metrics = loss + aux, {**metrics, **moe_metrics, "loss": metrics["loss"] + aux}
         return loss, (metrics, mask.sum())
 
     def grads_of(params, step, fixed):
@@ -363,7 +438,11 @@ def _packed_passes(batch, cfg: LearnerConfig, adv_B, loss_mask, model_of, loss_o
         grads, acc = jax.lax.fori_loop(0, batch["micro_batches"], one, start)
         return grads, acc.metrics()
 
-    return grads_of, frozen_logprobs
+    def other_gap(params):
+        gap = jnp.abs(frozen_logprobs(params, not cfg.routing_replay) - batch["sampler_logp_BxC"])
+        return jnp.sum(gap * loss_mask) / trained
+
+    return grads_of, frozen_logprobs, other_gap if routed else None
 
 
 def shared_prompt_rows(batch: dict, cfg: LearnerConfig) -> int:

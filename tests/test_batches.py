@@ -41,6 +41,24 @@ def test_prompts_left_completions_right_padding_rows_and_reward_columns():
     assert (batch["rewards_BxR"][2:] == 0).all()
 
 
+def test_an_moe_batch_lays_the_recorded_routes_out_with_their_tokens():
+    from jaxrl.tiny import tiny_config
+
+    model = tiny_config("qwen3_moe")  # 2 MoE layers x top 2: 4 expert ids a token
+    routed = traj([5, 6, 7], [1, 2, 3, 4], [1, 1, 0, 1])
+    routed.routes = np.arange(6 * 4, dtype=np.uint8).reshape(6, 4) % 8  # 7 tokens, the last never fed
+    batch = learner_batch([routed, traj([5], [1], [1])], 4, 8, 6, 0, model=model)
+    prompts, completions = batch["prompt_routes_BxPxU"], batch["completion_routes_BxCxU"]
+    assert prompts.shape == (4, 8, 4) and completions.shape == (4, 6, 4) and prompts.dtype == np.uint8
+    np.testing.assert_array_equal(prompts[0, -3:], routed.routes[:3])
+    np.testing.assert_array_equal(completions[0, :3], routed.routes[3:])
+    assert (prompts[0, :-3] == 255).all() and (completions[0, 3:] == 255).all()  # padding, the unfed last token
+    assert (prompts[1:] == 255).all() and (completions[1:] == 255).all()  # no routes recorded, padding rows
+    routed.routes = np.zeros((6, 3), np.uint8)
+    with pytest.raises(ValueError, match="carries routes of 3 expert ids a token.*routes 4 a token over 8"):
+        learner_batch([routed], 4, 8, 6, 0, model=model)
+
+
 def test_a_supervised_batch_has_one_zero_reward_column():
     batch = learner_batch([traj([5, 6, 7], [8, 9, 10, 11], [1, 1, 0, 1]), traj([4], [3], [1])], 2, 4, 6, 0)
     np.testing.assert_array_equal(batch["prompt_BxP"], [[0, 5, 6, 7], [0, 0, 0, 4]])

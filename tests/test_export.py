@@ -70,7 +70,7 @@ def _write_run(path, family, snapshots=True, checkpoint=True, tokenizer=True, me
     return run, cfg
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_moe"])
 def run(request, tmp_path_factory):
     return _write_run(tmp_path_factory.mktemp(request.param) / "run", request.param)
 
@@ -210,7 +210,7 @@ def test_bad_sources_are_clear_errors(tmp_path):
         export(run.path, out)
 
 
-def _lora_run(path):
+def _lora_run(path, family="qwen3"):
     """A LoRA run's directory: its base model, a checkpoint of trained adapters, and their snapshot.
     Returns (run, base model directory, the learner's LoRA model)."""
     from jaxrl.models import save_pretrained
@@ -221,11 +221,12 @@ def _lora_run(path):
 
     run = RunDir.create(path / "run")
     tok = build_tokenizer(run.tokenizer)
-    cfg = tiny_config("qwen3", tied=False, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+    cfg = tiny_config(family, tied=False, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     base = path / "base"
     save_pretrained(_model(cfg, 4), base)
-    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"))
+    targets = ("q_proj", "k_proj", "o_proj") + (("gate_proj", "down_proj") if family != "qwen3_moe" else ())
+    lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
     learner = Learner(_model(cfg, 4), LearnerConfig(group_size=4, lora=lora,
                                                     optimizer=OptimizerConfig(learning_rate=0.05)), make_mesh(MeshConfig()))
     for seed in range(3):
@@ -240,10 +241,11 @@ def _lora_run(path):
     return run, base, learner.model()
 
 
-def test_a_lora_run_exports_its_peft_adapters_and_the_merged_model(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])  # an MoE model's: on its attention
+def test_a_lora_run_exports_its_peft_adapters_and_the_merged_model(tmp_path, family):
     import peft
 
-    run, base, model = _lora_run(tmp_path)
+    run, base, model = _lora_run(tmp_path, family)
     ours = _logits(model)
     assert np.abs(ours - _logits(Decoder(model.cfg, nnx.Rngs(4)))).max() > 1e-2  # trained adapters
     for i, kwargs in enumerate([{}, {"checkpoint_step": 3}]):

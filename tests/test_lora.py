@@ -179,3 +179,13 @@ def test_dropout_draws_repeat():
 
     first = losses()
     assert first == losses()  # the same steps draw the same masks
+
+
+def test_an_moe_models_mlps_take_no_adapters_said_in_one_line():
+    moe = tiny_config("qwen3_moe", vocab_size=VOCAB)
+    with pytest.raises(LoraError, match=r"targets has gate_proj, up_proj, down_proj: a mixture-of-experts model's "
+                                        r"MLPs take no adapters; target its attention"):
+        add_lora(Decoder(moe, nnx.Rngs(0)), LORA)
+    attention = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    model = _randomised(add_lora(Decoder(moe, nnx.Rngs(0)), attention))
+    assert np.abs(_logits(model) - _logits(Decoder(moe, nnx.Rngs(0)))).max() > 1e-3

@@ -109,6 +109,29 @@ def test_a_group_that_shares_its_prompt_lays_it_out_once_before_its_completions(
     assert (segments > 0).sum() == real - 3 * (p - 1)  # the prompt once for four episodes, less one token each
 
 
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_an_moe_batchs_routes_go_where_their_tokens_go(group_size):
+    batch = episodes(B=8, P=96, shared=(0,))
+
+    def route_of(tokens):  # each token's route, a function of the token: where tokens go, so must routes
+        return np.stack([tokens % 7, tokens % 5 + 1], -1).astype(np.uint8)
+
+    batch["prompt_routes_BxPxU"] = np.where(batch["prompt_mask_BxP"][..., None] > 0, route_of(batch["prompt_BxP"]), 255)
+    batch["completion_routes_BxCxU"] = np.where(batch["completion_mask_BxC"][..., None] > 0,
+                                                route_of(batch["completion_BxC"]), 255).astype(np.uint8)
+    last = batch["completion_mask_BxC"][6].sum() - 1
+    batch["completion_routes_BxCxU"][6, last] = 255  # a token never fed: no recorded route
+    packed = pack(batch, pack_tokens=256, rows=1, group_size=group_size)
+    tokens, segments, target = (packed[k].reshape(-1, 256) for k in ("tokens_MxRxL", "segments_MxRxL", "target_MxRxL"))
+    routes = packed["routes_MxRxLxU"].reshape(-1, 256, 2)
+    assert routes.dtype == np.uint8
+    C = batch["completion_BxC"].shape[1]
+    never_fed = target == 6 * C + last
+    real = (segments > 0) & ~never_fed
+    np.testing.assert_array_equal(routes[real], route_of(tokens[real]))
+    assert (routes[~real] == 255).all()
+
+
 def test_a_group_too_long_for_a_row_is_split_each_part_with_its_prompt():
     batch = episodes(B=4, P=48, C=100, long_rows=(0, 1, 2, 3), shared=(0,))  # 4 x 100 completion tokens
     packed = pack(batch, pack_tokens=256, rows=1, group_size=4)

@@ -149,6 +149,38 @@ def test_the_default_config_trains_and_its_console_says_only_jaxrls_things(tmp_p
     assert lines and [line for line in lines if not line.startswith("jaxrl") and not bar.match(line)] == []
 
 
+@pytest.mark.timeout(600)
+def test_the_moe_config_trains_with_routing_replay_and_exports_what_transformers_loads(tmp_path):
+    """configs/tiny_moe_cpu.yaml shortened: the engine records routes, the learner replays them (the same
+    weights: its logprobs are the engine's), nothing compiles after the first step, and the export's
+    logits in transformers are jaxrl's."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from jaxrl.models import load_pretrained
+
+    run_dir = tmp_path / "run"
+    summary = summary_of(jaxrl("train", "configs/tiny_moe_cpu.yaml", *[a for kv in [
+        f"run_dir={run_dir}", f"model.dir={tmp_path / 'model'}", "steps=3", "rollout.groups_per_step=2",
+        "learner.group_size=4", "sft.steps=2", "sft.demonstrations=16", "sft.batch_size=8", "eval.episodes=4",
+        "log.progress=false"] for a in ("--set", kv)]))
+    assert summary["steps"] == 3 and summary["programs_after_first_step"] == 0
+    rows = [r for r in read_metrics(run_dir) if "moe/route_mismatch" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # sync mode: every episode sampled with the weights it trains
+        assert r["moe/logp_gap_replay"] < 1e-4 and r["moe/logp_gap_own_routes"] < 1e-3
+        assert r["moe/route_mismatch"] < 0.05 and r["loss/router_aux"] > 0
+    out = tmp_path / "hf"
+    assert jaxrl("export", run_dir, "--out", out).returncode == 0
+    ids = np.array([[3, 17, 250, 9, 101, 42, 7, 99]])
+    ours, _ = load_pretrained(out)(ids, np.arange(8)[None], np.ones((1, 8), np.int32))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(torch.tensor(ids)).logits.numpy(), np.asarray(ours), atol=1e-4)
+
+
 @pytest.mark.timeout(900)  # two runs, an evaluation and an export: ~3 minutes on a quiet machine
 def test_a_lora_run_warm_starts_publishes_adapters_evaluates_resumes_streaming_and_exports(model_dir, tmp_path):
     import peft  # noqa: F401  (the export's reader; the test extra has it)

@@ -206,3 +206,76 @@ def test_sft_step_is_the_demonstration_log_likelihood_gradient(grad_accum):
     assert first["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
     assert "reward_mean" not in first and "clip_frac_low" not in first
     assert learner.update(batch)["loss"] < first["loss"]
+
+
+MOE_CFG = tiny_config("qwen3_moe", tied=False, vocab_size=VOCAB)
+
+
+def _moe_batch(model, seed=0):
+    """A batch whose routes and sampler logprobs are `model`'s own, as its sampler would record them."""
+    import jax.numpy as jnp
+
+    from jaxrl.logprobs import completion_logprobs
+    from jaxrl.models import moe, positions_from_mask
+
+    batch = make_batch(seed)
+    P = batch["prompt_BxP"].shape[1]
+    tokens = jnp.concatenate([batch["prompt_BxP"], batch["completion_BxC"]], 1)
+    mask = np.concatenate([batch["prompt_mask_BxP"], batch["completion_mask_BxC"]], 1)
+    _, _, routed = model.hidden(tokens, positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask), routed=True)
+    routes = np.where(mask[..., None] > 0, np.asarray(routed.own_BxTxU), moe.no_route(MOE_CFG.num_experts))
+    routes = routes.astype(moe.route_dtype(MOE_CFG.num_experts))
+    batch["prompt_routes_BxPxU"], batch["completion_routes_BxCxU"] = routes[:, :P], routes[:, P:]
+    batch["sampler_logp_BxC"] = np.asarray(completion_logprobs(
+        model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"], batch["completion_mask_BxC"])[0])
+    return batch
+
+
+def _perturbed_routers(model, scale):
+    """`model` with noise added to every router (what a few updates do between rollout and learning)."""
+    rng = np.random.default_rng(1)
+    for layer in model.layers:
+        w = layer.mlp.router.kernel
+        w.set_value(w[...] + scale * rng.normal(size=w.shape).astype(np.float32))
+    return model
+
+
+@pytest.mark.parametrize("pack_tokens", [None, 128], ids=["padded", "packed"])
+def test_replay_keeps_the_rollouts_routes_where_a_changed_router_flips_them(pack_tokens):
+    model = Decoder(MOE_CFG, nnx.Rngs(0))
+    batch = _moe_batch(model)
+    cfg = dataclasses.replace(BASE, routing_replay=True, pack_tokens=pack_tokens, loss=LossConfig(loss_type="dapo"))
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    same = Learner(model, cfg, mesh).update(batch)
+    # Unchanged weights: the learner routes as the sampler did and computes its logprobs.
+    assert same["moe/route_mismatch"] == 0
+    assert same["moe/logp_gap_replay"] < 1e-5 and same["moe/logp_gap_own_routes"] < 1e-5
+
+    changed = Learner(_perturbed_routers(Decoder(MOE_CFG, nnx.Rngs(0)), 0.05), cfg, mesh).update(batch)
+    assert changed["moe/route_mismatch"] > 0.05  # its own routers would route otherwise...
+    # ...and replaying the recorded routes keeps the learner's logprobs near the sampler's.
+    assert changed["moe/logp_gap_replay"] < 0.5 * changed["moe/logp_gap_own_routes"]
+    off = Learner(_perturbed_routers(Decoder(MOE_CFG, nnx.Rngs(0)), 0.05),
+                  dataclasses.replace(cfg, routing_replay=False), mesh).update(batch)
+    assert off["moe/route_mismatch"] == pytest.approx(changed["moe/route_mismatch"], abs=0.02)
+    assert off["moe/logp_gap_own_routes"] == pytest.approx(changed["moe/logp_gap_own_routes"], rel=1e-4)
+
+
+def test_the_load_balancing_loss_is_a_weighted_term_of_the_loss():
+    model = Decoder(MOE_CFG, nnx.Rngs(0))
+    batch = _moe_batch(model)
+    mesh = make_mesh(MeshConfig(fsdp=2), jax.devices()[:2])
+
+    def step(coef):
+        cfg = dataclasses.replace(BASE, grad_accum=2, router_aux_loss_coef=coef)
+        return Learner(Decoder(MOE_CFG, nnx.Rngs(0)), cfg, mesh).update(batch)
+
+    m0, m1 = step(0.0), step(0.5)
+    assert m0["loss/router_aux"] > 1.9  # top_k (2) for perfectly balanced routing, more otherwise
+    assert m1["loss"] - m0["loss"] == pytest.approx(0.5 * m0["loss/router_aux"], rel=1e-4)
+    assert m1["grad_norm"] != m0["grad_norm"]  # the term has a gradient (small: routing is near balanced)
+
+
+def test_routing_replay_needs_the_rollouts_routes():
+    with pytest.raises(ValueError, match="learner.routing_replay needs the rollouts' routes"):
+        validate_train_batch(make_batch(0), dataclasses.replace(BASE, routing_replay=True))

@@ -98,19 +98,23 @@ def _projection(model: Decoder, layer: int, target: str) -> Linear:
     return getattr(getattr(model.layers[layer], BLOCKS[target]), target)
 
 
-def layer_targets(model_cfg: ModelConfig, layer: int, cfg: LoraConfig) -> tuple[str, ...]:
-    """The targets that get adapters in `layer`: an MoE layer's experts get none (its MLP targets are
-    skipped), as PEFT's target_modules match no Linear there in transformers' models."""
-    return tuple(t for t in cfg.targets if not (model_cfg.is_moe(layer) and BLOCKS[t] == "mlp"))
+def check_targets(model_cfg: ModelConfig, cfg: LoraConfig) -> None:
+    """LoraError unless every target is a projection the model has adapters for: an MoE model's MLPs take
+    none (PEFT refuses adapters on MLP projections of a model whose experts transformers fuses)."""
+    mlp = [t for t in cfg.targets if BLOCKS[t] == "mlp"]
+    if model_cfg.num_experts and mlp:
+        raise LoraError(f"learner.lora.targets has {', '.join(mlp)}: a mixture-of-experts model's MLPs take no "
+                        "adapters; target its attention (q_proj, k_proj, v_proj, o_proj)")
 
 
 def add_lora(model: Decoder, cfg: LoraConfig) -> Decoder:
     """`model` with adapters on `cfg.targets` (in place; returned), drawn from a fixed seed: the same
     model gets the same adapters, in every process and run. Projections that have adapters already
     (a warm start's) keep them; adapters of another rank are an error."""
+    check_targets(model.cfg, cfg)
     rngs = nnx.Rngs(params=0)
     for layer in range(model.cfg.num_layers):
-        for target in layer_targets(model.cfg, layer, cfg):
+        for target in cfg.targets:
             linear = _projection(model, layer, target)
             if linear.lora is not None:
                 if linear.lora.a.shape[1] != cfg.rank:
@@ -134,7 +138,7 @@ def training_mode(model: Decoder, key: jax.Array) -> None:
 def peft_names(model_cfg: ModelConfig, cfg: LoraConfig) -> Iterator[tuple[str, tuple]]:
     """(PEFT tensor name, the factor's path in the adapters' state) of every adapter factor."""
     for i in range(model_cfg.num_layers):
-        for target in layer_targets(model_cfg, i, cfg):
+        for target in cfg.targets:
             module = f"{PEFT_PREFIX}model.layers.{i}.{BLOCKS[target]}.{target}"
             path = ("layers", i, BLOCKS[target], target, "lora")
             yield f"{module}.lora_A.weight", (*path, "a")
@@ -209,7 +213,7 @@ def merged_tensors(model_cfg: ModelConfig, cfg: LoraConfig, base: Mapping[str, n
     every target, computed in float32 and cast back to W's dtype (PEFT's `merge_and_unload`)."""
     out = dict(base)
     for i in range(model_cfg.num_layers):
-        for target in layer_targets(model_cfg, i, cfg):
+        for target in cfg.targets:
             module = f"model.layers.{i}.{BLOCKS[target]}.{target}"
             a = np.asarray(adapters[f"{PEFT_PREFIX}{module}.lora_A.weight"], np.float32)
             b = np.asarray(adapters[f"{PEFT_PREFIX}{module}.lora_B.weight"], np.float32)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -134,10 +133,9 @@ def ensure_model(cfg: TrainConfig) -> Path:
                                "Hugging Face model directory, or set model.tiny to build a tiny one")
         return model_dir
     if (model_dir / "config.json").is_file():
-        built = json.loads((model_dir / "config.json").read_text())
-        want = {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-                "num_hidden_layers": t.num_layers}
-        differ = {k: (built.get(k), v) for k, v in want.items() if built.get(k) != v}
+        built = load_model_config(model_dir)
+        want = {"model_type": t.family, **t.model_fields()}
+        differ = {k: (getattr(built, k), v) for k, v in want.items() if getattr(built, k) != v}
         if differ:
             raise StartupError(f"model.dir {model_dir} holds a tiny model that differs from model.tiny "
                                f"({', '.join(f'{k}: {a} != {b}' for k, (a, b) in differ.items())}); delete it "
@@ -146,8 +144,7 @@ def ensure_model(cfg: TrainConfig) -> Path:
     from jaxrl.tiny import build_tiny_model
 
     print(f"jaxrl: building tiny {t.family} model in {model_dir}", file=sys.stderr)
-    build_tiny_model(model_dir, t.family, seed=t.seed, hidden_size=t.hidden_size,
-                     intermediate_size=t.intermediate_size, num_layers=t.num_layers)
+    build_tiny_model(model_dir, t.family, seed=t.seed, **t.model_fields())
     return model_dir
 
 

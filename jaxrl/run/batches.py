@@ -13,13 +13,15 @@ import numpy as np
 
 from bridge.wire import TrajectoryData
 from jaxrl.learner import prompt_widths
+from jaxrl.models import ModelConfig, moe
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.rewards import RewardWeights
 
 
 def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, completion_len: int, pad_id: int,
                   rewards: RewardWeights | None = None, sampler_logp: bool = False,
-                  mask_truncated: bool = False, teacher_logp: bool = False) -> dict[str, np.ndarray]:
+                  mask_truncated: bool = False, teacher_logp: bool = False,
+                  model: ModelConfig | None = None) -> dict[str, np.ndarray]:
     """The learner's batch of `rows` rows from `trajs` (at most `rows`).
 
     `rewards`: one column per reward function (NaN where one does not apply); None: one column of
@@ -27,7 +29,9 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
     keep their row but train no token (DAPO overlong filtering). `teacher_logp`: the distillation
     teacher's logprobs, which every trajectory must carry. Environment tokens past
     `completion_len` (the last tool result of an episode that ran out of budget) are cut; a
-    trajectory whose model tokens do not fit is a ValueError, never trained on cut.
+    trajectory whose model tokens do not fit is a ValueError, never trained on cut. An MoE `model`'s
+    batch carries the routes the sampler recorded (`moe.no_route` where none was: padding, a token never
+    fed, an engine that records none).
     """
     if len(trajs) > rows:
         raise ValueError(f"{len(trajs)} trajectories do not fit a batch of {rows} rows")
@@ -44,6 +48,11 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
         batch["sampler_logp_BxC"] = np.zeros((rows, completion_len), np.float32)
     if teacher_logp:
         batch["teacher_logp_BxC"] = np.zeros((rows, completion_len), np.float32)
+    U = 0 if model is None else model.route_width
+    if U:
+        dtype, none = moe.route_dtype(model.num_experts), moe.no_route(model.num_experts)
+        batch["prompt_routes_BxPxU"] = np.full((rows, prompt_len, U), none, dtype)
+        batch["completion_routes_BxCxU"] = np.full((rows, completion_len, U), none, dtype)
     for i, t in enumerate(trajs):
         p, c = len(t.prompt_ids), min(len(t.completion_ids), completion_len)
         if not 0 < p <= prompt_len or t.loss_mask[completion_len:].any():
@@ -66,23 +75,34 @@ def learner_batch(trajs: Sequence[TrajectoryData], rows: int, prompt_len: int, c
                                  "its bridge serves no distillation teacher (set teacher.model, or start it with "
                                  "--teacher)")
             batch["teacher_logp_BxC"][i, :c] = t.teacher_logprobs[:c]
+        if U and len(t.routes):
+            if t.routes.shape[1] != U or t.routes.max(initial=0) >= model.num_experts:
+                raise ValueError(f"trajectory {t.group_id}/{t.index_in_group} ({t.env}) carries routes of "
+                                 f"{t.routes.shape[1]} expert ids a token, up to {t.routes.max()}; the model routes "
+                                 f"{U} a token over {model.num_experts} experts: its bridge serves another model")
+            fed = len(t.routes)
+            batch["prompt_routes_BxPxU"][i, prompt_len - p:prompt_len - p + min(fed, p)] = t.routes[:p]
+            batch["completion_routes_BxCxU"][i, :max(0, min(fed - p, c))] = t.routes[p:p + c]
     batch["prompt_mask_BxP"][len(trajs):, -1] = 1  # padding rows still need one token to attend to
     return batch
 
 
 def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, rows: int | None = None,
-             prompt_len: int | None = None) -> dict[str, np.ndarray]:
+             prompt_len: int | None = None, model: ModelConfig | None = None) -> dict[str, np.ndarray]:
     """A training step's batch as `cfg` shapes it: groups_per_step x group_size rows (or `rows`, a
     process's share of them; rows beyond `trajs` are padding), prompts `prompt_width` wide (one of a
     few widths fixed by the config; a prompt longer than `rollout.max_prompt_tokens` widens its step;
     `prompt_len` when the processes of a run agreed on one), completions `rollout.max_total_tokens`
     wide, rewards weighed by `rewards[]`, sampler logprobs when the loss corrects by importance
-    sampling."""
+    sampling (and, of an MoE `model`, always: its metrics compare learner and sampler), the routes the
+    sampler recorded for an MoE `model`."""
     prompt_len = prompt_width(trajs, cfg) if prompt_len is None else prompt_len
+    routed = model is not None and model.route_width > 0
     return learner_batch(trajs, cfg.groups_per_step_rows if rows is None else rows, prompt_len,
                          cfg.rollout.max_total_tokens, pad_id, RewardWeights(cfg.rewards),
-                         sampler_logp=cfg.learner.loss.needs_sampler_logp, mask_truncated=cfg.rollout.drop_truncated,
-                         teacher_logp=cfg.learner.loss.distill_weight > 0)
+                         sampler_logp=cfg.learner.loss.needs_sampler_logp or routed,
+                         mask_truncated=cfg.rollout.drop_truncated, teacher_logp=cfg.learner.loss.distill_weight > 0,
+                         model=model)
 
 
 def learner_widths(cfg: TrainConfig) -> tuple[int, ...]:

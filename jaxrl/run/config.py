@@ -24,16 +24,26 @@ from jaxrl.train_step import LearnerConfig
 from jaxrl.run.gin_config import gin_overrides
 from jaxrl.run.typed_config import ConfigError, apply_overrides, load
 
-FAMILIES = ("qwen3", "qwen2", "llama")
-
-
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
-    family: Literal["qwen3", "qwen2", "llama"] = option("architecture of the tiny model", default="qwen3")
+    family: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = option(
+        "architecture of the tiny model (qwen3_moe: a mixture of experts in every layer)", default="qwen3")
     hidden_size: int = option("width", default=64)
     intermediate_size: int = option("MLP width", default=128)
     num_layers: int = option("layers", default=2)
     seed: int = option("initialisation seed", default=0)
+    num_experts: int = option("experts of each MoE layer (an MoE family's)", default=8)
+    num_experts_per_tok: int = option("experts each token goes to (an MoE family's)", default=2)
+    moe_intermediate_size: int = option("each expert's MLP width (an MoE family's)", default=32)
+
+    def model_fields(self) -> dict:
+        """The `jaxrl.tiny.tiny_config` fields this tiny model sets."""
+        fields = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                  "num_layers": self.num_layers}
+        if self.family == "qwen3_moe":
+            fields |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                       "moe_intermediate_size": self.moe_intermediate_size}
+        return fields
 
 
 @dataclasses.dataclass(frozen=True)

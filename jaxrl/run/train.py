@@ -50,8 +50,9 @@ from bridge.client import BridgeClient
 from jaxrl.checkpoints import TrainCheckpointer, abstract_like
 from jaxrl.compilation import compiles, programs
 from jaxrl.learner import Learner
-from jaxrl.models import load_pretrained
-from jaxrl.models.lora import adapter_config, add_lora
+from jaxrl.models import ModelConfig, load_pretrained
+from jaxrl.models.hf import load_model_config
+from jaxrl.models.lora import LoraError, adapter_config, add_lora, check_targets
 from jaxrl.run import report
 from jaxrl.run.api import SNAPSHOTS_KEPT, Bridge, ensure_model, open_bridge
 from jaxrl.run.batches import learner_widths, prompt_width, rl_batch
@@ -85,6 +86,7 @@ class _Job:
     bridge: Bridge  # the bridges, the bundled environment servers (restarted when they die), the tasks
     share: Share  # this process's groups of every step (all of them with one process)
     out: Any
+    model: ModelConfig  # the policy's architecture (an MoE one's batches carry the rollouts' routes)
 
     @property
     def primary(self) -> bool:
@@ -137,6 +139,15 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     tasks = checked_tasks(cfg)
     share = share_of(make_mesh(cfg.mesh), cfg)  # this process's groups of every step
     model_dir = _ensure_model_once(cfg)
+    policy = load_model_config(model_dir)
+    if cfg.learner.routing_replay and not policy.route_width:
+        raise StartupError(f"learner.routing_replay: {model_dir} is a dense {policy.model_type} model, whose tokens "
+                           "have no expert routes to replay; set it for a mixture-of-experts policy (qwen3_moe) only")
+    if cfg.learner.lora is not None:
+        try:
+            check_targets(policy, cfg.learner.lora)
+        except LoraError as e:
+            raise StartupError(str(e)) from None
     try:
         run = RunDir.create(cfg.run_dir)
     except OSError as e:  # a file where a directory goes, no permission
@@ -162,7 +173,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         stack.callback(ckpt.close)
         snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
         # Start: environment servers and bridges, the base model's evaluation, the learner.
-        job = _Job(cfg, run, ckpt, open_bridge(cfg, served, logs, snapshots, stack, tasks), share, out)
+        job = _Job(cfg, run, ckpt, open_bridge(cfg, served, logs, snapshots, stack, tasks), share, out, policy)
         if job.primary:
             job.bridge.tokenizer.save_pretrained(run.tokenizer)
         startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
@@ -178,7 +189,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         # The learner's programs compile while the first rollout runs (the bridges' warm-up first).
         stack.callback(learner.close)
         if step < cfg.steps:
-            learner.prepare(rl_batch([], cfg, job.pad_id, rows=share.count * cfg.learner.group_size))
+            learner.prepare(rl_batch([], cfg, job.pad_id, rows=share.count * cfg.learner.group_size, model=job.model))
         startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
         _print_startup(startup, out)
         collector = stack.enter_context(contextlib.closing(
@@ -406,7 +417,7 @@ def _exchange(job: _Job, exchange: Exchange, result: StepRollouts, stop_requeste
                           "time/env_s": result.env_s, "time/reward_model_s": result.reward_s,
                           "rollout/staleness_max": float(result.staleness_max)})
     batch = rl_batch(trajs, job.cfg, job.pad_id, rows=job.share.count * job.cfg.learner.group_size,
-                     prompt_len=view.prompt_len)
+                     prompt_len=view.prompt_len, model=job.model)
     return view, batch, time.perf_counter() - t0
 
 

@@ -65,13 +65,14 @@ def demonstrations(client: RolloutClient, tasks: TaskSource, cfg: TrainConfig) -
 
 def warm_start_learner_config(cfg: TrainConfig) -> LearnerConfig:
     """learner.optimizer's AdamW with the warm start's peak rate: linear warmup over a tenth of the
-    steps, then cosine decay to 10%; one update per batch, no groups."""
+    steps, then cosine decay to 10%; one update per batch, no groups, no routes to replay (demonstrations
+    were not sampled: an MoE learner's routers route them)."""
     steps = cfg.sft.steps
     optimizer = dataclasses.replace(
         cfg.learner.optimizer, learning_rate=cfg.sft.learning_rate, schedule="cosine",
         warmup_steps=min(max(steps // 10, 1), steps), total_steps=steps, final_lr_fraction=0.1)
     return dataclasses.replace(cfg.learner, group_size=1, grad_accum=1, num_iterations=1,
-                               loss=LossConfig(loss_type="sft"), optimizer=optimizer,
+                               loss=LossConfig(loss_type="sft"), optimizer=optimizer, routing_replay=False,
                                lora=None if cfg.full_warm_start else cfg.learner.lora)
 
 
