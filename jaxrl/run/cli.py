@@ -85,7 +85,7 @@ def _train(args) -> int:
 def _leave_the_others() -> None:
     """A process of a multi-host run that failed exits now, without jax.distributed's shutdown
     barrier (which would hold it for minutes, waiting for processes that wait for it): the
-    coordinator sees its heartbeats stop and ends the others (`distributed` in the README)."""
+    coordinator sees its heartbeats stop and ends the others (docs/scaling.md, "Several hosts")."""
     import jax
 
     if jax.distributed.is_initialized() and jax.process_count() > 1:
