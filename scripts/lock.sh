@@ -2,9 +2,10 @@
 # Upgrades the locks on purpose: resolves each environment's ranges afresh (pyproject.toml through
 # scripts/requirements.py) in a scratch venv, writes the exact versions to locks/<name>.txt, sets the
 # environments up from the new locks, regenerates the gRPC stubs, and runs what checks them: the test
-# suite for main and vllm, the TRL bench at smoke size for trl. Commit the locks (and stubs) it leaves.
+# suite for main and vllm, the TRL bench at smoke size for trl, the site's strict build for docs. Commit
+# the locks (and stubs) it leaves.
 #
-#   bash scripts/lock.sh [--no-test] [main] [vllm] [trl]     (no name: all three)
+#   bash scripts/lock.sh [--no-test] [main] [vllm] [trl] [docs]     (no name: all four)
 #
 # Everyone else installs from the locks (scripts/setup*.sh, CI): a registry release changes nothing
 # until this script is run and its result committed.
@@ -15,11 +16,11 @@ run_tests=1
 for arg in "$@"; do
   case "$arg" in
     --no-test) run_tests=0 ;;
-    main | vllm | trl) names+=("$arg") ;;
-    *) echo "usage: bash scripts/lock.sh [--no-test] [main] [vllm] [trl]" >&2; exit 2 ;;
+    main | vllm | trl | docs) names+=("$arg") ;;
+    *) echo "usage: bash scripts/lock.sh [--no-test] [main] [vllm] [trl] [docs]" >&2; exit 2 ;;
   esac
 done
-[ ${#names[@]} -gt 0 ] || names=(main vllm trl)
+[ ${#names[@]} -gt 0 ] || names=(main vllm trl docs)
 
 mkdir -p build locks
 for name in "${names[@]}"; do
@@ -55,4 +56,7 @@ fi
 if [[ " ${names[*]} " == *" trl "* ]]; then
   bash scripts/setup_trl.sh
   .venv/bin/python -m experiments.bench.vs_trl --tiny
+fi
+if [[ " ${names[*]} " == *" docs "* ]]; then
+  bash scripts/docs.sh
 fi

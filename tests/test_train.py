@@ -280,7 +280,7 @@ def test_a_lora_run_over_a_warm_start_of_every_weight_serves_restarts_resumes_an
     second = next(r for r in rows if r["step"] == again and "loss" in r)
     # The step taken again samples its episodes again: the same tokens and rewards, but logprobs that
     # may differ in their last bits with the engine's batch and cache shapes, which follow timing
-    # (README, "Reproducible"), and with is_level set the loss reads them. So: equal to rounding.
+    # (docs/reliability.md, "Reproducibility"), and with is_level set the loss reads them. So: equal to rounding.
     before, after = ({k: v for k, v in r.items() if compared(k)} for r in (first, second))
     assert first["grad_norm"] > 0 and before.keys() == after.keys()
     assert {k: v for k, v in after.items() if v != pytest.approx(before[k], rel=1e-5, abs=1e-6)} == {}

@@ -85,7 +85,7 @@ def _train(args) -> int:
 def _leave_the_others() -> None:
     """A process of a multi-host run that failed exits now, without jax.distributed's shutdown
     barrier (which would hold it for minutes, waiting for processes that wait for it): the
-    coordinator sees its heartbeats stop and ends the others (`distributed` in the README)."""
+    coordinator sees its heartbeats stop and ends the others (docs/scaling.md, "Several hosts")."""
     import jax
 
     if jax.distributed.is_initialized() and jax.process_count() > 1:
@@ -320,10 +320,10 @@ def _sweep(args) -> int:
 def _config(args) -> int:
     """Prints every training config key with its default and help, or checks a config file."""
     from jaxrl.run.config import TrainConfig
-    from jaxrl.run.typed_config import describe, to_dict
+    from jaxrl.run.typed_config import describe, describe_markdown, to_dict
 
     if args.config is None:
-        print(describe(TrainConfig), end="")
+        print((describe_markdown if args.markdown else describe)(TrainConfig), end="")
         return 0
     cfg = _load_train_config(args, "jaxrl config")
     if cfg is None:
@@ -463,6 +463,8 @@ def _add_tools(sub) -> None:
     co.add_argument("config", nargs="?", help="a config file to check and print resolved")
     co.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted)")
     co.add_argument("--gin", action="append", metavar="BINDING", help="override in gin syntax (before --set)")
+    co.add_argument("--markdown", action="store_true",
+                    help="the defaults as the documentation's tables (the site's config page; scripts/docs.sh)")
     co.set_defaults(func=_config)
 
     assets = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer as an HF directory")

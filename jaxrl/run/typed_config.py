@@ -461,3 +461,73 @@ def _item_type(tp):
         if found is not None:
             return found
     return None
+
+
+def key_rows(cls) -> list[tuple[str, str, str, str]]:
+    """Every key of `cls` as (dotted key, type, default as YAML or 'required', help), in `describe`'s
+    order; a list of sections' keys as `name[].key`, an unset section's as `name.key`."""
+    return _key_rows(cls, _defaults(cls), "", set(_derived(cls)))
+
+
+def _key_rows(cls, values: Mapping[str, Any], prefix: str, hidden: set[str] = frozenset()):
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for name, field in _init_fields(cls).items():
+        key = prefix + name
+        if key in hidden:
+            continue
+        tp, help_ = hints[name], " ".join(field.metadata.get("help", "").split())
+        section = section_type(tp)
+        if section is not None and isinstance(values.get(name), dict):
+            rows += _key_rows(section, values[name], key + ".", hidden)
+            continue
+        if name not in values and section is not None:
+            rows.append((key, _label(tp), "required", help_))
+            rows += _key_rows(section, _defaults(section), key + ".")
+            continue
+        default = "required" if name not in values else _flow(values[name])
+        rows.append((key, _label(tp), default, help_))
+        item = _item_type(tp)
+        if item is not None:
+            rows += _key_rows(item, _defaults(item), key + ("." if section is not None else "[]."))
+    return rows
+
+
+def _flow(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("\n...").strip()
+
+
+def describe_markdown(cls) -> str:
+    """`describe` as Markdown for the documentation: a table of keys per top-level section (the
+    top-level scalars first), then `describe`'s YAML as `jaxrl config` prints it."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, list] = {}
+    for row in key_rows(cls):
+        head = row[0].split(".")[0].removesuffix("[]")
+        nested = section_type(hints[head]) is not None or _item_type(hints[head]) is not None
+        groups.setdefault(head if nested else "", []).append(row)
+    out = []
+    for group, rows in groups.items():
+        out += [f"## {group or 'Top-level keys'}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        out += [f"| `{key}` | {_md_code(label)} | {_md_code(default)} | {_md_text(help_)} |"
+                for key, label, default, help_ in rows]
+        out.append("")
+    out += ["## As `jaxrl config` prints it", "", "```yaml", describe(cls).rstrip("\n"), "```", ""]
+    return "\n".join(out)
+
+
+def _md_code(text: str) -> str:
+    """`text` as a code span in a table cell (Python-Markdown's tables leave a code span's `|` alone)."""
+    return "`" + text + "`" if text != "required" else "*required*"
+
+
+def _md_text(text: str) -> str:
+    """Help text for a table cell: its `code` spans kept as they are, Markdown's and HTML's special
+    characters outside them escaped."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: all plain text
+        parts = [text]
+    for i in range(0, len(parts), 2):
+        plain = parts[i].replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        parts[i] = re.sub(r"([*_\[\]|#])", r"\\\1", plain)
+    return "`".join(parts)
