@@ -1,4 +1,4 @@
-"""The device mesh (`data`, `fsdp`, `tp`) and where parameters and batches live on it."""
+"""The device mesh (`data`, `fsdp`, `expert`, `tp`) and where parameters and batches live on it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl.models.decoder import LOGICAL_AXIS_RULES
 from jaxrl.options import option
 
-MESH_AXES = ("data", "fsdp", "tp")
-# Sequences are split over every axis that does not split the model's heads.
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tp")
+# Sequences are split over every axis that does not split the model's heads (an MoE layer's tokens meet
+# their experts across the `expert` axis: `jaxrl.models.moe.expert_parallel`).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +26,13 @@ class MeshConfig:
     data: int = option("data-parallel axis size (replicated parameters); -1: the devices left over", default=1)
     fsdp: int = option("fully sharded data-parallel axis size; -1: the devices left over", default=-1)
     tp: int = option("tensor-parallel axis size", default=1)
+    expert: int = option(
+        "expert-parallel axis size: a mixture-of-experts model's experts (and their optimiser state) are split "
+        "over it, each device holding 1/expert of every MoE layer's, and the batch too; -1: the devices left over",
+        default=1)
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tp]
+    def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+        sizes = [self.data, self.fsdp, self.expert, self.tp]
         if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
             raise ValueError(f"mesh={dataclasses.asdict(self)}: sizes must be >= 1, at most one -1")
         known = math.prod(s for s in sizes if s != -1)
@@ -47,7 +52,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     shape = cfg.shape(len(devices))
     # Auto axes: classic GSPMD propagation (jax.make_mesh now defaults to Explicit).
     return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+        shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
 
 

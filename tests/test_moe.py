@@ -19,10 +19,12 @@ def _dense_experts(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD):
     return (picked_NxKxD * weights_NxK[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 17, 1, 0, 40, 3, 0], [0] * 7 + [64], [1] * 8, [300, 2, 0, 0, 1, 0, 0, 9]])
-def test_blocked_matmul_is_ragged_dot_with_its_gradients(sizes):
+@pytest.mark.parametrize("sizes, past", [([5, 0, 17, 1, 0, 40, 3, 0], 0), ([0] * 7 + [64], 0), ([1] * 8, 0),
+                                         ([300, 2, 0, 0, 1, 0, 0, 9], 0), ([5, 0, 17, 1], 30)])
+def test_blocked_matmul_is_ragged_dot_with_its_gradients(sizes, past):
+    """`past` rows after every group (another shard's pairs): zeros, as ragged_dot gives them."""
     rng = np.random.default_rng(len(sizes) + sum(sizes))
-    A, E, D, F = sum(sizes), len(sizes), 24, 40
+    A, E, D, F = sum(sizes) + past, len(sizes), 24, 40
     x = jnp.asarray(rng.normal(size=(A, D)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(E, D, F)), jnp.float32)
     sizes = jnp.asarray(sizes, jnp.int32)

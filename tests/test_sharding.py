@@ -32,13 +32,14 @@ def _devices(n=8):
 @pytest.mark.parametrize(
     "cfg, n, shape",
     [
-        (MeshConfig(), 8, (1, 8, 1)),
-        (MeshConfig(), 1, (1, 1, 1)),
-        (MeshConfig(tp=2), 8, (1, 4, 2)),
-        (MeshConfig(data=2, fsdp=-1, tp=2), 8, (2, 2, 2)),
-        (MeshConfig(data=-1, fsdp=2, tp=1), 8, (4, 2, 1)),
-        (MeshConfig(data=1, fsdp=1, tp=-1), 4, (1, 1, 4)),
-        (MeshConfig(data=2, fsdp=4, tp=1), 8, (2, 4, 1)),
+        (MeshConfig(), 8, (1, 8, 1, 1)),
+        (MeshConfig(), 1, (1, 1, 1, 1)),
+        (MeshConfig(tp=2), 8, (1, 4, 1, 2)),
+        (MeshConfig(data=2, fsdp=-1, tp=2), 8, (2, 2, 1, 2)),
+        (MeshConfig(data=-1, fsdp=2, tp=1), 8, (4, 2, 1, 1)),
+        (MeshConfig(data=1, fsdp=1, tp=-1), 4, (1, 1, 1, 4)),
+        (MeshConfig(data=2, fsdp=4, tp=1), 8, (2, 4, 1, 1)),
+        (MeshConfig(fsdp=2, expert=-1), 8, (1, 2, 4, 1)),
     ],
 )
 def test_mesh_shape(cfg, n, shape):
@@ -73,10 +74,11 @@ def test_mesh_shape_errors_name_the_mesh(cfg, n, words):
 @pytest.mark.parametrize(
     "cfg, sizes",
     [
-        (MeshConfig(fsdp=8), {"data": 1, "fsdp": 8, "tp": 1}),
-        (MeshConfig(fsdp=4, tp=2), {"data": 1, "fsdp": 4, "tp": 2}),
-        (MeshConfig(data=2, fsdp=4), {"data": 2, "fsdp": 4, "tp": 1}),
-        (MeshConfig(data=2, fsdp=-1, tp=2), {"data": 2, "fsdp": 2, "tp": 2}),
+        (MeshConfig(fsdp=8), {"data": 1, "fsdp": 8, "expert": 1, "tp": 1}),
+        (MeshConfig(fsdp=4, tp=2), {"data": 1, "fsdp": 4, "expert": 1, "tp": 2}),
+        (MeshConfig(data=2, fsdp=4), {"data": 2, "fsdp": 4, "expert": 1, "tp": 1}),
+        (MeshConfig(data=2, fsdp=-1, tp=2), {"data": 2, "fsdp": 2, "expert": 1, "tp": 2}),
+        (MeshConfig(fsdp=2, expert=4), {"data": 1, "fsdp": 2, "expert": 4, "tp": 1}),
     ],
 )
 def test_make_mesh(cfg, sizes):
@@ -93,7 +95,7 @@ def test_make_mesh(cfg, sizes):
 def test_make_mesh_on_a_subset_of_devices():
     devices = _devices(8)[:4]
     mesh = make_mesh(MeshConfig(), devices)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tp": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tp": 1}
     assert {d.id for d in mesh.devices.flat} == {d.id for d in devices}
     with pytest.raises(ValueError, match="mesh="):
         make_mesh(MeshConfig(fsdp=8), devices)
@@ -249,8 +251,8 @@ def test_put_batch(cfg, rows_per_shard):
         assert isinstance(arr, jax.Array)
         assert arr.shape == v.shape and arr.dtype == v.dtype, k
         assert arr.sharding.is_equivalent_to(batch_sharding(mesh, v.ndim), v.ndim)
-        assert tuple(arr.sharding.spec) == (("data", "fsdp"),) + (None,) * (v.ndim - 1)
-        assert BATCH_AXES == ("data", "fsdp")
+        assert tuple(arr.sharding.spec) == (("data", "fsdp", "expert"),) + (None,) * (v.ndim - 1)
+        assert BATCH_AXES == ("data", "fsdp", "expert")
         assert len(arr.addressable_shards) == 8
         for shard in arr.addressable_shards:
             assert shard.data.shape == (rows_per_shard,) + v.shape[1:], k

