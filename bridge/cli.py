@@ -155,6 +155,30 @@ def _env_tasks(args) -> int:
     return 0
 
 
+def _env_probe(args) -> int:
+    """Runs a trainer's environment checks as the bridge would (`bridge.envs.probe.probe`): reads the
+    environments file and a JSON list of items, prints {"results": [...]} as one JSON line."""
+    prog = "jaxrl env probe"
+    try:
+        envs = json.loads(Path(args.envs).read_text())
+        items = json.loads(Path(args.items).read_text())
+    except (OSError, ValueError) as e:
+        print(f"{prog}: error: cannot read {getattr(e, 'filename', None) or 'the items'}: {e}", file=sys.stderr)
+        return 2
+    tokenizer = None
+    if any(item.get("prompt") for item in items):
+        if args.model is None:
+            print(f"{prog}: error: rendering a first prompt needs --model (its tokenizer)", file=sys.stderr)
+            return 2
+        from jaxrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    from bridge.envs.probe import probe
+
+    print(json.dumps({"results": probe(envs, items, tokenizer)}), flush=True)
+    return 0
+
+
 def _add_serve_arguments(br: argparse.ArgumentParser) -> None:
     given = {"default": argparse.SUPPRESS}  # see _ENGINE_FLAGS
     source = br.add_mutually_exclusive_group(required=True)
@@ -224,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     et = env_sub.add_parser("tasks", help="list an OpenEnv server's task splits and their sizes (for data.splits)")
     et.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     et.set_defaults(func=_env_tasks)
+    ep = env_sub.add_parser("probe", help="reset environments on tasks, or render their first prompts, as the bridge "
+                                          "would (what `jaxrl train` checks before it starts)")
+    ep.add_argument("--envs", required=True, help="the environments file, as a trainer writes its bridges'")
+    ep.add_argument("--items", required=True,
+                    help='JSON file: [{"env": NAME, "task": {...}, "what": "first training task", "prompt": false}]')
+    ep.add_argument("--model", help="Hugging Face model directory whose tokenizer renders prompts")
+    ep.set_defaults(func=_env_probe)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -55,11 +55,11 @@ class LearnerConfig:
         "run a group's prompt through the model once for its group_size samples when they share it (a batch whose "
         "groups' prompts differ runs one per sample, compiled apart; packed, laid out once before its completions "
         "where that is the cheaper layout)", default=True)
-    prompt_widths: int = option(
+    prompt_widths: int | None = option(
         "how many prompt widths padded batches take: 1, all rollout.max_prompt_tokens wide (one program); N, its "
         "N fractions rounded up to 128, each step the narrowest that holds its prompts, all compiled at the first "
-        "step (a train step's compile each): pays over a long run whose prompts fall well short of the widest",
-        default=1)
+        "step, beside the first rollout (a train step's compile each): pays over a run whose prompts fall short of "
+        "the widest; null: one per 128 tokens of rollout.max_prompt_tokens, at most 4", default=None)
     loss: LossConfig = option("policy loss", default=LossConfig())
     advantages: AdvantageConfig = option("how rewards become advantages", default=AdvantageConfig())
     optimizer: OptimizerConfig = option("AdamW and its learning-rate schedule", default=OptimizerConfig())
@@ -84,6 +84,8 @@ class LearnerConfig:
     def __post_init__(self):
         for key in ("group_size", "grad_accum", "num_iterations", "logp_chunk", "prompt_widths"):
             value = getattr(self, key)
+            if key == "prompt_widths" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"learner.{key}={value!r} must be an integer >= 1")
         if self.loss.loss_type != "sft":  # demonstrations come one by one, not in groups

@@ -78,9 +78,15 @@ def test_what_does_not_fit_is_an_error_never_cut_model_tokens():
 
 def test_a_steps_prompt_width_is_the_narrowest_of_the_runs_that_holds_its_prompts():
     base = {"run_dir": "r", "model": {"dir": "m"}, "envs": [{"name": "echo", "bundled": "echo"}]}
-    assert learner_widths(from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}})) == (512,)
-    cfg = from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}, "learner": {"prompt_widths": 4}})
+    one = {**base, "rollout": {"max_prompt_tokens": 512}, "learner": {"prompt_widths": 1}}
+    assert learner_widths(from_dict(TrainConfig, one)) == (512,)
+    cfg = from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}})  # by default: one per 128 tokens
     assert learner_widths(cfg) == (128, 256, 384, 512)
+    assert learner_widths(from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 64}})) == (64,)
+    assert learner_widths(from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 1792}})) == (512, 896,
+                                                                                                         1408, 1792)
+    with pytest.raises(ValueError, match="rollout.max_prompt_tokens is null: a run sizes it"):
+        learner_widths(from_dict(TrainConfig, base))
     assert [prompt_width([traj([1] * n, [1], [1]) for n in (3, k)], cfg) for k in (100, 129, 384, 385, 512, 600)] == \
         [128, 256, 384, 512, 512, 600]  # longer than the widest: widened to it
     packed = from_dict(TrainConfig, {**base, "rollout": {"max_prompt_tokens": 512}, "learner": {"pack_tokens": 1024, "prompt_widths": 4}})

@@ -17,11 +17,11 @@ def test_tiny_multiturn_benchmark_prints_its_figures():
         assert f["turns"] == figures["turns"], side
         assert f["wall_s"] > 0 and f["tok_s"] > 0 and f["turn_latency_median_ms"] > 0, side
     for side in ("jax", "jax_batch_sync"):
-        assert figures[side]["batches"] >= 1 and figures[side]["rows"] == figures["turns"]
+        assert figures[side]["decode_calls"] >= 1 and figures[side]["rows"] == figures["turns"]
         assert figures[side]["compiles"] == 0  # the warm-up compiled every batch size
         assert 0 < figures[side]["prompt_tokens_from_prefix_cache"] < 1  # later turns reuse earlier ones
     # A call of the batch-synchronous engine runs until its rows end: fewer, longer calls.
-    assert figures["jax_batch_sync"]["batches"] < figures["jax"]["batches"]
+    assert figures["jax_batch_sync"]["decode_calls"] < figures["jax"]["decode_calls"]
     assert figures["hf_turn_sync"]["generate_calls"] >= 2  # every episode has at least two turns
 
 
@@ -32,4 +32,4 @@ def test_tiny_long_tail_mix_of_groups_runs():
     assert figures["mix"] == "long-tail" and figures["jax"]["tokens"] == figures["generated_tokens"]
     floor = figures["floor"]  # a group's prompt is read once for the group
     assert floor["group"] == 2 and 0 < floor["shared"] < floor["context"]
-    assert 0 <= figures["jax"]["shared_batches"] <= figures["jax"]["batches"]
+    assert 0 <= figures["jax"]["shared_decode_calls"] <= figures["jax"]["decode_calls"]

@@ -55,6 +55,18 @@ def test_eval_a_model_directory_against_a_bundled_environment(tmp_path):
     assert no_env.returncode == 2 and "a model directory needs --env" in no_env.stderr
 
 
+def test_eval_of_a_run_that_published_no_weights_says_so_instead_of_evaluating_its_base_model(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"run_dir": str(run), "model": {"dir": "/models/base"},
+                                                     "envs": [{"name": "echo", "bundled": "echo"}]}))
+    proc = jaxrl("eval", run)
+    assert proc.returncode == 2
+    assert error_line(proc.stderr, "jaxrl eval") == (
+        f"jaxrl eval: error: {run} has no snapshot (the run stopped before it published weights), so it has nothing trained to "
+        "evaluate; evaluate the model it started from with `jaxrl eval /models/base --env ...`")
+
+
 def test_env_prompt_prints_a_tasks_first_prompt_as_the_engine_gets_it(tmp_path):
     """A TRL-style class built with env_kwargs, on the rows of a dataset: the row's prompt with reset's text
     appended, its tool listed by the chat template; then the default config's bundled echo, over a limit."""
@@ -71,8 +83,11 @@ def test_env_prompt_prints_a_tasks_first_prompt_as_the_engine_gets_it(tmp_path):
     *prompt, last = proc.stdout.rstrip("\n").split("\n")
     text = "\n".join(prompt)
     assert "<tools>" in text and '"name": "say"' in text  # the class's tool, as the template lists it
-    task = json.loads(last.removeprefix("--- environment 'target', task 1 ").rsplit(": ", 1)[0])
-    assert task["prompt"] == "Play." and last.endswith("tokens, within rollout.max_prompt_tokens (512)")
+    head, fits = last.removeprefix("--- environment 'target', task 1 ").split("}: ", 1)
+    task, tokens = json.loads(head + "}"), int(fits.split(" tokens")[0])
+    assert task["prompt"] == "Play." and last.endswith(
+        f"{tokens} tokens, rollout.max_prompt_tokens is null: a run sized by this prompt sets it to "
+        f"{-(-(tokens * 5 // 4) // 64) * 64}")
     # The row the run's second group plays (rows are shuffled per epoch), its reset built with the env_kwargs.
     assert text.endswith(f"<|im_start|>user\nPlay.Say {task['target']}. (red, size 5)<|im_end|>\n"
                          "<|im_start|>assistant\n")
@@ -81,6 +96,12 @@ def test_env_prompt_prints_a_tasks_first_prompt_as_the_engine_gets_it(tmp_path):
                  "rollout.max_prompt_tokens=8")
     assert echo.returncode == 0, echo.stderr
     assert echo.stdout.startswith("<|im_start|>user\nRepeat exactly: ")
-    assert "tokens, over rollout.max_prompt_tokens (8): " in echo.stdout.splitlines()[-1]
+    assert "tokens, over rollout.max_prompt_tokens (8): a step with such a prompt widens the learner's batch" in (
+        echo.stdout.splitlines()[-1])  # the engine holds 8 + max_total_tokens 32 = 40: the prompt still fits
+    held = jaxrl("env", "prompt", "configs/tiny_cpu.yaml", "--set", f"model.dir={tmp_path / 'echo-model'}", "--set",
+                 "rollout.max_prompt_tokens=1", "--set", "rollout.max_tokens=2", "--set", "rollout.max_total_tokens=2")
+    assert ("over rollout.max_prompt_tokens (1): the bridge a run starts holds 3 tokens per sequence (max_prompt_tokens "
+            "+ max_total_tokens), so such an episode fails; raise rollout.max_prompt_tokens to at least") in (
+        held.stdout.splitlines()[-1])
     bad = jaxrl("env", "prompt", config, "--task", -1)
     assert bad.returncode == 2 and "--task -1" in error_line(bad.stderr, "jaxrl env prompt")

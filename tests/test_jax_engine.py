@@ -82,8 +82,8 @@ def test_concurrent_requests_share_device_calls_and_keep_their_own_stops(model_d
         )
 
     stopped, unstopped = run(both())
-    assert engine.stats["batches"] == 2  # the free run, then both requests in one call
-    assert engine.stats["inserts"] == 2  # each prefilled its rows once
+    assert engine.stats["decode_calls"] == 2  # the free run, then both requests in one call
+    assert engine.stats["insert_calls"] == 2  # each prefilled its rows once
     assert 0 < engine.stats["insert_s"] < engine.stats["device_s"] < engine.stats["busy_s"]
     assert stopped[0][0].token_ids == free.token_ids[: first + 1]
     assert stopped[0][0].finish_reason == "stop"
@@ -235,7 +235,7 @@ def test_a_groups_rows_read_their_shared_prompt_once_and_sample_what_they_sample
     turns = [prompt + c.token_ids + [40, 41] for c in group]  # each row's next turn
     later = SamplingParams(max_tokens=20, seed=8)
     out, out_apart = run(shared.generate(turns, later)), run(apart.generate(turns, later))
-    assert shared.stats["shared_batches"] >= 4 and apart.stats["shared_batches"] == 0  # of 7 calls: not where all fit
+    assert shared.stats["shared_decode_calls"] >= 4 and apart.stats["shared_decode_calls"] == 0  # of 7 calls: not where all fit
     model = load_pretrained(model_dir)
     for context, c, c_apart in [(prompt, a, b) for a, b in zip(group, group_apart)] + [
             (t, a, b) for t, [a], [b] in zip(turns, out, out_apart)]:
@@ -262,9 +262,9 @@ def test_a_request_joins_running_slots_and_samples_what_it_samples_alone(slot_en
         joined = await engine.generate(*target)
         return await long, joined
 
-    before, compiled = engine.stats["batches"], programs()
+    before, compiled = engine.stats["decode_calls"], programs()
     [[long]], [[joined]] = run(scenario())
-    assert engine.stats["batches"] - before == 10  # the long row's 10 calls: the others rode along
+    assert engine.stats["decode_calls"] - before == 10  # the long row's 10 calls: the others rode along
     assert programs() == compiled
     assert joined.token_ids == alone.token_ids and len(long.token_ids) == 40
     np.testing.assert_allclose(joined.logprobs, alone.logprobs, atol=1e-5)
@@ -373,7 +373,7 @@ def test_an_moe_engine_records_every_fed_tokens_route_in_prefill_decode_and_cach
     [group] = run(engine.generate([prompt], SamplingParams(n=MIN_BATCH, max_tokens=30, seed=7)))
     turns = [prompt + c.token_ids + [40, 41] for c in group]  # next turns: their prefixes come from the pool
     later = run(engine.generate(turns, SamplingParams(max_tokens=20, seed=8)))
-    assert engine.stats["shared_batches"] > 0 and engine.stats["prefix_cached_tokens"] > 0
+    assert engine.stats["shared_decode_calls"] > 0 and engine.stats["prefix_cached_tokens"] > 0
     assert programs() == before, "the routes' reads are compiled by the warm-up"
     for context, c in [(prompt, c) for c in group] + [(t, c) for t, [c] in zip(turns, later)]:
         fed = context + c.token_ids[:-1]

@@ -36,14 +36,15 @@ def test_the_run_asks_its_bridges_for_what_its_requests_need():
 
 
 def test_the_runs_bridges_are_launched_with_its_model_environments_engine_snapshots_and_limits():
-    cfg = from_dict(TrainConfig, {**BASE, "seed": 7, "rollout": {"groups_per_step": 3}, "learner": {"group_size": 4},
+    cfg = from_dict(TrainConfig, {**BASE, "seed": 7, "rollout": {"groups_per_step": 3, "max_prompt_tokens": 256},
+                                  "learner": {"group_size": 4},
                                   "bridge": {"engine_kwargs": {"prefill_chunk": 128}}})
     launch = bridge_launch(cfg, Path("model"), Path("logs/bridge_envs.json"), Path("run/snapshots"))
     server = ServerSpec(snapshot_roots=["run/snapshots"], limits=Limits(**bridge_limits(cfg)))
     assert launch == BridgeLaunch("model", max_batch=16, seed=7, engine_kwargs=engine_kwargs(cfg),
                                   envs="logs/bridge_envs.json", server=server)
     assert bridge_launch(cfg, Path("model"), Path("envs.json"), None).server.snapshot_roots == ()
-    pinned = from_dict(TrainConfig, {**BASE, "bridge": {"cpus": [0]}})
+    pinned = from_dict(TrainConfig, {**BASE, "rollout": {"max_prompt_tokens": 256}, "bridge": {"cpus": [0]}})
     assert bridge_launch(pinned, Path("model"), Path("envs.json"), None).cpus == (0,)
 
 

@@ -77,13 +77,12 @@ def test_reset_fields_are_what_the_resets_signature_takes(spec, fields):
     assert reset_fields(spec) == fields
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"harness": "http://127.0.0.1:9", "harness_port": 9}, "'agent' is a harness environment: its harness builds"),
-    ({"rollout_fn": "test_rollout_fn:answer_then_revise"}, "'agent' is a rollout_fn environment: its function"),
-])
-def test_an_environment_that_renders_its_own_prompts_has_no_first_prompt_to_show(entry, message):
-    from bridge.envs.spec import first_prompt_ids
-    from jaxrl.tiny_tokenizer import build_tokenizer
+def test_the_contract_imports_no_environment_runtime():
+    """The trainer's view of the bridge: importing it runs no environment code (bridge.envs.probe does that,
+    in a process of the bridge's own)."""
+    import subprocess
+    import sys
 
-    with pytest.raises(EnvConfigError, match=message):
-        first_prompt_ids({"envs": [{"name": "agent", **entry}]}, build_tokenizer(), "agent", {"seed": 0})
+    loaded = subprocess.run([sys.executable, "-c", "import sys, bridge.envs.spec; print(sorted(sys.modules))"],
+                            capture_output=True, text=True, check=True).stdout
+    assert "bridge.envs.runtime" not in loaded and "bridge.envs.probe" not in loaded

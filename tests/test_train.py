@@ -149,6 +149,20 @@ def test_the_default_config_trains_and_its_console_says_only_jaxrls_things(tmp_p
     assert lines and [line for line in lines if not line.startswith("jaxrl") and not bar.match(line)] == []
 
 
+def test_an_environment_with_a_long_first_prompt_trains_with_the_prompt_budget_sized_from_it(model_dir, tmp_path):
+    """No rollout.max_prompt_tokens: the run sizes it from the environment's first prompt, longer than the 64
+    of configs/tiny_cpu.yaml's echo (OpenEnv's catalogue environments' first prompts take 179-1,352 tokens)."""
+    config = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "run", steps=1, eval={"episodes": 0},
+                          envs=[{"name": "brief", "env_class": "tests.workers.trl_env:LongBrief"}],
+                          rollout={"groups_per_step": 2, "max_tokens": 8, "max_total_tokens": 16})
+    proc = jaxrl("train", config)
+    assert summary_of(proc)["steps"] == 1
+    [said] = [line for line in proc.stderr.splitlines() if "rollout.max_prompt_tokens sized to" in line]
+    budget, tokens = map(int, re.fullmatch(r"jaxrl: rollout.max_prompt_tokens sized to (\d+): environment 'brief''s "
+                                           r"first prompt has (\d+) tokens \(set the key to fix it\)", said).groups())
+    assert tokens > 128 and budget >= tokens and budget % 64 == 0
+
+
 @pytest.mark.timeout(600)
 def test_the_moe_config_trains_with_routing_replay_and_exports_what_transformers_loads(tmp_path):
     """configs/tiny_moe_cpu.yaml shortened: the engine records routes, the learner replays them (the same

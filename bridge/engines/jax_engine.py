@@ -94,8 +94,8 @@ class JaxEngine:
         self._running: list[_Request] = []
         # busy_s: the ticks' time, device_s: its part in device calls (the rest is host bookkeeping),
         # insert_s: the inserts' part of that (the rest is decoding).
-        # shared_batches: decode calls that read each group's shared prompt once.
-        self.stats = {"batches": 0, "shared_batches": 0, "inserts": 0, "rows": 0, "tokens": 0, "busy_s": 0.0,
+        # shared_decode_calls: decode calls that read each group's shared prompt once (the scheduler's counters).
+        self.stats = {"decode_calls": 0, "shared_decode_calls": 0, "insert_calls": 0, "rows": 0, "tokens": 0, "busy_s": 0.0,
                       "device_s": 0.0, "insert_s": 0.0, "compiles": compiles()}
         if warm_up:
             self.warm_up()
@@ -179,10 +179,8 @@ class JaxEngine:
         start = time.perf_counter()
         self.slots.step(self.graphdef, params, version)
         self.stats["busy_s"] += time.perf_counter() - start
-        self.stats.update(batches=self.slots.stats["decode_calls"], shared_batches=self.slots.stats["shared_decode_calls"],
-                          inserts=self.slots.stats["insert_calls"],
-                          rows=self.slots.stats["rows"], tokens=self.slots.stats["tokens"],
-                          device_s=self.slots.device_s, insert_s=self.slots.insert_s, compiles=compiles())
+        self.stats.update(self.slots.stats, device_s=self.slots.device_s, insert_s=self.slots.insert_s,
+                          compiles=compiles())
         self.stats.update({f"prefix_{k}": v for k, v in self.prefix.stats.items()})
 
     def _completions(self, req: _Request) -> list[list[Completion]]:

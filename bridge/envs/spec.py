@@ -7,7 +7,6 @@ bridge the rest as plain dicts (`EnvSpec.from_dict`), so the bridge needs no con
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import importlib
@@ -16,7 +15,6 @@ import math
 import numbers
 import string
 import urllib.parse
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -418,49 +416,6 @@ def env_factory(spec: EnvSpec, cls: type) -> Callable[[], Any]:
     except ValueError:  # a constructor whose signature cannot be read (a builtin): its call says it
         pass
     return functools.partial(cls, **spec.env_kwargs)
-
-
-def check_reset(spec: EnvSpec, task: dict[str, Any], what: str) -> None:
-    """Starts one episode of the `env_class` environment `spec` on `task` here, as the bridge would,
-    and closes it; TaskRefused naming `what` task when the environment cannot take it,
-    EnvConfigError when it cannot start at all."""
-    from bridge.envs.runtime import reset_once
-
-    try:
-        with warnings.catch_warnings():  # libraries' deprecations: the bridge's log has them, the caller's stderr not
-            warnings.simplefilter("ignore")
-            asyncio.run(reset_once(spec, task))
-    except EnvConfigError:
-        raise
-    except Exception as e:
-        raise TaskRefused(f"environment {spec.name!r} cannot take its {what} {task!r}: "
-                          f"{type(e).__name__}: {e}") from None
-
-
-def first_prompt_ids(envs: dict[str, Any], tokenizer: Any, env: str, task: dict[str, Any]) -> list[int]:
-    """The tokens an episode of `env` on `task` hands the engine first, as the bridge renders them
-    (reset's observation, the task's prompt, the system prompt, the tools, the chat template); `envs`
-    as the trainer writes its bridges' environments file. EnvConfigError for a rollout_fn or harness
-    environment (it renders its own) and for what stops a bridge's start."""
-    from bridge.envs.runtime import runtime_from_dict
-
-    async def render() -> list[int]:
-        runtime = runtime_from_dict(envs, tokenizer)
-        own = runtime.rollout_fn(env)
-        if own is not None:  # before start: a harness's endpoint port may be a running bridge's
-            raise EnvConfigError(f"environment {env!r} is a {own.mode} environment: its "
-                                 f"{'harness' if own.mode == 'harness' else 'function'} builds its own prompts")
-        try:
-            await runtime.start()
-            hook = runtime.hook(env, task)
-            try:
-                return await hook.start()
-            finally:
-                await hook.close()
-        finally:
-            await runtime.aclose()
-
-    return asyncio.run(render())
 
 
 def reset_fields(spec: EnvSpec) -> frozenset[str] | None:

@@ -53,8 +53,8 @@ untimed (torch allocates), then once timed.
 Generated tokens are asserted equal on every side (the script's total). Reported per side: wall
 seconds for all episodes, generated tokens/s, the median per-turn latency (JAX: the `generate` call
 of that turn, batching wait included; turn-synchronous: from the round's start to the end of the
-call that produced the turn; sequential: the call), and for JAX the engine's device calls (`batches`,
-`rows`, `shared_batches`: the calls that read each group's prompt once) and the XLA compiles during the
+call that produced the turn; sequential: the call), and for JAX the engine's device calls (`decode_calls`,
+`rows`, `shared_decode_calls`: the calls that read each group's prompt once) and the XLA compiles during the
 timed run (0 when the warm-up covered every shape).
 Threads: XLA's CPU client uses one intra-op thread per core it may use; torch gets as many
 (`torch.set_num_threads`, or `--torch-threads`). The sides run one after the other, never together.
@@ -171,10 +171,11 @@ def run_jax(engine: JaxEngine, script: list[Episode]) -> dict:
     produced = sum(asyncio.run(episodes()))
     wall = time.perf_counter() - start
     out = _figures(wall, produced, latencies)
-    delta = {k: engine.stats[k] - before.get(k, 0) for k in ("batches", "shared_batches", "rows", "busy_s", "device_s",
-                                                             "insert_s", "prefix_prompt_tokens", "prefix_cached_tokens")}
-    out.update(batches=delta["batches"], shared_batches=delta["shared_batches"], rows=delta["rows"],
-               rows_per_batch=delta["rows"] / delta["batches"],
+    delta = {k: engine.stats[k] - before.get(k, 0) for k in ("decode_calls", "shared_decode_calls", "rows", "busy_s",
+                                                             "device_s", "insert_s", "prefix_prompt_tokens",
+                                                             "prefix_cached_tokens")}
+    out.update(decode_calls=delta["decode_calls"], shared_decode_calls=delta["shared_decode_calls"], rows=delta["rows"],
+               rows_per_decode_call=delta["rows"] / delta["decode_calls"],
                busy_s=delta["busy_s"], device_s=delta["device_s"], insert_s=delta["insert_s"],
                compiles=compiles() - compiled,
                prompt_tokens_from_prefix_cache=delta["prefix_cached_tokens"] / delta["prefix_prompt_tokens"])
@@ -193,13 +194,13 @@ def run_ceiling(engine: JaxEngine, rows: int, prompt_tokens: int, tokens: int, v
         return await asyncio.gather(*(engine.generate([p], SamplingParams(n=1, temperature=1.0, max_tokens=m, seed=r))
                                       for r, (p, m) in enumerate(zip(prompts, budgets))))
 
-    before, compiled = engine.stats["batches"], compiles()
+    before, compiled = engine.stats["decode_calls"], compiles()
     start = time.perf_counter()
     produced = sum(len(c.token_ids) for [[c]] in asyncio.run(batch()))
     wall = time.perf_counter() - start
     assert produced == tokens, (produced, tokens)
     return {"wall_s": wall, "tok_s": tokens / wall, "tokens": tokens, "rows": rows, "prompt_tokens": prompt_tokens,
-            "batches": engine.stats["batches"] - before, "compiles": compiles() - compiled}
+            "decode_calls": engine.stats["decode_calls"] - before, "compiles": compiles() - compiled}
 
 
 # -- transformers --------------------------------------------------------------------------------
@@ -453,10 +454,10 @@ def _print(figures: dict) -> None:
             continue
         f = figures[side]
         if side == "ceiling":
-            extra = f"{f['rows']} rows of {f['prompt_tokens']} prompt tokens at once, {f['batches']} device calls"
+            extra = f"{f['rows']} rows of {f['prompt_tokens']} prompt tokens at once, {f['decode_calls']} device calls"
             latency = ""
         else:
-            extra = (f"{f['batches']} device calls ({f['rows_per_batch']:.1f} rows each, {f['shared_batches']} "
+            extra = (f"{f['decode_calls']} device calls ({f['rows_per_decode_call']:.1f} rows each, {f['shared_decode_calls']} "
                      "reading each group's prompt once), "
                      f"{f['compiles']} compiles in the timed run" if side.startswith("jax") else
                      f"{f['generate_calls']} generate calls")

@@ -22,9 +22,11 @@ The workload, the same on both sides:
   `--max-completion-length` completion tokens per episode (tool results included) and at most
   `--max-tool-calls` tool calls (TRL: `max_tool_calling_iterations`; jaxrl: `rollout.max_turns`
   = calls + 1, `rollout.max_total_tokens`), loss dapo, beta 0, the same constant learning rate,
-  one optimizer step per batch, the same task rows (seeds); jaxrl's `learner.prompt_widths` is
-  `--prompt-widths` (4: its padded batches run ~300-token prompts 384 wide, not 512; TRL pads to
-  the batch's longest), compiled at its first step: startup and wall show what that costs;
+  one optimizer step per batch, the same task rows (seeds); jaxrl with its defaults for everything
+  else, as a user gets it: `rollout.max_prompt_tokens` sized from the environment's first prompt and
+  `learner.prompt_widths` chosen from it (its padded batches run each step's prompts at the narrowest
+  of a few widths, all compiled at the first step: startup and wall show what that costs; TRL pads to
+  the batch's longest); `--max-prompt-tokens` / `--prompt-widths` set them instead;
 - TRL runs as a subprocess in `.venv-trl` (`experiments/bench/vs_trl_trl_side.py`); jaxrl as
   `jaxrl train CONFIG` (the console script next to this interpreter), sync mode, and with
   `--async` once more in async mode (`rollout.mode: async`, `learner.loss.is_level: token`).
@@ -306,9 +308,10 @@ def jaxrl_config(args, model_dir: Path, tasks: Path, run_dir: Path, mode: str, b
         "data": {"train_file": str(tasks), "seed": args.seed},
         "rollout": {"mode": mode, "groups_per_step": args.prompts, "temperature": 1.0, "top_p": 1.0,
                     "max_tokens": args.max_completion_length, "max_turns": args.max_tool_calls + 1,
-                    "max_total_tokens": args.max_completion_length, "max_prompt_tokens": args.max_prompt_tokens},
+                    "max_total_tokens": args.max_completion_length,
+                    **({} if args.max_prompt_tokens is None else {"max_prompt_tokens": args.max_prompt_tokens})},
         "learner": {"group_size": args.generations, "grad_accum": 1, "num_iterations": 1, "loss": loss,
-                    "prompt_widths": args.prompt_widths,
+                    **({} if args.prompt_widths is None else {"prompt_widths": args.prompt_widths}),
                     "optimizer": {"learning_rate": args.lr, "schedule": "constant", "warmup_steps": 0,
                                   "weight_decay": 0.0, "max_grad_norm": 1.0}},
         "eval": {"episodes": 0, "before": False},
@@ -440,10 +443,10 @@ def main(argv=None) -> dict:
     p.add_argument("--max-completion-length", type=int, default=128, help="completion tokens per episode, "
                    "tool results included")
     p.add_argument("--max-tool-calls", type=int, default=4)
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="jaxrl's rollout.max_prompt_tokens (the "
-                   "prompt takes ~300 tokens; TRL pads to the batch's longest)")
-    p.add_argument("--prompt-widths", type=int, default=4, help="jaxrl's learner.prompt_widths (prompt widths "
-                   "its padded batches take, all compiled at the first step)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="jaxrl's rollout.max_prompt_tokens (the "
+                   "prompt takes ~300 tokens); default: jaxrl's, sized from the first prompt")
+    p.add_argument("--prompt-widths", type=int, default=None, help="jaxrl's learner.prompt_widths (prompt widths "
+                   "its padded batches take, all compiled at the first step); default: jaxrl's")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=128)

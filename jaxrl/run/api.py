@@ -296,11 +296,11 @@ def open_bridge(cfg: TrainConfig, model_dir: Path, logs: Path, snapshots: Path |
     token = bridge_token(cfg)  # a fresh one for bridges of our own
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="start") as pool:
         starting = pool.submit(start_services, cfg, model_dir, logs, services, token, snapshots,
-                               use_persistent_cache(cfg.compilation_cache))
+                               use_persistent_cache(cfg.compilation_cache), tasks)
         tokenizer = load_tokenizer(model_dir)
         started = starting.result()
     client = RolloutClient(started.addresses, cfg.bridge, token, started.bridges, check=started.env_servers.check,
                            timeout_s=cfg.rollout_timeout_s, streamed_groups=cfg.streamed_groups)
-    bridge = Bridge(cfg, client, tokenizer, model_dir, snapshots, started.env_servers, tasks)
+    bridge = Bridge(started.cfg, client, tokenizer, model_dir, snapshots, started.env_servers, tasks)
     stack.callback(bridge.close)
     return bridge

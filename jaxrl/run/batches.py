@@ -106,10 +106,15 @@ def rl_batch(trajs: Sequence[TrajectoryData], cfg: TrainConfig, pad_id: int, row
 
 
 def learner_widths(cfg: TrainConfig) -> tuple[int, ...]:
-    """The prompt widths of the run's batches (`jaxrl.learner.prompt_widths`); packed, one: the model
+    """The prompt widths of the run's batches (`jaxrl.learner.prompt_widths`; `learner.prompt_widths` null: one
+    per 128 tokens of the widest, at most 4, as experiments/bench/vs_trl.py measured fastest); packed, one: the model
     runs on real tokens whatever the padded layout's width."""
     widest = cfg.rollout.max_prompt_tokens
-    return (widest,) if cfg.learner.pack_tokens is not None else prompt_widths(widest, cfg.learner.prompt_widths)
+    if widest is None:
+        raise ValueError("rollout.max_prompt_tokens is null: a run sizes it from its environments' first prompts "
+                         "when it starts them; set it for batches built without a run")
+    steps = cfg.learner.prompt_widths or min(4, max(1, widest // 128))
+    return (widest,) if cfg.learner.pack_tokens is not None else prompt_widths(widest, steps)
 
 
 def prompt_width(trajs: Sequence[TrajectoryData], cfg: TrainConfig) -> int:

@@ -211,9 +211,11 @@ def _eval_config(args, prog: str, scratch: Path):
             versions = SnapshotReader(target / "snapshots").versions() if (target / "snapshots").is_dir() else []
             if args.version is not None and args.version not in versions:
                 raise ConfigError(f"--version {args.version}: the run has snapshots {versions}")
-            if versions:
-                snapshot = (target / "snapshots", args.version if args.version is not None else versions[-1])
-            return cfg, snapshot
+            if not versions:
+                raise ConfigError(f"{target} has no snapshot (the run stopped before it published weights), so it has "
+                                  f"nothing trained to evaluate; evaluate the model it started from with `jaxrl eval "
+                                  f"{cfg.model.dir} --env ...`")
+            return cfg, (target / "snapshots", args.version if args.version is not None else versions[-1])
         if not (target / "config.json").is_file():
             raise ConfigError(f"{target}: neither a run directory (config.yaml) nor a model directory (config.json)")
         if args.env is None:
@@ -345,10 +347,11 @@ def _env_prompt(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="jaxrl env prompt: %(levelname)s: %(message)s", force=True)
     for handler in logging.getLogger().handlers:  # what the bridge says of the prompt; no library notices
         handler.addFilter(lambda record: record.name.split(".")[0] in ("jaxrl", "bridge"))
-    from bridge.envs.spec import EnvConfigError, first_prompt_ids
+    from bridge.envs.spec import EnvConfigError
     from jaxrl.models import load_tokenizer
     from jaxrl.run.api import ensure_model
-    from jaxrl.run.services import StartupError
+    from jaxrl.run.env_probe import probe
+    from jaxrl.run.services import StartupError, prompt_fit
     from jaxrl.run.supervision import EnvServers
     from jaxrl.run.tasks import TaskError, TaskSource
 
@@ -359,7 +362,8 @@ def _env_prompt(args) -> int:
     try:
         g = cfg.rollout.groups_per_step
         env, task = TaskSource(cfg).train(args.task // g, args.task % g)  # the run's N-th group's task
-        tokenizer = load_tokenizer(ensure_model(cfg))
+        model_dir = ensure_model(cfg)
+        tokenizer = load_tokenizer(model_dir)
         spec = next(s for s in cfg.envs if s.name == env)
         with EnvServers() as servers, tempfile.TemporaryDirectory() as scratch:
             if spec.bundled:
@@ -367,14 +371,14 @@ def _env_prompt(args) -> int:
                                                     log_path=Path(scratch) / "env.log").url)
             envs = {"envs": [spec.to_dict()], "tool_parser": cfg.bridge.tool_parser,
                     "chat_template_kwargs": cfg.bridge.chat_template_kwargs}
-            ids = first_prompt_ids(envs, tokenizer, env, task)
+            [result] = probe(envs, [{"env": env, "task": task, "what": f"task {args.task}", "prompt": True}], model_dir)
+        if "prompt_ids" not in result:
+            raise EnvConfigError(result.get("refused") or result["error"])
+        ids = result["prompt_ids"]
     except (TaskError, StartupError, EnvConfigError) as e:
         print(f"jaxrl env prompt: error: {e}", file=sys.stderr)
         return 2
-    limit = cfg.rollout.max_prompt_tokens
-    fits = (f"within rollout.max_prompt_tokens ({limit})" if len(ids) <= limit else
-            f"over rollout.max_prompt_tokens ({limit}): the learner's batch widens to it (a compile mid-run); raise "
-            "rollout.max_prompt_tokens, or show the model less (observation_field, observation_template)")
+    fits = prompt_fit(cfg, len(ids))
     print(tokenizer.decode(ids))
     print(f"--- environment {env!r}, task {args.task} {json.dumps(task, default=str)}: {len(ids)} tokens, {fits}")
     return 0

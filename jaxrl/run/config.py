@@ -159,11 +159,12 @@ class RolloutConfig:
     max_tokens: int = option("tokens per model turn", default=64)
     max_turns: int = option("model turns per episode", default=1)
     max_total_tokens: int = option("all turns of an episode, environment tokens included", default=256)
-    max_prompt_tokens: int = option(
+    max_prompt_tokens: int | None = option(
         "longest episode prompt (task prompt and the environment's first observation): the learner batch's prompt "
         "width (the widest of learner.prompt_widths), and a started jax engine holds max_prompt_tokens + "
-        "max_total_tokens per sequence",
-        default=512)
+        "max_total_tokens per sequence; null: sized at start from each environment's first prompt (a quarter more "
+        "than the longest, rounded up to 64 tokens; `jaxrl env prompt` shows one; 512 where every environment builds "
+        "its own prompts)", default=None)
     max_staleness: int = option(
         "async, stream: drop groups with a token more than this many versions older than the learner", default=1)
     dynamic_sampling: bool = option("DAPO: drop groups whose rewards are all equal and refill", default=False)
@@ -176,8 +177,9 @@ class RolloutConfig:
         "returned None)", default=3)
 
     def __post_init__(self):
-        if self.max_prompt_tokens < 1:
-            raise ValueError(f"rollout.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"rollout.max_prompt_tokens={self.max_prompt_tokens} must be >= 1 (null: sized from the "
+                             "environments' first prompts)")
         if self.groups_per_step < 1:
             raise ValueError(f"rollout.groups_per_step={self.groups_per_step} must be >= 1")
         if self.max_total_tokens < self.max_tokens:
@@ -362,7 +364,7 @@ class TrainConfig:
             raise ValueError(f"rollout.mode={r.mode} trains on trajectories of older weights: set "
                              "learner.loss.is_level to token or sequence (importance-sampling correction)")
         pack = self.learner.pack_tokens
-        if pack is not None and pack < r.max_prompt_tokens + r.max_total_tokens:
+        if pack is not None and r.max_prompt_tokens is not None and pack < r.max_prompt_tokens + r.max_total_tokens:
             raise ValueError(f"learner.pack_tokens={pack} is shorter than an episode may be (rollout.max_prompt_tokens "
                              f"+ max_total_tokens = {r.max_prompt_tokens + r.max_total_tokens}): raise it to at least "
                              "that")

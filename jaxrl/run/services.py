@@ -28,8 +28,10 @@ from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec, read_token_
 from jaxrl.compilation import bucket
 from jaxrl.models.lora import adapter_config
 from jaxrl.run.config import TrainConfig
+from jaxrl.run.env_probe import prompt_budget, sized
 from jaxrl.run.processes import BridgeProcesses
 from jaxrl.run.supervision import EnvServers
+from jaxrl.run.tasks import TaskSource
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -154,19 +156,25 @@ class Services:
 
     addresses: list[str]
     env_servers: EnvServers
+    cfg: TrainConfig  # rollout.max_prompt_tokens sized (`jaxrl.run.env_probe.sized`)
     bridges: BridgeProcesses | None = None
 
 
 def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: contextlib.ExitStack, token: str,
-                   snapshot_root: Path | str | None = None, bridge_env: dict[str, str] | None = None) -> Services:
+                   snapshot_root: Path | str | None = None, bridge_env: dict[str, str] | None = None,
+                   tasks=None) -> Services:
     """Starts the run's bundled environment servers and `bridge.per_host` bridges serving every
     environment (with `bridge_env` added to their environment, and each its `bridge.devices`),
     unless `bridge.addresses` names running bridges (which serve their own `--envs`). The bridges
     require `token` and load snapshots from under `snapshot_root` only (none: they serve the model).
-    Each child is stopped when `stack` closes."""
+    A null `rollout.max_prompt_tokens` is sized from the environments' first prompts (of `tasks`, the
+    run's TaskSource) before the bridges start. Each child is stopped when `stack` closes."""
     env_servers = stack.enter_context(EnvServers())
     if cfg.bridge.addresses:
-        return Services(list(cfg.bridge.addresses), env_servers)
+        if cfg.rollout.max_prompt_tokens is None:
+            raise StartupError("rollout.max_prompt_tokens: set it for the running bridges of bridge.addresses (their "
+                               "engines hold sequences of their own size; a run sizes only bridges it starts)")
+        return Services(list(cfg.bridge.addresses), env_servers, cfg)
     logs.mkdir(parents=True, exist_ok=True)
     specs = []
     for spec in cfg.envs:
@@ -175,11 +183,14 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
                                        seed=spec.seed, log_path=logs / f"env-{spec.name}.log")
             spec = spec.served_at(server.url)
         specs.append(spec.to_dict())
+    envs = {"envs": specs, "rewards": [dataclasses.asdict(r) for r in cfg.rewards],
+            "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs}
+    try:
+        cfg = sized(cfg, envs, TaskSource(cfg) if tasks is None else tasks, model_dir)
+    except (EnvConfigError, ValueError) as e:  # ValueError: a config the sized prompts make inconsistent
+        raise StartupError(str(e)) from None
     envs_file = logs / "bridge_envs.json"
-    envs_file.write_text(json.dumps({
-        "envs": specs, "rewards": [dataclasses.asdict(r) for r in cfg.rewards],
-        "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs,
-    }, indent=1))
+    envs_file.write_text(json.dumps(envs, indent=1))
     b = cfg.bridge
     bridges = stack.enter_context(BridgeProcesses())
     launch = bridge_launch(cfg, model_dir, envs_file, snapshot_root)
@@ -188,7 +199,7 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
          "log_path": logs / ("bridge.log" if i == 0 else f"bridge-{i}.log"),
          "env": {**(bridge_env or {}), **({"CUDA_VISIBLE_DEVICES": b.devices[i]} if b.devices else {})}}
         for i in range(b.per_host)])
-    return Services([bridge.address for bridge in started], env_servers, bridges)
+    return Services([bridge.address for bridge in started], env_servers, cfg, bridges)
 
 
 def bridge_launch(cfg: TrainConfig, model_dir: Path, envs_file: Path, snapshot_root: Path | str | None) -> BridgeLaunch:
@@ -210,13 +221,34 @@ def _episodes_at_once(cfg: TrainConfig) -> int:
     return min(64, bucket(groups * cfg.learner.group_size, 1))
 
 
+def prompt_fit(cfg: TrainConfig, tokens: int) -> str:
+    """What a run of `cfg` does with a first prompt of `tokens` tokens, in its keys (`jaxrl env prompt`)."""
+    limit = cfg.rollout.max_prompt_tokens
+    fix = f"raise rollout.max_prompt_tokens to at least {tokens}, or show the model less (observation_field, " \
+          "observation_template)"
+    if limit is None:
+        return f"rollout.max_prompt_tokens is null: a run sized by this prompt sets it to {prompt_budget(tokens)}"
+    if tokens <= limit:
+        return f"within rollout.max_prompt_tokens ({limit})"
+    held = None if cfg.bridge.addresses else engine_kwargs(cfg).get("max_seq_len")
+    if held is not None and tokens >= held:
+        return (f"over rollout.max_prompt_tokens ({limit}): the bridge a run starts holds {held} tokens per sequence "
+                f"(max_prompt_tokens + max_total_tokens), so such an episode fails; {fix}")
+    return (f"over rollout.max_prompt_tokens ({limit}): a step with such a prompt widens the learner's batch to it "
+            f"(a compile mid-run) and leaves its episode fewer tokens to generate; {fix}")
+
+
 def engine_kwargs(cfg: TrainConfig) -> dict:
     """The started engine's arguments: for jax, sequences as long as the rollout's and every
     program compiled before the first request (it records an MoE model's routes anyway); for vllm with
     learner.routing_replay, the routes it returns; `bridge.engine_kwargs` override."""
     r = cfg.rollout
     if cfg.bridge.engine == "jax":
-        defaults = {"max_seq_len": r.max_prompt_tokens + r.max_total_tokens, "warm_up": True}
+        defaults = {"warm_up": True}
+        if "max_seq_len" not in cfg.bridge.engine_kwargs:
+            if r.max_prompt_tokens is None:
+                raise ValueError("rollout.max_prompt_tokens is null: size it (start_services does) before the engine")
+            defaults["max_seq_len"] = r.max_prompt_tokens + r.max_total_tokens
     else:
         defaults = {"enable_return_routed_experts": True} if cfg.learner.routing_replay else {}
     return {**defaults, **cfg.bridge.engine_kwargs}

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from bridge.envs.spec import EnvConfigError, TaskRefused, check_reset, task_prompt, task_splits
+from bridge.envs.spec import EnvConfigError, task_prompt, task_splits
 from jaxrl.run.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_000  # seed-drawn held-out tasks of non-bundled environments start here
@@ -153,28 +153,40 @@ def _split_sizes(cfg: TrainConfig, env: str) -> dict[str, int]:
 
 def checked_tasks(cfg: TrainConfig) -> TaskSource:
     """The run's tasks, read before anything starts, and one reset of each `env_class` environment
-    on its first training task and first held-out one (run here, as the bridge would): a task file
-    that cannot be read, or a task an environment cannot take (a seed-drawn held-out task for a
-    reset that needs a dataset column), stops the run in one line. StartupError."""
+    on its first training task and first held-out one (by the bridge's code, as the bridge would:
+    `jaxrl.run.env_probe`): a task file that cannot be read, or a task an environment cannot take (a
+    seed-drawn held-out task for a reset that needs a dataset column), stops the run in one line.
+    StartupError."""
+    from jaxrl.run.env_probe import probe
     from jaxrl.run.services import StartupError
 
     try:
         tasks = TaskSource(cfg)
     except TaskError as e:
         raise StartupError(str(e)) from None
-    for spec in cfg.envs:
-        if not spec.env_class:  # bundled and served ones take seed tasks; a rollout_fn has no reset
-            continue
+    # Bundled and served environments take seed tasks; a rollout_fn has no reset.
+    specs = [spec for spec in cfg.envs if spec.env_class]
+    items, fixes = [], []
+    for spec in specs:
         held_out = tasks.held_out(spec.name, 1) if cfg.eval.episodes else []
         for what, task, fix in (
                 ("first training task", tasks.first_train(spec.name), "fix data.train_file"),
                 ("held-out task", held_out[0][1] if held_out else None,
                  "give data.eval_file rows it can take, or set eval.episodes: 0")):
-            try:
-                if task is not None:
-                    check_reset(spec, task, what)
-            except TaskRefused as e:
-                raise StartupError(f"{e}; {fix}") from None
-            except EnvConfigError as e:  # the environment itself, whatever the task: the message says what to set
-                raise StartupError(str(e)) from None
+            if task is not None:
+                items.append({"env": spec.name, "task": task, "what": what})
+                fixes.append(fix)
+    if not items:
+        return tasks
+    envs = {"envs": [spec.to_dict() for spec in specs], "tool_parser": cfg.bridge.tool_parser,
+            "chat_template_kwargs": cfg.bridge.chat_template_kwargs}
+    try:
+        results = probe(envs, items)
+    except EnvConfigError as e:
+        raise StartupError(str(e)) from None
+    for result, fix in zip(results, fixes):
+        if "refused" in result:
+            raise StartupError(f"{result['refused']}; {fix}")
+        if "error" in result:  # the environment itself, whatever the task: the message says what to set
+            raise StartupError(result["error"])
     return tasks

@@ -173,7 +173,9 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
         stack.callback(ckpt.close)
         snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
         # Start: environment servers and bridges, the base model's evaluation, the learner.
-        job = _Job(cfg, run, ckpt, open_bridge(cfg, served, logs, snapshots, stack, tasks), share, out, policy)
+        bridge = open_bridge(cfg, served, logs, snapshots, stack, tasks)
+        cfg = bridge.cfg  # rollout.max_prompt_tokens sized from the environments' first prompts if it was null
+        job = _Job(cfg, run, ckpt, bridge, share, out, policy)
         if job.primary:
             job.bridge.tokenizer.save_pretrained(run.tokenizer)
         startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
@@ -441,10 +443,8 @@ class _Counters:
     decode calls (those that read each group's shared prompt once: `engine/shared_decode_calls`) and
     insert calls, and the tokens they sampled."""
 
-    ENGINE = {"engine.busy_s": "engine/busy_s", "engine.device_s": "engine/device_s",
-              "engine.insert_s": "engine/insert_s", "engine.batches": "engine/decode_calls",
-              "engine.shared_batches": "engine/shared_decode_calls",
-              "engine.inserts": "engine/insert_calls", "engine.tokens": "engine/tokens"}
+    ENGINE = {f"engine.{k}": f"engine/{k}" for k in ("busy_s", "device_s", "insert_s", "decode_calls",
+                                                     "shared_decode_calls", "insert_calls", "tokens")}
 
     def __init__(self, client: RolloutClient):
         self.client = client

@@ -36,3 +36,19 @@ class SizedTarget(Target):
 
     def reset(self, target: str, **kwargs) -> str:
         return f"{super().reset(target)} ({self.colour}, size {self.size})"
+
+
+class LongBrief:
+    """A TRL-style environment class whose reset briefs the model at length (~300 tokens of the tiny
+    tokenizer), as OpenEnv's catalogue environments' first observations run long."""
+
+    def reset(self, seed: int = 0, **task) -> str:
+        self.seed = seed
+        return "Read the brief. " + " ".join(f"Clause {i} holds for task {seed}." for i in range(12))
+
+    def answer(self) -> str:
+        """Answers the brief."""
+        return "noted"
+
+    def reward(self) -> float:
+        return float(self.seed % 2)
