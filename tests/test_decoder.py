@@ -8,7 +8,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxrl.models import Decoder, KVCache, load_pretrained, positions_from_mask
+from jaxrl.models import Decoder, KVCache, YarnScaling, load_pretrained, positions_from_mask
 from jaxrl.models.decoder import SharedPrefix, cached_attention, causal_attention, packed_attention, \
     packed_windows, prefixed_attention, shared_prefix_attention
 from jaxrl.tiny import tiny_config
@@ -21,6 +21,8 @@ VARIANTS = [
     ("qwen2", dict()),
     ("qwen3", dict()),
     ("qwen3", dict(num_layers=3, num_kv_heads=1)),
+    # Qwen3's long-context YaRN: a ramp over dimensions 0-5 at this head size, attention factor 1.14
+    ("qwen3", dict(rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64))),
     ("qwen3_moe", dict()),
     ("qwen3_moe", dict(num_layers=3, norm_topk_prob=True, mlp_only_layers=(1,), num_experts_per_tok=3)),
     ("qwen3_moe", dict(num_layers=4, decoder_sparse_step=2)),
@@ -58,8 +60,8 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
     model = load_pretrained(tmp_path)
     tokens, mask = _padded_batch(np.random.default_rng(0), [12, 7, 3], 12)
     positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
-    if family == "llama":
-        # Far positions exercise every band of the Llama-3 frequency scaling.
+    if model.cfg.rope_scaling is not None:
+        # Far positions exercise every band of the frequency scaling.
         positions = positions + 5000
     ours, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
     with torch.no_grad():

@@ -109,9 +109,9 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 def test_unsupported_rope_is_a_clear_error(tmp_path):
     hf = tiny_config("qwen3").to_hf()
-    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    hf["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ModelConfigError, match="rope type 'longrope' is not supported"):
         load_pretrained(tmp_path)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import transformers
 
-from jaxrl.models import ModelConfig, ModelConfigError, RopeScaling
+from jaxrl.models import ModelConfig, ModelConfigError, RopeScaling, YarnScaling
 from jaxrl.tiny import tiny_config
 
 
@@ -24,6 +24,33 @@ def test_legacy_rope_keys_are_read():
     cfg = ModelConfig.from_hf(hf)
     assert cfg.rope_theta == 500000.0
     assert cfg.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+
+
+@pytest.mark.parametrize("scaling", [
+    YarnScaling(factor=4.0, original_max_position_embeddings=32768),  # Qwen3's long-context recipe
+    YarnScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False),  # gpt-oss
+    YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=16.0, beta_slow=2.0,
+                attention_factor=1.25, mscale=1.0, mscale_all_dim=0.5),
+])
+def test_yarn_round_trips_through_transformers_config(scaling):
+    cfg = tiny_config("qwen3", rope_scaling=scaling, max_position_embeddings=131072)
+    hf = transformers.AutoConfig.for_model(**cfg.to_hf()).to_dict()
+    assert hf["rope_parameters"]["rope_type"] == "yarn"
+    assert ModelConfig.from_hf(hf) == cfg
+
+
+def test_yarn_reads_legacy_keys_and_defaults_the_factor_as_transformers_does():
+    hf = tiny_config("qwen3").to_hf() | {"max_position_embeddings": 131072}
+    del hf["rope_parameters"]
+    hf["rope_theta"] = 1e6
+    hf["rope_scaling"] = {"type": "yarn", "factor": None, "original_max_position_embeddings": 32768,
+                          "beta_fast": None}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_theta == 1e6
+    assert cfg.rope_scaling == YarnScaling(factor=4.0, original_max_position_embeddings=32768, beta_fast=32.0)
+    del hf["rope_scaling"]["original_max_position_embeddings"]
+    with pytest.raises(ModelConfigError, match="yarn rope scaling lacks 'original_max_position_embeddings'"):
+        ModelConfig.from_hf(hf)
 
 
 def test_qwen2_always_has_qkv_bias_and_llama_bias_follows_attention_bias():

@@ -4,7 +4,7 @@ keys: `jaxrl.models.families`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
@@ -17,12 +17,31 @@ class ModelConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (the only scaling the supported families use)."""
+    """Llama-3 style frequency scaling."""
 
+    rope_type: ClassVar[str] = "llama3"
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (arXiv 2309.00071) as transformers computes it (gpt-oss, Qwen3 long-context checkpoints):
+    frequencies blended between scaled and original by a ramp over the dimensions, cos and sin scaled
+    by an attention factor. The optional fields are kept as config.json has them (None: its default),
+    so that they are written back the same."""
+
+    rope_type: ClassVar[str] = "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +55,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -124,7 +143,7 @@ class ModelConfig:
         return config_to_hf(self)
 
 
-def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | YarnScaling | None]:
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_scaling") or {})
     params.update(hf.get("rope_parameters") or {})
@@ -132,16 +151,40 @@ def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | 
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise ModelConfigError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: 'default', 'llama3'"
-        )
     try:
-        return theta, RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
+        if rope_type == "llama3":
+            return theta, RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        if rope_type == "yarn":
+            original = int(params["original_max_position_embeddings"])
+            factor = params.get("factor")
+            if factor is None:  # transformers' rule (DeepSeek-V3's layout): the ratio of the two lengths
+                factor = hf["max_position_embeddings"] / original
+            return theta, YarnScaling(
+                factor=float(factor),
+                original_max_position_embeddings=original,
+                # `or`: transformers takes a 0 or null beta as its default too
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                truncate=bool(params.get("truncate", True)),
+                **{k: float(params[k]) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                   if params.get(k) is not None},
+            )
     except KeyError as missing:
-        raise ModelConfigError(f"{source}: llama3 rope scaling lacks {missing}") from None
+        raise ModelConfigError(f"{source}: {rope_type} rope scaling lacks {missing}") from None
+    raise ModelConfigError(
+        f"{source}: rope type {rope_type!r} is not supported; supported: 'default', 'llama3', 'yarn'"
+    )
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's `rope_parameters` of `cfg` (read back by `rope_from_hf` as the same)."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
+    return {"rope_type": scaling.rope_type, "rope_theta": cfg.rope_theta, **fields}

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import moe
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, YarnScaling
 
 # Logical parameter axes -> mesh axes. Hidden size is split over fsdp, head / mlp / vocab
 # dimensions over tp (Megatron-style column/row parallel layers).
@@ -141,14 +141,15 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies (head_dim / 2,), float32, with Llama-3 scaling if configured."""
+    """Inverse RoPE frequencies (head_dim / 2,), float32, with Llama-3 or YaRN scaling if configured."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (
-        np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    )
+    pos_freqs = np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    inv_freq = 1.0 / pos_freqs
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq.astype(np.float32)
+    if isinstance(scaling, YarnScaling):
+        return _yarn_inv_freq(pos_freqs, cfg.rope_theta, scaling)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -162,12 +163,54 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(pos_freqs: np.ndarray, theta: float, scaling: YarnScaling) -> np.ndarray:
+    """transformers' `_compute_yarn_parameters`, in its float32 order of operations: the dimensions that
+    turn fewer than beta_slow times over the original length are scaled by 1 / factor, those that turn
+    more than beta_fast times kept, the ones between blended along a linear ramp."""
+    dim = 2 * len(pos_freqs)
+
+    def correction_dim(rotations):
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    scaled = 1.0 / (np.float32(scaling.factor) * pos_freqs)
+    return (scaled * (1 - kept) + (1.0 / pos_freqs) * kept).astype(np.float32)
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+    """The factor on cos and sin: YaRN's attention factor (transformers' `get_mscale` rule where config.json
+    gives none), 1 otherwise."""
+    scaling = cfg.rope_scaling
+    if not isinstance(scaling, YarnScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(m=1.0):
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale()
+
+
 def rope_tables(positions_BxT, cfg: ModelConfig):
     """cos and sin of each position's RoPE angles, (B, T, 1, H) each: computed once for all layers,
     where XLA recomputed them inside every layer's fused rotation (a decode step's largest small ops)."""
     freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(rope_inv_freq(cfg))
     angles_BxTx1xH = jnp.concatenate([freqs_BxTxF] * 2, -1)[:, :, None, :]
-    return jnp.cos(angles_BxTx1xH), jnp.sin(angles_BxTx1xH)
+    scale = rope_scale(cfg)
+    if scale == 1.0:
+        return jnp.cos(angles_BxTx1xH), jnp.sin(angles_BxTx1xH)
+    return jnp.cos(angles_BxTx1xH) * np.float32(scale), jnp.sin(angles_BxTx1xH) * np.float32(scale)
 
 
 def apply_rope(x_BxTxNxH, rope):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from jaxrl.models.config import DTYPES, ModelConfig, ModelConfigError, rope_from_hf
+from jaxrl.models.config import DTYPES, ModelConfig, ModelConfigError, rope_from_hf, rope_to_hf
 from jaxrl.models.families import llama, qwen2, qwen3, qwen3_moe
 from jaxrl.models.family import Family, require
 
@@ -93,9 +92,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
         "dtype": cfg.param_dtype,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope_to_hf(cfg),
     }
-    if cfg.rope_scaling is not None:
-        hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
-                                 **dataclasses.asdict(cfg.rope_scaling)}
     return hf | family.hf_keys(cfg)
