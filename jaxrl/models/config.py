@@ -68,6 +68,11 @@ class ModelConfig:
     pad_token_id: int | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
+    # gpt-oss's attention: a learned logit per query head in each softmax (a sink taking mass, adding no
+    # value), and `sliding_layers` whose queries see only the `sliding_window` keys up to themselves.
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
     # Mixture of experts (0 experts: every layer is a dense MLP). A layer i is MoE unless it is one of
     # `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step` (Qwen-MoE's rule).
     num_experts: int = 0
@@ -85,6 +90,11 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported; supported: {sorted(FAMILIES)}"
             )
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        if self.sliding_layers and self.sliding_window < 1:
+            raise ModelConfigError(f"sliding_window={self.sliding_window} must be >= 1 with sliding layers")
+        if not set(self.sliding_layers) <= set(range(self.num_layers)):
+            raise ModelConfigError(f"sliding_layers={self.sliding_layers} must be layers of 0..{self.num_layers - 1}")
         if self.num_experts and FAMILIES[self.model_type].moe_tensors is None:
             raise ModelConfigError(f"num_experts={self.num_experts}: {self.model_type} has no mixture-of-experts "
                                    "layers; use an MoE family (qwen3_moe)")
@@ -116,6 +126,10 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def sliding(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention; None where it sees every key before it."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

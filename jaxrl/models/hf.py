@@ -64,6 +64,8 @@ def hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple, bool]]:
         if cfg.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 yield f"{pre}.self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"), False
+        if cfg.attention_sinks:
+            yield f"{pre}.self_attn.sinks", ("layers", i, "self_attn", "sinks"), False
     yield "model.norm.weight", ("norm", "weight"), False
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", ("lm_head",), True
