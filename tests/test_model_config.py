@@ -85,3 +85,14 @@ def test_missing_key_is_named():
 def test_bad_dtype_is_named():
     with pytest.raises(ModelConfigError, match=r"dtype='float8'.*allowed"):
         tiny_config("qwen3", dtype="float8")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"router_scoring": "sigmoid"}, r"router_scoring='sigmoid'; allowed: \['softmax', 'topk_softmax'\]"),
+    ({"expert_activation": "gelu"}, r"expert_activation='gelu'; allowed: \['silu_glu', 'clamped_swiglu'\]"),
+    ({"sliding_layers": (0,)}, "sliding_window=0 must be >= 1 with sliding layers"),
+    ({"sliding_layers": (2,), "sliding_window": 8}, r"sliding_layers=\(2,\) must be layers of 0..1"),
+])
+def test_bad_moe_and_attention_fields_are_named(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        tiny_config("qwen3_moe", **change)

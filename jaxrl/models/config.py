@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
+from jaxrl.models import moe
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -81,6 +83,12 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
+    router_scoring: str = "softmax"  # how the router's logits weigh the chosen experts (`moe.route`)
+    router_bias: bool = False
+    expert_bias: bool = False  # each expert's gate/up and down projections carry a bias
+    expert_activation: str = "silu_glu"  # one of `moe.ACTIVATIONS`; the clamp and gain below are clamped_swiglu's
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         from jaxrl.models.families import FAMILIES
@@ -103,6 +111,9 @@ class ModelConfig:
                                    f"{self.num_experts}]")
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ModelConfigError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1 with experts")
+        for key, allowed in (("router_scoring", moe.SCORINGS), ("expert_activation", moe.ACTIVATIONS)):
+            if getattr(self, key) not in allowed:
+                raise ModelConfigError(f"{key}={getattr(self, key)!r}; allowed: {list(allowed)}")
         for key in ("param_dtype", "dtype"):
             if getattr(self, key) not in DTYPES:
                 raise ModelConfigError(f"{key}={getattr(self, key)!r}; allowed: {sorted(DTYPES)}")

@@ -719,14 +719,23 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """A mixture of experts: a linear router picks each token's top-k experts (`jaxrl.models.moe.route`),
-    each a gated MLP; the experts' weights are stacked, gate and up fused: (E, D, 2I) and (E, I, D)."""
+    each a gated MLP; the experts' weights are stacked, gate and up fused: (E, D, 2I) and (E, I, D).
+
+    gpt-oss's fused gate/up interleaves gate and up columns (transformers' layout): it is kept so and read
+    strided by its activation (`moe.clamped_swiglu`). Snapshots, `hf_names` and `params_from_hf_tensors`
+    map a tensor to a parameter by name and at most a transpose; a de-interleaved copy would need a
+    permutation at each of those edges (snapshots, engines' reloads, export)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.router = Linear(d, e, ("embed", None), False, cfg, rngs)
+        self.router = Linear(d, e, ("embed", None), cfg.router_bias, cfg, rngs)
         self.gate_up = _param(rngs, (e, d, 2 * f), ("expert", "embed", "mlp"), cfg, "normal")
         self.down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg, "normal")
+        self.gate_up_bias = _param(rngs, (e, 2 * f), ("expert", "mlp"), cfg, "zeros") if cfg.expert_bias else None
+        self.down_bias = _param(rngs, (e, d), ("expert", "embed"), cfg, "zeros") if cfg.expert_bias else None
         self.top_k, self.norm_topk, self.dtype = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.jnp_dtype
+        self.scoring = cfg.router_scoring
+        self.activation = (cfg.expert_activation, cfg.swiglu_limit, cfg.swiglu_alpha)
 
     def __call__(self, x_BxTxD, mask_BxT, replay_BxTxK=None):
         """(output, the router's own top-k (B, T, K), its statistics over the tokens where mask_BxT holds)."""
@@ -734,10 +743,11 @@ class MoE(nnx.Module):
         x_NxD = x_BxTxD.reshape(B * T, D).astype(self.dtype)
         logits_NxE = self.router(x_NxD)
         replay = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
-        experts, weights, own = moe.route(logits_NxE, self.top_k, "softmax", self.norm_topk, replay)
+        experts, weights, own = moe.route(logits_NxE, self.top_k, self.scoring, self.norm_topk, replay)
+        biases = [None if b is None else b[...].astype(self.dtype) for b in (self.gate_up_bias, self.down_bias)]
         y_NxD = moe.experts_forward(x_NxD, experts, weights, self.gate_up[...].astype(self.dtype),
-                                    self.down[...].astype(self.dtype), moe.silu_glu,
-                                    mesh=jax.sharding.get_abstract_mesh())
+                                    self.down[...].astype(self.dtype), moe.expert_activation(*self.activation),
+                                    *biases, mesh=jax.sharding.get_abstract_mesh())
         stats = moe.router_stats(logits_NxE, own, mask_BxT.reshape(-1))
         return y_NxD.reshape(B, T, D), own.reshape(B, T, -1), stats
 
