@@ -143,7 +143,11 @@ class RMSNorm(nnx.Module):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies (head_dim / 2,), float32, with Llama-3 or YaRN scaling if configured."""
     dim = cfg.head_dim
-    pos_freqs = np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    # The power in float64, rounded to float32: transformers' (torch's vectorised float32 pow) is an ulp off
+    # the exact one more rarely than numpy's float32 pow is, and at position 5000 an ulp of one frequency
+    # moved gpt-oss's tiny logits by 1e-4.
+    exponents = (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)).astype(np.float64)
+    pos_freqs = (np.float64(cfg.rope_theta) ** exponents).astype(np.float32)
     inv_freq = 1.0 / pos_freqs
     scaling = cfg.rope_scaling
     if scaling is None:
