@@ -26,6 +26,9 @@ VARIANTS = [
     ("qwen3_moe", dict()),
     ("qwen3_moe", dict(num_layers=3, norm_topk_prob=True, mlp_only_layers=(1,), num_experts_per_tok=3)),
     ("qwen3_moe", dict(num_layers=4, decoder_sparse_step=2)),
+    ("gpt_oss", dict()),  # YaRN, sinks, layer 0 sliding over 4 keys, biased router and experts
+    # MQA; layers 1 and 2 sliding over 3 keys; a clamp the SwiGLU's inputs reach
+    ("gpt_oss", dict(num_layers=3, num_kv_heads=1, sliding_window=3, sliding_layers=(1, 2), swiglu_limit=0.5)),
 ]
 
 
@@ -78,7 +81,7 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
 
 
 @pytest.mark.parametrize("family, slots", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen3", 512),
-                                           ("qwen3_moe", 16)])
+                                           ("qwen3_moe", 16), ("gpt_oss", 16), ("gpt_oss", 512)])
 def test_cached_decoding_matches_full_forward(family, slots):
     """With 512 slots the queries attend to the smallest of key_windows (64 slots)."""
     cfg = tiny_config(family, vocab_size=VOCAB)

@@ -7,7 +7,7 @@ from jaxrl.models import ModelConfig, ModelConfigError, RopeScaling, YarnScaling
 from jaxrl.tiny import tiny_config
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_round_trip_through_transformers_config(family, tied):
     cfg = tiny_config(family, tied=tied)
@@ -96,3 +96,31 @@ def test_bad_dtype_is_named():
 def test_bad_moe_and_attention_fields_are_named(change, message):
     with pytest.raises(ModelConfigError, match=message):
         tiny_config("qwen3_moe", **change)
+
+
+def test_gpt_oss_reads_transformers_config_and_its_defaults():
+    hf = transformers.GptOssConfig().to_dict()
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (128, tuple(range(0, 36, 2)))
+    assert (cfg.rope_theta, cfg.rope_scaling) == (150000.0, YarnScaling(32.0, 4096, truncate=False))
+    assert cfg.qkv_bias and cfg.o_bias and cfg.attention_sinks and cfg.router_bias and cfg.expert_bias
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_layers) == (
+        128, 4, 2880, tuple(range(36)))
+    assert (cfg.router_scoring, cfg.expert_activation, cfg.swiglu_limit, cfg.swiglu_alpha) == (
+        "topk_softmax", "clamped_swiglu", 7.0, 1.702)
+    # A config.json without the keys whose defaults are gpt-oss's own reads as transformers reads it.
+    bare = {k: v for k, v in hf.items() if k not in ("attention_bias", "rope_parameters", "layer_types")}
+    assert ModelConfig.from_hf(bare) == cfg
+    assert ModelConfig.from_hf(hf | {"sliding_window": None}).sliding_layers == ()
+
+
+def test_gpt_oss_configs_that_cannot_be_expressed_are_named():
+    hf = tiny_config("gpt_oss").to_hf()
+    with pytest.raises(ModelConfigError, match=r"layer_types must give one of .* for each of the 2 layers"):
+        ModelConfig.from_hf(hf | {"layer_types": ["sliding_attention"]})
+    with pytest.raises(ModelConfigError, match=r"layer_types must give one of"):
+        ModelConfig.from_hf(hf | {"layer_types": ["chunked_attention", "full_attention"]})
+    with pytest.raises(ModelConfigError, match=r"intermediate_size=128 cannot be expressed as a gpt_oss config"):
+        tiny_config("gpt_oss", intermediate_size=128).to_hf()
+    with pytest.raises(ModelConfigError, match=r"router_scoring='softmax' cannot be expressed"):
+        tiny_config("gpt_oss", router_scoring="softmax").to_hf()

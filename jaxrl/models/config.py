@@ -105,7 +105,7 @@ class ModelConfig:
             raise ModelConfigError(f"sliding_layers={self.sliding_layers} must be layers of 0..{self.num_layers - 1}")
         if self.num_experts and FAMILIES[self.model_type].moe_tensors is None:
             raise ModelConfigError(f"num_experts={self.num_experts}: {self.model_type} has no mixture-of-experts "
-                                   "layers; use an MoE family (qwen3_moe)")
+                                   "layers; use an MoE family (qwen3_moe, gpt_oss)")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                                    f"{self.num_experts}]")
