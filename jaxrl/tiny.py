@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxrl.models import Decoder, ModelConfig, RopeScaling, save_classifier, save_pretrained
-from jaxrl.models.families import FAMILIES
+from jaxrl.models import Decoder, ModelConfig, RopeScaling, YarnScaling, save_classifier, save_pretrained
+from jaxrl.models.families import FAMILIES, gpt_oss
 
 # An MoE family's tiny shape: 8 experts of width 32, 2 a token.
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -16,7 +16,8 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 def tiny_config(family: str = "qwen3", tied: bool = True, vocab_size: int = 512, **overrides) -> ModelConfig:
     """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 32: vLLM's CPU minimum); an MoE family's
-    with `TINY_MOE` experts."""
+    with `TINY_MOE` experts. gpt-oss's with its released RoPE and every other layer (from the first)
+    sliding over 4 keys, so that a few tokens reach past the window."""
     fields = dict(
         model_type=family,
         vocab_size=vocab_size,
@@ -39,7 +40,13 @@ def tiny_config(family: str = "qwen3", tied: bool = True, vocab_size: int = 512,
         fields["rope_scaling"] = RopeScaling(
             factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
         )
+    if family == "gpt_oss":
+        fields.update(gpt_oss.BLOCK, intermediate_size=TINY_MOE["moe_intermediate_size"], qkv_bias=True, o_bias=True,
+                      rope_theta=150000.0, sliding_window=4,
+                      rope_scaling=YarnScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False))
     fields.update(overrides)
+    if family == "gpt_oss" and "sliding_layers" not in overrides:
+        fields["sliding_layers"] = tuple(range(0, fields["num_layers"], 2))
     return ModelConfig(**fields)
 
 

@@ -19,6 +19,9 @@ CFG = tiny_config("qwen3")
 MOE_CFG = tiny_config("qwen3_moe")
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
               "norm_topk_prob")
+OSS_CFG = tiny_config("gpt_oss")
+OSS_FIELDS = ("attention_sinks", "sliding_window", "sliding_layers", "router_scoring", "router_bias", "expert_bias",
+              "expert_activation", "swiglu_limit", "swiglu_alpha")
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
 
 
@@ -43,7 +46,8 @@ def refusal(snapshot: Snapshot, served=CFG, lora=None) -> str:
 @pytest.mark.parametrize("family, changes", [
     ("qwen3", {}), ("qwen2", {}), ("llama", {"tied": False, "qkv_bias": True, "o_bias": True, "mlp_bias": True}),
     ("qwen3_moe", {"mlp_only_layers": (0,)}),
-], ids=["qwen3-qk-norm", "qwen2-qkv-bias", "llama-untied-biases", "qwen3-moe"])
+    ("gpt_oss", {"tied": False}),
+], ids=["qwen3-qk-norm", "qwen2-qkv-bias", "llama-untied-biases", "qwen3-moe", "gpt-oss"])
 def test_each_familys_published_weights_are_admitted(family, changes, tmp_path):
     cfg = tiny_config(family, **changes)
     params = nnx.state(Decoder(cfg, nnx.Rngs(0)), nnx.Param)
@@ -70,13 +74,14 @@ def _changed(base, field: str):
     value = getattr(base, field)
     if isinstance(value, bool):
         return not value
-    return {"model_type": "llama", "num_kv_heads": 1, "num_experts_per_tok": 1, "mlp_only_layers": (1,)}.get(
-        field, value * 2 if isinstance(value, int) else value)
+    return {"model_type": "llama", "num_kv_heads": 1, "num_experts_per_tok": 1, "mlp_only_layers": (1,),
+            "sliding_layers": (1,), "router_scoring": "softmax", "expert_activation": "silu_glu"}.get(
+        field, value * 2 if isinstance(value, (int, float)) else value)
 
 
 @pytest.mark.parametrize("field", ARCHITECTURE_FIELDS)
 def test_another_architecture_is_refused(field):
-    base = MOE_CFG if field in MOE_FIELDS else CFG
+    base = MOE_CFG if field in MOE_FIELDS else OSS_CFG if field in OSS_FIELDS else CFG
     served = dataclasses.replace(base, **{field: _changed(base, field)})
     message = refusal(whole(base), served)
     assert f"{field} {getattr(base, field)} (serving {getattr(served, field)})" in message

@@ -8,7 +8,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxrl.models import Decoder, KVCache, load_pretrained, positions_from_mask
+from jaxrl.models import Decoder, KVCache, YarnScaling, load_pretrained, positions_from_mask
 from jaxrl.models.decoder import SharedPrefix, cached_attention, causal_attention, packed_attention, \
     packed_windows, prefixed_attention, shared_prefix_attention
 from jaxrl.tiny import tiny_config
@@ -21,9 +21,14 @@ VARIANTS = [
     ("qwen2", dict()),
     ("qwen3", dict()),
     ("qwen3", dict(num_layers=3, num_kv_heads=1)),
+    # Qwen3's long-context YaRN: a ramp over dimensions 0-5 at this head size, attention factor 1.14
+    ("qwen3", dict(rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64))),
     ("qwen3_moe", dict()),
     ("qwen3_moe", dict(num_layers=3, norm_topk_prob=True, mlp_only_layers=(1,), num_experts_per_tok=3)),
     ("qwen3_moe", dict(num_layers=4, decoder_sparse_step=2)),
+    ("gpt_oss", dict()),  # YaRN, sinks, layer 0 sliding over 4 keys, biased router and experts
+    # MQA; layers 1 and 2 sliding over 3 keys; a clamp the SwiGLU's inputs reach
+    ("gpt_oss", dict(num_layers=3, num_kv_heads=1, sliding_window=3, sliding_layers=(1, 2), swiglu_limit=0.5)),
 ]
 
 
@@ -58,8 +63,8 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
     model = load_pretrained(tmp_path)
     tokens, mask = _padded_batch(np.random.default_rng(0), [12, 7, 3], 12)
     positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
-    if family == "llama":
-        # Far positions exercise every band of the Llama-3 frequency scaling.
+    if model.cfg.rope_scaling is not None:
+        # Far positions exercise every band of the frequency scaling.
         positions = positions + 5000
     ours, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
     with torch.no_grad():
@@ -76,7 +81,7 @@ def test_logits_match_transformers(tmp_path, family, overrides, tied):
 
 
 @pytest.mark.parametrize("family, slots", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen3", 512),
-                                           ("qwen3_moe", 16)])
+                                           ("qwen3_moe", 16), ("gpt_oss", 16), ("gpt_oss", 512)])
 def test_cached_decoding_matches_full_forward(family, slots):
     """With 512 slots the queries attend to the smallest of key_windows (64 slots)."""
     cfg = tiny_config(family, vocab_size=VOCAB)
@@ -250,6 +255,163 @@ def test_shared_prefix_attention_is_cached_attention_over_each_rows_prefix_then_
     alone = SharedPrefix((k_p,), (v_p,), length, members, np.full(B, 3, np.int32), np.zeros(B, np.int32))
     nothing = shared_prefix_attention(q, k, v, np.zeros_like(visible), k_p, v_p, alone)
     assert np.all(np.asarray(nothing) == 0)
+
+
+def _plain_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, visible_BxTxS, sinks_N=None):
+    """One masked softmax over every key, the sinks a last column dropped after it, as transformers'
+    gpt-oss eager attention computes it: the reference of every attention path with sinks and windows."""
+    N, K, H = q_BxTxNxH.shape[2], k_BxSxKxH.shape[2], q_BxTxNxH.shape[3]
+    k, v = (jnp.repeat(x, N // K, axis=2) for x in (k_BxSxKxH, v_BxSxKxH))
+    scores = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k) / np.sqrt(H)
+    scores = jnp.where(visible_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
+    if sinks_N is not None:
+        sinks = jnp.broadcast_to(sinks_N[None, :, None, None], (*scores.shape[:3], 1))
+        scores = jnp.concatenate([scores, sinks], -1)
+    probs = jax.nn.softmax(scores, -1)[..., :k.shape[1]]
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _grads(f, weights, args):
+    """Gradients of sum(f(*args) * weights) with respect to every argument."""
+    return jax.grad(lambda *a: jnp.sum(f(*a) * weights), argnums=range(len(args)))(*args)
+
+
+SINKS_AND_WINDOWS = [(True, None), (False, 17), (True, 17), (True, 90)]
+SINKS_AND_WINDOWS_IDS = ["sinks", "window-17", "sinks-window-17", "sinks-window-90"]
+
+
+@pytest.mark.parametrize("with_sinks, sliding", SINKS_AND_WINDOWS, ids=SINKS_AND_WINDOWS_IDS)
+def test_causal_attention_with_sinks_and_a_sliding_window_is_plain_attention(with_sinks, sliding):
+    """Values and gradients (the sinks' too, through the written-out backward): keys before the queries,
+    left padding, three query blocks whose first keys lie beyond a window of 17 (and not of 90)."""
+    B, T, S, N, K, H = 3, 130, 140, 4, 2, 8
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, H), np.float32)) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(N, np.float32) + 1) if with_sinks else None
+    mask = jnp.asarray(np.arange(S)[None] >= np.array([[0], [5], [100]]))
+    weights = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32)) * mask[:, S - T:, None, None]
+    query_Tx1, key_1xS = S - T + np.arange(T)[:, None], np.arange(S)[None]
+    visible = (key_1xS <= query_Tx1) & (key_1xS > query_Tx1 - (sliding or S))
+    visible = jnp.asarray(visible[None] & np.asarray(mask)[:, None])
+
+    args = (q, k, v) + ((sinks,) if with_sinks else ())
+    want = _grads(lambda q, k, v, *s: _plain_attention(q, k, v, visible, *s), weights, args)
+    got = _grads(lambda q, k, v, *s: causal_attention(q, k, v, mask, *s, sliding=sliding), weights, args)
+    real = np.asarray(mask)[:, S - T:]
+    np.testing.assert_allclose(np.asarray(causal_attention(q, k, v, mask, sinks, sliding))[real],
+                               np.asarray(_plain_attention(q, k, v, visible, sinks))[real], atol=1e-5)
+    assert all(float(jnp.abs(w).max()) > 1e-2 for w in want)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_sinks, sliding", SINKS_AND_WINDOWS, ids=SINKS_AND_WINDOWS_IDS)
+def test_prefixed_attention_with_sinks_and_a_sliding_window_is_plain_attention(with_sinks, sliding):
+    """A row is its left-padded prefix and then its right-padded tokens, one sequence: the window
+    reaches back into the prefix from the row's first tokens only."""
+    G, n, P, T, N, K, H = 2, 3, 7, 130, 4, 2, 8
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal((G * n, T, *s), np.float32)) for s in ((N, H), (K, H), (K, H)))
+    k_p, v_p = (jnp.asarray(rng.standard_normal((G, P, K, H), np.float32)) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(N, np.float32) + 1) if with_sinks else None
+    mask_p = jnp.asarray(np.arange(P)[None] >= np.array([[2], [0]]))
+    mask = jnp.asarray(np.arange(T)[None] < np.array([[130], [70], [1], [100], [129], [64]]))
+    weights = jnp.asarray(rng.standard_normal((G * n, T, N, H), np.float32)) * mask[:, :, None, None]
+    query_Tx1, key_1xS = P + np.arange(T)[:, None], np.arange(P + T)[None]
+    mask_all = np.concatenate([np.repeat(np.asarray(mask_p), n, 0), np.asarray(mask)], 1)
+    visible = (key_1xS <= query_Tx1) & (key_1xS > query_Tx1 - (sliding or P + T))
+    visible = jnp.asarray(visible[None] & mask_all[:, None])
+
+    def plain(q, k_p, v_p, k, v, *s):
+        def rows(prefix, own):
+            return jnp.concatenate([jnp.repeat(prefix, n, axis=0), own], axis=1)
+        return _plain_attention(q, rows(k_p, k), rows(v_p, v), visible, *s)
+
+    def shared(q, k_p, v_p, k, v, *s):
+        return prefixed_attention(q, k_p, v_p, mask_p, k, v, mask, *s, sliding=sliding)
+
+    args = (q, k_p, v_p, k, v) + ((sinks,) if with_sinks else ())
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(shared(*args))[real], np.asarray(plain(*args))[real], atol=1e-5)
+    want, got = _grads(plain, weights, args), _grads(shared, weights, args)
+    assert all(float(jnp.abs(w).max()) > 1e-2 for w in want)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_packed_attention_with_sinks_and_a_sliding_window_counts_positions_not_slots():
+    """Every window (128 with prefix keys, 256 as the whole row's causal blocks, 512), values and
+    gradients: completions packed after one another continue their prompt's positions, so the window
+    of 50 positions reaches a completion's prompt across its siblings' slots."""
+    B, T, N, K, H, sliding = 2, 512, 4, 2, 8, 50
+    rng = np.random.default_rng(3)
+    segments, prefix, positions = (np.zeros((B, T), np.int32) for _ in range(3))
+    for b in range(B):
+        at, s = 0, 0
+        while at + 220 <= T:
+            s, at = s + 1, -(-at // 64) * 64
+            segments[b, at:at + 40] = prefix[b, at:at + 40] = s
+            positions[b, at:at + 40] = np.arange(40)
+            pid, at = s, at + 40
+            for _ in range(3):
+                s, m = s + 1, int(rng.integers(30, 61))
+                segments[b, at:at + m], prefix[b, at:at + m], positions[b, at:at + m] = s, pid, 40 + np.arange(m)
+                at += m
+    q = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, H), np.float32)) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(N, np.float32) + 1)
+    real = segments > 0
+    weights = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32)) * real[:, :, None, None]
+    seg_q, pre_q, seg_k = segments[:, :, None], prefix[:, :, None], segments[:, None, :]
+    visible = ((np.arange(T)[None] <= np.arange(T)[:, None])[None] & ((seg_q == seg_k) | (pre_q == seg_k))
+               & (seg_q > 0) & (positions[:, :, None] - positions[:, None, :] < sliding))
+    assert (visible & (np.arange(T)[:, None] - np.arange(T)[None] >= sliding)).any(), "no key beyond the window"
+
+    args = (q, k, v, sinks)
+    want = _grads(lambda *a: _plain_attention(*a[:3], jnp.asarray(visible), a[3]), weights, args)
+    for window in range(3):
+        def packed(q, k, v, sinks, window=window):
+            return packed_attention(q, k, v, jnp.asarray(segments), jnp.asarray(prefix), window, sinks, sliding,
+                                    jnp.asarray(positions))
+
+        np.testing.assert_allclose(np.asarray(packed(*args))[real],
+                                   np.asarray(_plain_attention(q, k, v, jnp.asarray(visible), sinks))[real], atol=1e-5)
+        for w, g in zip(want, _grads(packed, weights, args)):
+            np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_cached_and_shared_prefix_attention_with_sinks_and_a_window_are_plain_attention():
+    """The decode paths: a cache row's visible slots (the caller's window) and, in groups, the prefix
+    slots each query sees, each against one softmax with the sink column."""
+    B, T, N, K, H, S, P, n = 6, 2, 4, 2, 8, 12, 10, 3
+    group, length = np.array([0, 0, 1, 2, 1, 0]), np.array([7, 3, 10, 0])
+    members, rank = np.zeros((4, n), np.int32), np.zeros(B, np.int32)
+    for u in range(3):
+        rows = np.flatnonzero(group == u)
+        members[u, :len(rows)], rank[rows] = rows, np.arange(len(rows))
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((B, T, N, H), np.float32)
+    k_p, v_p = rng.standard_normal((4, K, H, P), np.float32), rng.standard_normal((4, K, P, H), np.float32)
+    k, v = rng.standard_normal((B, K, H, S), np.float32), rng.standard_normal((B, K, S, H), np.float32)
+    sinks = rng.standard_normal(N, np.float32) + 1
+    query = np.array([3, 5, 1, 7, 9, 4])[:, None, None] + np.arange(T)[:, None]
+    visible = (np.arange(S)[None, None] <= query) & (np.arange(S)[None, None] > query - 4)
+    prefix_visible = np.arange(P) > length[group][:, None, None] + query - 4
+    got = shared_prefix_attention(q, k, v, visible, k_p, v_p, SharedPrefix((k_p,), (v_p,), length, members, group,
+                                                                           rank), sinks, prefix_visible)
+    k_all, v_all = np.zeros((B, P + S, K, H), np.float32), np.zeros((B, P + S, K, H), np.float32)
+    visible_all = np.zeros((B, T, P + S), bool)
+    for b in range(B):
+        L = length[group[b]]
+        k_all[b, :L], k_all[b, L:L + S] = k_p[group[b], ..., :L].transpose(2, 0, 1), k[b].transpose(2, 0, 1)
+        v_all[b, :L], v_all[b, L:L + S] = v_p[group[b], :, :L].transpose(1, 0, 2), v[b].transpose(1, 0, 2)
+        visible_all[b, :, :L], visible_all[b, :, L:L + S] = prefix_visible[b, :, :L], visible[b]
+    assert ((np.arange(P) < length[group][:, None, None]) & ~prefix_visible).any(), "no prefix slot beyond the window"
+    want = _plain_attention(q, k_all, v_all, visible_all, sinks)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    cache_k, cache_v = k_all.transpose(0, 2, 3, 1), v_all.transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(cached_attention(q, cache_k, cache_v, visible_all, sinks), want, atol=1e-6)
 
 
 def test_attention_windows_halve_down_to_the_smallest():

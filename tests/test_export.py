@@ -70,7 +70,7 @@ def _write_run(path, family, snapshots=True, checkpoint=True, tokenizer=True, me
     return run, cfg
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_moe", "gpt_oss"])
 def run(request, tmp_path_factory):
     return _write_run(tmp_path_factory.mktemp(request.param) / "run", request.param)
 

@@ -45,7 +45,8 @@ def _tensors(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False),
+                                         ("gpt_oss", False)])
 def test_hf_to_jaxrl_to_hf_is_bit_exact(tmp_path, family, tied, dtype):
     cfg = tiny_config(family, tied=tied, vocab_size=300)
     torch.manual_seed(0)
@@ -63,6 +64,55 @@ def test_hf_to_jaxrl_to_hf_is_bit_exact(tmp_path, family, tied, dtype):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
     for (name, a), (_, b) in zip(hf.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def _mxfp4(w_ExIxO, rng):
+    """`w` quantised as gpt-oss's released checkpoints store it: per expert (out, in) rows of groups of 32
+    values, each value a 4-bit code of E2M1 (two a byte, the even one in the low nibble) and each group a
+    power-of-two scale biased by 127. Random codes and scales, so every code and nibble order counts."""
+    E, I, O = w_ExIxO.shape
+    codes = rng.integers(0, 16, (E, O, I // 32, 32), dtype=np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = rng.integers(127 - 8, 127 + 3, (E, O, I // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_experts_load_as_transformers_dequantises_them_and_export_unquantised(tmp_path, dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    cfg = tiny_config("gpt_oss", tied=False, vocab_size=300)
+    tensors = {k: np.asarray(v) for k, v in to_hf_tensors(cfg, nnx.state(Decoder(cfg, nnx.Rngs(0)), nnx.Param)).items()}
+    rng, want = np.random.default_rng(0), {}
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales = _mxfp4(tensors.pop(name), rng)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        want[name] = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                                dtype=getattr(torch, dtype))
+    (tmp_path / "src").mkdir()
+    config = {**cfg.to_hf(), "dtype": dtype, "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    save_numpy(tensors, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+
+    model = load_pretrained(tmp_path / "src")
+    params = nnx.state(model, nnx.Param)
+    for i in range(cfg.num_layers):
+        for name, ours in ((f"model.layers.{i}.mlp.experts.gate_up_proj", params["layers"][i]["mlp"]["gate_up"]),
+                           (f"model.layers.{i}.mlp.experts.down_proj", params["layers"][i]["mlp"]["down"])):
+            assert ours[...].dtype == np.dtype(dtype) and ours[...].shape == tuple(want[name].shape), name
+            np.testing.assert_array_equal(np.asarray(ours[...], np.float32), want[name].float().numpy(), err_msg=name)
+
+    save_pretrained(model, tmp_path / "dst", hf_config=config)
+    assert "quantization_config" not in json.loads((tmp_path / "dst" / "config.json").read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=getattr(torch, dtype))
+    for name, w in want.items():
+        assert torch.equal(hf.state_dict()[name], w), name
+
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_numpy(tensors, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' has no "
+                                              r"'model.layers.1.mlp.experts.down_proj_scales'"):
+        load_pretrained(tmp_path / "src")
 
 
 def test_sharded_checkpoint_round_trip_and_transformers_load(tmp_path):
@@ -109,9 +159,9 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 def test_unsupported_rope_is_a_clear_error(tmp_path):
     hf = tiny_config("qwen3").to_hf()
-    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    hf["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ModelConfigError, match="rope type 'longrope' is not supported"):
         load_pretrained(tmp_path)
 
 

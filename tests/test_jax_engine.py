@@ -223,7 +223,17 @@ def test_slots_ending_with_nothing_to_keep_are_freed_without_a_copy(model_dir):
     assert np.asarray(slots.state.cache.length_B).tolist() == [0, 0, 0, 0]
 
 
-def test_a_groups_rows_read_their_shared_prompt_once_and_sample_what_they_sample_apart(model_dir):
+@pytest.fixture(scope="module")
+def oss_dir(tmp_path_factory):
+    """gpt-oss: sinks, and every other layer sliding over 128 keys (the released window): in the group test
+    a window that starts inside the group's shared prefix, past a row's first tokens, and in prefills."""
+    return build_tiny_model(tmp_path_factory.mktemp("oss"), "gpt_oss", sliding_window=128)
+
+
+@pytest.mark.parametrize("directory", ["model_dir", "oss_dir"])
+def test_a_groups_rows_read_their_shared_prompt_once_and_sample_what_they_sample_apart(directory, request):
+    model_dir = request.getfixturevalue(directory)
+
     def engine(prefix_block):  # found by blocks of 4 tokens, or of 256: no prompt here has a whole block
         return JaxEngine(model_dir, max_batch=MIN_BATCH, max_seq_len=256, prefill_chunk=16, decode_steps=8,
                          prefix_block=prefix_block)

@@ -1,11 +1,13 @@
 """Mixture-of-experts math against references: the grouped matmul against a dense product over every
-expert, routing and the load-balancing loss against transformers' Qwen3-MoE code."""
+expert, routing and the load-balancing loss against transformers' Qwen3-MoE code, gpt-oss's biased
+router and experts against its."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
 from jaxrl.models import moe
@@ -102,6 +104,31 @@ def test_topk_softmax_scoring_weights_the_chosen_experts_by_a_softmax_of_their_l
     np.testing.assert_allclose(weights, jax.nn.softmax(jnp.asarray([[3.0, 2.0], [4.0, 1.5]])), rtol=1e-6)
     with pytest.raises(ValueError, match="router scoring 'sigmoid'"):
         moe.route(logits, 2, "sigmoid", False)
+
+
+def test_gpt_oss_router_and_biased_clamped_experts_are_transformers():
+    """A biased router's top-k softmax, experts with biases and the clamped, interleaved SwiGLU: the
+    inputs are large enough that the clamp cuts gates and ups on both sides."""
+    rng = np.random.default_rng(3)
+    N, D, E, I, K, limit = 40, 16, 6, 12, 2, 3.0
+    config = hf_oss.GptOssConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
+                                 swiglu_limit=limit)
+    block = hf_oss.GptOssMLP(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p))
+    x = rng.normal(size=(N, D)).astype(np.float32)
+    with torch.no_grad():
+        want = block(torch.tensor(x)[None])[0][0].numpy()
+    w = {name: jnp.asarray(p.detach().numpy()) for name, p in block.named_parameters()}
+    logits = jnp.asarray(x) @ w["router.weight"].T + w["router.bias"]
+    experts, weights, _ = moe.route(logits, K, "topk_softmax", False)
+    got = moe.experts_forward(jnp.asarray(x), experts, weights, w["experts.gate_up_proj"], w["experts.down_proj"],
+                              moe.expert_activation("clamped_swiglu", limit, config.swiglu_alpha),
+                              w["experts.gate_up_proj_bias"], w["experts.down_proj_bias"])
+    h = jnp.einsum("nd,edg->eng", jnp.asarray(x), w["experts.gate_up_proj"]) + w["experts.gate_up_proj_bias"][:, None]
+    assert (h[..., ::2] > limit).any() and (h[..., 1::2] < -limit).any() and (h[..., 1::2] > limit).any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_load_balancing_loss_is_transformers_over_layers_and_real_tokens():

@@ -207,6 +207,17 @@ def test_completions_beyond_their_window_still_see_their_whole_shared_prompt():
     _assert_packed_logprobs_equal(model, batch, ref, packed)
 
 
+@pytest.mark.parametrize("pack_tokens,rows,group_size", [(1024, 1, 4), (512, 2, 1)])
+def test_gpt_oss_packed_logprobs_equal_the_padded_ones(pack_tokens, rows, group_size):
+    """Sinks, and a window of 40 keys counted in positions: a completion packed after its siblings sees
+    the end of its group's shared prompt, and its own first tokens, as in its padded row."""
+    model = Decoder(tiny_config("gpt_oss", vocab_size=VOCAB, sliding_window=40), nnx.Rngs(0))
+    batch = episodes(B=8, P=48, C=100, long_rows=range(8), shared=(0, 1))
+    ref, _ = completion_logprobs(model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"],
+                                 batch["completion_mask_BxC"])
+    _assert_packed_logprobs_equal(model, batch, ref, pack(batch, pack_tokens, rows, group_size=group_size))
+
+
 def _gradients(cfg: LearnerConfig, batch: dict, mesh) -> tuple[dict, dict]:
     """One train step with SGD at rate 1: the parameters move by minus the gradient."""
     model = Decoder(MODEL_CFG, nnx.Rngs(0))

@@ -78,6 +78,7 @@ def _orbax_manager(directory, **options):
     ("qwen2", "bfloat16", False),  # qkv biases
     ("llama", "bfloat16", True),  # rope scaling; params split over an fsdp x tp mesh
     ("qwen3_moe", "bfloat16", True),  # stacked experts, split over the mesh too
+    ("gpt_oss", "bfloat16", True),  # sinks, biased router and experts, YaRN and sliding layers in the manifest
 ])
 def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, family, dtype, sharded):
     cfg = tiny_config(family, tied=False, vocab_size=256)

@@ -209,6 +209,7 @@ def test_sft_step_is_the_demonstration_log_likelihood_gradient(grad_accum):
 
 
 MOE_CFG = tiny_config("qwen3_moe", tied=False, vocab_size=VOCAB)
+OSS_CFG = tiny_config("gpt_oss", tied=False, vocab_size=VOCAB)
 
 
 def _moe_batch(model, seed=0):
@@ -223,8 +224,9 @@ def _moe_batch(model, seed=0):
     tokens = jnp.concatenate([batch["prompt_BxP"], batch["completion_BxC"]], 1)
     mask = np.concatenate([batch["prompt_mask_BxP"], batch["completion_mask_BxC"]], 1)
     _, _, routed = model.hidden(tokens, positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask), routed=True)
-    routes = np.where(mask[..., None] > 0, np.asarray(routed.own_BxTxU), moe.no_route(MOE_CFG.num_experts))
-    routes = routes.astype(moe.route_dtype(MOE_CFG.num_experts))
+    experts = model.cfg.num_experts
+    routes = np.where(mask[..., None] > 0, np.asarray(routed.own_BxTxU), moe.no_route(experts))
+    routes = routes.astype(moe.route_dtype(experts))
     batch["prompt_routes_BxPxU"], batch["completion_routes_BxCxU"] = routes[:, :P], routes[:, P:]
     batch["sampler_logp_BxC"] = np.asarray(completion_logprobs(
         model, batch["prompt_BxP"], batch["prompt_mask_BxP"], batch["completion_BxC"], batch["completion_mask_BxC"])[0])
@@ -281,15 +283,18 @@ def test_routing_replay_needs_the_rollouts_routes():
         validate_train_batch(make_batch(0), dataclasses.replace(BASE, routing_replay=True))
 
 
-@pytest.mark.parametrize("mesh_cfg", [MeshConfig(fsdp=1, expert=8), MeshConfig(fsdp=2, expert=4),
-                                      MeshConfig(data=2, expert=2, tp=2)], ids=["ep8", "fsdp2-ep4", "data2-ep2-tp2"])
-def test_an_expert_sharded_step_equals_the_one_device_step(mesh_cfg):
-    model = Decoder(MOE_CFG, nnx.Rngs(0))
+@pytest.mark.parametrize("model_cfg, mesh_cfg", [
+    (MOE_CFG, MeshConfig(fsdp=1, expert=8)), (MOE_CFG, MeshConfig(fsdp=2, expert=4)),
+    (MOE_CFG, MeshConfig(data=2, expert=2, tp=2)),
+    (OSS_CFG, MeshConfig(fsdp=2, expert=4)),  # the experts' biases split with them; sinks over tp
+], ids=["ep8", "fsdp2-ep4", "data2-ep2-tp2", "gpt-oss-fsdp2-ep4"])
+def test_an_expert_sharded_step_equals_the_one_device_step(model_cfg, mesh_cfg):
+    model = Decoder(model_cfg, nnx.Rngs(0))
     batches = [_moe_batch(model, seed) for seed in range(2)]
     cfg = dataclasses.replace(BASE, routing_replay=True, router_aux_loss_coef=0.01)
 
     def run_moe(mesh_cfg, devices):
-        learner = Learner(Decoder(MOE_CFG, nnx.Rngs(0)), cfg, make_mesh(mesh_cfg, devices))
+        learner = Learner(Decoder(model_cfg, nnx.Rngs(0)), cfg, make_mesh(mesh_cfg, devices))
         metrics = [learner.update(b) for b in batches]
         return jax.tree.map(np.asarray, jax.device_get(learner.state.params)), metrics, learner
 
@@ -300,4 +305,4 @@ def test_an_expert_sharded_step_equals_the_one_device_step(mesh_cfg):
         for key in ("loss", "grad_norm", "loss/router_aux", "moe/route_mismatch", "moe/logp_gap_own_routes"):
             assert ours[key] == pytest.approx(ref[key], abs=1e-5), key
     gate_up = learner.state.params["layers"][0]["mlp"]["gate_up"][...]
-    assert gate_up.sharding.shard_shape(gate_up.shape)[0] == MOE_CFG.num_experts // mesh_cfg.expert
+    assert gate_up.sharding.shard_shape(gate_up.shape)[0] == model_cfg.num_experts // mesh_cfg.expert

@@ -18,12 +18,15 @@ from jaxrl.models.lora import LoraConfig, LoraError, adapter_shapes, config_from
 from jaxrl.snapshots import Snapshot, SnapshotError, SnapshotReader
 
 _FIX = "publish weights of the model this bridge serves"
-# Config fields that decide which tensors a model has and their shapes: a snapshot must agree on all.
+# Config fields that decide which tensors a model has and their shapes, or how its blocks use them (the
+# engine computes with its own config): a snapshot must agree on all.
 ARCHITECTURE_FIELDS = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
     "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+    "attention_sinks", "sliding_window", "sliding_layers",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-    "norm_topk_prob",
+    "norm_topk_prob", "router_scoring", "router_bias", "expert_bias", "expert_activation", "swiglu_limit",
+    "swiglu_alpha",
 )
 
 

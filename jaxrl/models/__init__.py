@@ -1,6 +1,6 @@
-"""Llama / Qwen2 / Qwen3 decoders in Flax NNX and their Hugging Face checkpoints."""
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss decoders in Flax NNX and their Hugging Face checkpoints."""
 
-from jaxrl.models.config import ModelConfig, ModelConfigError, RopeScaling
+from jaxrl.models.config import ModelConfig, ModelConfigError, RopeScaling, YarnScaling
 from jaxrl.models.decoder import LOGICAL_AXIS_RULES, Decoder, KVCache, positions_from_mask
 from jaxrl.models.hf import (
     CheckpointError,
@@ -23,6 +23,7 @@ __all__ = [
     "ModelConfig",
     "ModelConfigError",
     "RopeScaling",
+    "YarnScaling",
     "from_hf_tensors",
     "hf_names",
     "load_classifier",

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import moe
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, YarnScaling
 
 # Logical parameter axes -> mesh axes. Hidden size is split over fsdp, head / mlp / vocab
 # dimensions over tp (Megatron-style column/row parallel layers).
@@ -141,14 +141,19 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies (head_dim / 2,), float32, with Llama-3 scaling if configured."""
+    """Inverse RoPE frequencies (head_dim / 2,), float32, with Llama-3 or YaRN scaling if configured."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (
-        np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    )
+    # The power in float64, rounded to float32: transformers' (torch's vectorised float32 pow) is an ulp off
+    # the exact one more rarely than numpy's float32 pow is, and at position 5000 an ulp of one frequency
+    # moved gpt-oss's tiny logits by 1e-4.
+    exponents = (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)).astype(np.float64)
+    pos_freqs = (np.float64(cfg.rope_theta) ** exponents).astype(np.float32)
+    inv_freq = 1.0 / pos_freqs
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq.astype(np.float32)
+    if isinstance(scaling, YarnScaling):
+        return _yarn_inv_freq(pos_freqs, cfg.rope_theta, scaling)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -162,12 +167,54 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(pos_freqs: np.ndarray, theta: float, scaling: YarnScaling) -> np.ndarray:
+    """transformers' `_compute_yarn_parameters`, in its float32 order of operations: the dimensions that
+    turn fewer than beta_slow times over the original length are scaled by 1 / factor, those that turn
+    more than beta_fast times kept, the ones between blended along a linear ramp."""
+    dim = 2 * len(pos_freqs)
+
+    def correction_dim(rotations):
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    scaled = 1.0 / (np.float32(scaling.factor) * pos_freqs)
+    return (scaled * (1 - kept) + (1.0 / pos_freqs) * kept).astype(np.float32)
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+    """The factor on cos and sin: YaRN's attention factor (transformers' `get_mscale` rule where config.json
+    gives none), 1 otherwise."""
+    scaling = cfg.rope_scaling
+    if not isinstance(scaling, YarnScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(m=1.0):
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale()
+
+
 def rope_tables(positions_BxT, cfg: ModelConfig):
     """cos and sin of each position's RoPE angles, (B, T, 1, H) each: computed once for all layers,
     where XLA recomputed them inside every layer's fused rotation (a decode step's largest small ops)."""
     freqs_BxTxF = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(rope_inv_freq(cfg))
     angles_BxTx1xH = jnp.concatenate([freqs_BxTxF] * 2, -1)[:, :, None, :]
-    return jnp.cos(angles_BxTx1xH), jnp.sin(angles_BxTx1xH)
+    scale = rope_scale(cfg)
+    if scale == 1.0:
+        return jnp.cos(angles_BxTx1xH), jnp.sin(angles_BxTx1xH)
+    return jnp.cos(angles_BxTx1xH) * np.float32(scale), jnp.sin(angles_BxTx1xH) * np.float32(scale)
 
 
 def apply_rope(x_BxTxNxH, rope):
@@ -179,7 +226,7 @@ def apply_rope(x_BxTxNxH, rope):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         d, h, k, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Linear(d, h * hd, ("embed", "q_heads"), cfg.qkv_bias, cfg, rngs)
         self.k_proj = Linear(d, k * hd, ("embed", "kv_heads"), cfg.qkv_bias, cfg, rngs)
@@ -187,7 +234,9 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * hd, d, ("q_heads", "embed"), cfg.o_bias, cfg, rngs)
         self.q_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
+        self.sinks = _param(rngs, (h,), ("q_heads",), cfg, "zeros") if cfg.attention_sinks else None
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
+        self.sliding = cfg.sliding(layer)
 
     def _qkv(self, x_BxTxD, rope):
         B, T, _ = x_BxTxD.shape
@@ -199,22 +248,29 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
+    def _sinks(self):
+        return None if self.sinks is None else self.sinks[...]
+
     def __call__(self, x_BxTxD, rope, keys: _KeySlots, layer_cache):
         B, T, _ = x_BxTxD.shape
         q, k, v = self._qkv(x_BxTxD, rope)
+        sinks = self._sinks()
         if layer_cache is not None:
             shared_kv = layer_cache[2:]
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
+            visible = keys.visible_BxTxS if self.sliding is None else keys.sliding_BxTxS
             if keys.shared is not None:
-                out = shared_prefix_attention(q, *layer_cache, keys.visible_BxTxS, *shared_kv, keys.shared)
+                out = shared_prefix_attention(q, *layer_cache, visible, *shared_kv, keys.shared, sinks,
+                                              None if self.sliding is None else keys.sliding_prefix_BxTxP)
             elif keys.window is None:
-                out = cached_attention(q, *layer_cache, keys.visible_BxTxS)
+                out = cached_attention(q, *layer_cache, visible, sinks)
             else:
-                out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window)
+                out = windowed_cached_attention(q, *layer_cache, visible, keys.window, sinks)
         elif keys.segments_BxT is not None:
-            out = packed_attention(q, k, v, keys.segments_BxT, keys.prefix_BxT, keys.window)
+            out = packed_attention(q, k, v, keys.segments_BxT, keys.prefix_BxT, keys.window, sinks, self.sliding,
+                                   keys.positions_BxT)
         else:
-            out = causal_attention(q, k, v, keys.mask_BxT)
+            out = causal_attention(q, k, v, keys.mask_BxT, sinks, self.sliding)
         return self.o_proj(out.reshape(B, T, -1)), layer_cache
 
     def prefixed(self, x_GxPxD, x_BxTxD, rope_GxP, rope_BxT, mask_GxP, mask_BxT):
@@ -223,31 +279,53 @@ class Attention(nnx.Module):
         (G, P, _), (B, T, _) = x_GxPxD.shape, x_BxTxD.shape
         q_p, k_p, v_p = self._qkv(x_GxPxD, rope_GxP)
         q, k, v = self._qkv(x_BxTxD, rope_BxT)
-        out_p = causal_attention(q_p, k_p, v_p, mask_GxP)
-        out = prefixed_attention(q, k_p, v_p, mask_GxP, k, v, mask_BxT)
+        sinks = self._sinks()
+        out_p = causal_attention(q_p, k_p, v_p, mask_GxP, sinks, self.sliding)
+        out = prefixed_attention(q, k_p, v_p, mask_GxP, k, v, mask_BxT, sinks, self.sliding)
         return self.o_proj(out_p.reshape(G, P, -1)), self.o_proj(out.reshape(B, T, -1))
 
 
+def softmax_with_sink(scores, sink):
+    """(probabilities, the sink's (..., 1)): a softmax over the last axis with one more logit, `sink`
+    (broadcast to the rows), that takes its share of the mass and adds nothing to the output (gpt-oss's
+    attention sinks). Rows of fully masked scores (a finite fill) give the sink all of it: zeros."""
+    max_ = jax.lax.stop_gradient(jnp.maximum(scores.max(-1, keepdims=True), sink))
+    e, sink_e = jnp.exp(scores - max_), jnp.exp(sink - max_)
+    total = e.sum(-1, keepdims=True) + sink_e
+    return e / total, sink_e / total
+
+
+def _head_sinks(sinks_N, shape):
+    """Each query head's sink logit, float32, shaped to broadcast over `shape`'s heads axis 1 (B, N, ...)."""
+    return sinks_N.astype(jnp.float32).reshape(1, -1, *(1,) * (len(shape) - 2))
+
+
 @jax.custom_vjp
-def _softmax_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
-    return _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS)[0]
+def _softmax_attention(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, sinks_N=None):
+    return _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, sinks_N)[0]
 
 
-def _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS):
+def _softmax_attention_fwd(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, sinks_N=None):
     scale = np.float32(1 / math.sqrt(q_BxNxTxH.shape[-1]))
     scores = jnp.einsum("bnth,bnsh->bnts", q_BxNxTxH * scale.astype(q_BxNxTxH.dtype), k_BxNxSxH,
                         preferred_element_type=jnp.float32)
     # A finite fill keeps fully masked rows (left padding) finite: uniform, unused, no NaN.
     scores = jnp.where(visible_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs_BxNxTxS = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxH.dtype)
+    if sinks_N is None:
+        probs_f32, sink_prob_BxNxTx1 = jax.nn.softmax(scores, axis=-1), None
+    else:
+        probs_f32, sink_prob_BxNxTx1 = softmax_with_sink(scores, _head_sinks(sinks_N, scores.shape))
+    probs_BxNxTxS = probs_f32.astype(v_BxNxSxH.dtype)
     out_BxNxTxH = jnp.einsum("bnts,bnsh->bnth", probs_BxNxTxS, v_BxNxSxH)
-    return out_BxNxTxH, (q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, probs_BxNxTxS, out_BxNxTxH)
+    return out_BxNxTxH, (q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, visible_BxTxS, probs_BxNxTxS, out_BxNxTxH, sinks_N,
+                         sink_prob_BxNxTx1)
 
 
 def _softmax_attention_bwd(residuals, dout_BxNxTxH):
     """Written out: the softmax's row sums come from dout . out (T x H) instead of a pass
-    over the (T, S) scores, and the scale applies to q / dq rather than to the scores."""
-    q, k, v, visible_BxTxS, probs, out = residuals
+    over the (T, S) scores, and the scale applies to q / dq rather than to the scores. A sink is a
+    column whose value is zero: its logit's gradient is -p_sink * (dout . out), summed over rows."""
+    q, k, v, visible_BxTxS, probs, out, sinks_N, sink_prob_BxNxTx1 = residuals
     scale = np.float32(1 / math.sqrt(q.shape[-1]))
     dv = dot_over_rows(probs, dout_BxNxTxH)
     dprobs = jnp.einsum("bnth,bnsh->bnts", dout_BxNxTxH, v, preferred_element_type=jnp.float32)
@@ -255,7 +333,8 @@ def _softmax_attention_bwd(residuals, dout_BxNxTxH):
     dscores = jnp.where(visible_BxTxS[:, None], probs * (dprobs - rowsum_BxNxTx1), 0).astype(q.dtype)
     dq = jnp.einsum("bnts,bnsh->bnth", dscores, k) * scale.astype(q.dtype)
     dk = dot_over_rows(dscores, q * scale.astype(q.dtype))
-    return dq, dk, dv, None
+    dsinks = None if sinks_N is None else (-(sink_prob_BxNxTx1 * rowsum_BxNxTx1).sum((0, 2, 3))).astype(sinks_N.dtype)
+    return dq, dk, dv, None, dsinks
 
 
 _softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
@@ -277,9 +356,11 @@ def dot_over_rows(a_xTxA, b_xTxB, preferred_element_type=None):
     return jax.lax.platform_dependent(a_xTxA, b_xTxB, cpu=transposed_first, default=as_it_is)
 
 
-def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
+def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS, sinks_N=None, sliding: int | None = None):
     """Each query over the real keys at or before it (no cache): query t sits at key slot
-    S - T + t, so keys before the queries' own (S > T) are a prefix every query sees.
+    S - T + t, so keys before the queries' own (S > T) are a prefix every query sees. With `sliding`,
+    a query sees only the keys fewer than `sliding` slots before it (itself included); with `sinks_N`,
+    each query head's softmax has that extra logit (`softmax_with_sink`).
 
     Blocks of queries see only the keys up to their last query: that skips most of the masked
     upper triangle (about half the work) and keeps each block's scores small enough to stay in
@@ -296,10 +377,14 @@ def causal_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxS):
 
     def visible(start, end):
         seen = offset + end
-        causal_QxS = jnp.arange(seen)[None, :] <= offset + jnp.arange(start, end)[:, None]
+        query_Qx1 = offset + jnp.arange(start, end)[:, None]
+        causal_QxS = jnp.arange(seen)[None, :] <= query_Qx1
+        if sliding is not None:
+            causal_QxS &= jnp.arange(seen)[None, :] > query_Qx1 - sliding
         return causal_QxS[None] & mask_BxS[:, None, :seen]
 
-    return _causal_blocks(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, offset, visible).transpose(0, 2, 1, 3)
+    out = _causal_blocks(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, offset, visible, sinks_N, reach=sliding)
+    return out.transpose(0, 2, 1, 3)
 
 
 def causal_block(length: int) -> int:
@@ -307,26 +392,30 @@ def causal_block(length: int) -> int:
     return max(_MIN_QUERY_BLOCK, -(-length // _MAX_QUERY_BLOCKS))
 
 
-def _causal_blocks(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, offset: int, visible):
+def _causal_blocks(q_BxNxTxH, k_BxNxSxH, v_BxNxSxH, offset: int, visible, sinks_N=None, reach: int | None = None):
     """Each block of queries over the keys up to its last (query t at key slot offset + t), as
-    `visible(start, end)` (B, end - start, offset + end) lets it see them."""
+    `visible(start, end)` (B, end - start, offset + end) lets it see them. With `reach`, no query sees
+    a key `reach` or more slots before it: a block reads none of those."""
     T = q_BxNxTxH.shape[2]
     block = causal_block(T)
     outs = []
     for start in range(0, T, block):
         end = min(start + block, T)
-        outs.append(_softmax_attention(q_BxNxTxH[:, :, start:end], k_BxNxSxH[:, :, :offset + end],
-                                       v_BxNxSxH[:, :, :offset + end], visible(start, end)))
+        first = 0 if reach is None else max(0, offset + start - reach + 1)
+        outs.append(_softmax_attention(q_BxNxTxH[:, :, start:end], k_BxNxSxH[:, :, first:offset + end],
+                                       v_BxNxSxH[:, :, first:offset + end], visible(start, end)[..., first:], sinks_N))
     return jnp.concatenate(outs, axis=2)
 
 
-def prefixed_attention(q_BxTxNxH, k_GxPxKxH, v_GxPxKxH, mask_GxP, k_BxTxKxH, v_BxTxKxH, mask_BxT):
+def prefixed_attention(q_BxTxNxH, k_GxPxKxH, v_GxPxKxH, mask_GxP, k_BxTxKxH, v_BxTxKxH, mask_BxT, sinks_N=None,
+                       sliding: int | None = None):
     """Queries of B = G * n rows, row b continuing prefix b // n, over that prefix's real keys and over
     their own up to themselves, with one softmax over both (cascade attention). The n rows, queries
     and query heads of one KV head are the rows of one matmul against their prefix's keys, which are
     read once for the group: repeated to each row, they and their gradient (summed back over the
     rows) were copied n times (docs/benchmarks.md). Blocks of queries see their own keys up to their
-    last query, as in `causal_attention`."""
+    last query, as in `causal_attention`. `sinks_N` and `sliding` as there: the prefix (left-padded)
+    and the row (right-padded) are one sequence, prefix slot p at P - p slots before the row's first."""
     B, T, N, H = q_BxTxNxH.shape
     K = k_GxPxKxH.shape[2]
     q_BxTxNxH = q_BxTxNxH * np.float32(1 / math.sqrt(H)).astype(q_BxTxNxH.dtype)
@@ -334,14 +423,18 @@ def prefixed_attention(q_BxTxNxH, k_GxPxKxH, v_GxPxKxH, mask_GxP, k_BxTxKxH, v_B
     k_BxNxTxH = jnp.repeat(k_BxTxKxH, N // K, axis=2).transpose(0, 2, 1, 3)
     v_BxNxTxH = jnp.repeat(v_BxTxKxH, N // K, axis=2).transpose(0, 2, 1, 3)
     block = causal_block(T)
-    return jnp.concatenate([
-        _prefixed_block(q_BxTxNxH[:, start:start + block], k_GxKxPxH, v_GxKxPxH, mask_GxP,
-                        k_BxNxTxH[:, :, :start + block], v_BxNxTxH[:, :, :start + block], mask_BxT, start)
-        for start in range(0, T, block)], axis=1)
+    outs = []
+    for start in range(0, T, block):
+        first = 0 if sliding is None else max(0, start - sliding + 1)
+        outs.append(_prefixed_block(q_BxTxNxH[:, start:start + block], k_GxKxPxH, v_GxKxPxH, mask_GxP,
+                                    k_BxNxTxH[:, :, first:start + block], v_BxNxTxH[:, :, first:start + block],
+                                    mask_BxT[:, first:], start, first, sinks_N, sliding))
+    return jnp.concatenate(outs, axis=1)
 
 
-def _prefixed_block(q_BxQxNxH, k_GxKxPxH, v_GxKxPxH, mask_GxP, k_BxNxSxH, v_BxNxSxH, mask_BxT, start: int):
-    """`prefixed_attention` of the (scaled) queries at start.. over their prefix and own keys 0..S."""
+def _prefixed_block(q_BxQxNxH, k_GxKxPxH, v_GxKxPxH, mask_GxP, k_BxNxSxH, v_BxNxSxH, mask_BxT, start: int,
+                    first: int, sinks_N, sliding: int | None):
+    """`prefixed_attention` of the (scaled) queries at start.. over their prefix and own keys first.."""
     B, Q, N, H = q_BxQxNxH.shape
     G, K, P, _ = k_GxKxPxH.shape
     n, g, S = B // G, N // K, k_BxNxSxH.shape[2]
@@ -349,9 +442,18 @@ def _prefixed_block(q_BxQxNxH, k_GxKxPxH, v_GxKxPxH, mask_GxP, k_BxNxSxH, v_BxNx
     q_GxKxRxH = q_BxQxNxH.reshape(G, n, Q, K, g, H).transpose(0, 3, 1, 2, 4, 5).reshape(G, K, n * Q * g, H)
     prefix_GxKxRxP = jnp.einsum("gkrh,gkph->gkrp", q_GxKxRxH, k_GxKxPxH, preferred_element_type=jnp.float32)
     prefix_GxKxnxQxgxP = jnp.where(mask_GxP[:, None, None], prefix_GxKxRxP, fill).reshape(G, K, n, Q, g, P)
+    query_Qx1 = start + jnp.arange(Q)[:, None]
+    if sliding is not None:
+        # Prefix slot p is P - p slots before the row's first token.
+        near_QxP = jnp.arange(P)[None] - P > query_Qx1 - sliding
+        prefix_GxKxnxQxgxP = jnp.where(near_QxP[:, None], prefix_GxKxnxQxgxP, fill)
     own_BxNxQxS = jnp.einsum("bnqh,bnsh->bnqs", q_BxQxNxH.transpose(0, 2, 1, 3), k_BxNxSxH,
                              preferred_element_type=jnp.float32)
-    visible_BxQxS = (jnp.arange(S)[None] <= start + jnp.arange(Q)[:, None])[None] & mask_BxT[:, None, :S]
+    key_1xS = first + jnp.arange(S)[None]
+    visible_QxS = key_1xS <= query_Qx1
+    if sliding is not None:
+        visible_QxS &= key_1xS > query_Qx1 - sliding
+    visible_BxQxS = visible_QxS[None] & mask_BxT[:, None, :S]
     own_BxNxQxS = jnp.where(visible_BxQxS[:, None], own_BxNxQxS, fill)
 
     def rows(x_GxKxnxQxg):
@@ -360,11 +462,17 @@ def _prefixed_block(q_BxQxNxH, k_GxKxPxH, v_GxKxPxH, mask_GxP, k_BxNxSxH, v_BxNx
     def groups(x_BxNxQ):
         return x_BxNxQ.reshape(G, n, K, g, Q).transpose(0, 2, 1, 4, 3)
 
-    # The softmax written out over the two parts; its max only keeps exp in range (no gradient).
-    max_BxNxQ = jax.lax.stop_gradient(jnp.maximum(rows(prefix_GxKxnxQxgxP.max(-1)), own_BxNxQxS.max(-1)))
+    # The softmax written out over the two parts (and the sink); its max only keeps exp in range.
+    max_BxNxQ = jnp.maximum(rows(prefix_GxKxnxQxgxP.max(-1)), own_BxNxQxS.max(-1))
+    if sinks_N is not None:
+        sink_1xNx1 = _head_sinks(sinks_N, max_BxNxQ.shape)
+        max_BxNxQ = jnp.maximum(max_BxNxQ, sink_1xNx1)
+    max_BxNxQ = jax.lax.stop_gradient(max_BxNxQ)
     prefix_e = jnp.exp(prefix_GxKxnxQxgxP - groups(max_BxNxQ)[..., None])
     own_e = jnp.exp(own_BxNxQxS - max_BxNxQ[..., None])
     total_BxNxQ = rows(prefix_e.sum(-1)) + own_e.sum(-1)
+    if sinks_N is not None:
+        total_BxNxQ += jnp.exp(sink_1xNx1 - max_BxNxQ)
     out_GxKxRxH = jnp.einsum("gkrp,gkph->gkrh", prefix_e.reshape(G, K, n * Q * g, P).astype(v_GxKxPxH.dtype),
                              v_GxKxPxH)
     out_BxQxNxH = out_GxKxRxH.reshape(G, K, n, Q, g, H).transpose(0, 2, 3, 1, 4, 5).reshape(B, Q, N, H)
@@ -396,7 +504,8 @@ def window_keys(window: int, length: int) -> float:
     return min(window + prefix_window(window, length), (length + causal_block(length)) / 2)
 
 
-def _segment_causal_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT):
+def _segment_causal_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT, positions_BxT, sinks_N,
+                              sliding):
     """Packed rows' attention over the whole row in `causal_attention`'s blocks, a query seeing the
     keys at or before it of its own segment and of its prefix segment: half the keys of
     `_segment_window_attention` at the whole row, in static slices (docs/benchmarks.md)."""
@@ -404,13 +513,16 @@ def _segment_causal_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, pre
         seg_q, pre_q = segments_BxT[:, start:end, None], prefix_BxT[:, start:end, None]
         seg_k = segments_BxT[:, None, :end]
         causal_QxS = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        return causal_QxS[None] & ((seg_q == seg_k) | (pre_q == seg_k)) & (seg_q > 0)
+        seen = causal_QxS[None] & ((seg_q == seg_k) | (pre_q == seg_k)) & (seg_q > 0)
+        if sliding is not None:
+            seen &= positions_BxT[:, start:end, None] - positions_BxT[:, None, :end] < sliding
+        return seen
 
-    return _causal_blocks(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, 0, visible)
+    return _causal_blocks(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, 0, visible, sinks_N)
 
 
-def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT, window: int,
-                              prefix_keys: int):
+def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, prefix_BxT, positions_BxT, sinks_N,
+                              sliding, window: int, prefix_keys: int):
     """Each block of QUERY_BLOCK queries against the `window` keys that end with it, a query
     seeing the keys at or before it of its own segment and of its prefix segment: the work is
     T x window, not T x T. With `prefix_keys`, each block also reads that many keys from the start
@@ -422,6 +534,7 @@ def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, pre
     front = ((0, 0), (0, 0), (window, 0), (0, 0))
     k_pad, v_pad = jnp.pad(k_BxNxTxH, front), jnp.pad(v_BxNxTxH, front)
     seg_pad = jnp.pad(segments_BxT, ((0, 0), (window, 0)))
+    pos_pad = None if sliding is None else jnp.pad(positions_BxT, ((0, 0), (window, 0)))
     # Key j of a block's window sits j + QUERY_BLOCK - window slots after the block's first query.
     causal_QxW = jnp.arange(window)[None, :] + Q - window <= jnp.arange(Q)[:, None]
     # Each block's prefix segment (0: none) and the padded slot its keys are read from (its first).
@@ -430,6 +543,10 @@ def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, pre
     first_BxZ = jnp.argmax(segments_BxT[:, None] == pid_BxZ[..., None], axis=-1)
     from_BxZ = jnp.minimum(first_BxZ + window, T + window - prefix_keys).astype(jnp.int32)
     take = jax.vmap(functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=prefix_keys, axis=-2))
+
+    def near(pos_q, pos_k):
+        """Where the keys at positions pos_k (B, X) lie within the queries' (B, Q) sliding window."""
+        return pos_q[:, :, None] - pos_k[:, None, :] < sliding
 
     def block(xs):
         start, from_B = xs
@@ -441,26 +558,34 @@ def _segment_window_attention(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, segments_BxT, pre
         seg_k = jax.lax.dynamic_slice_in_dim(seg_pad, start + Q, window, axis=1)
         seen_BxQxW = (seg_q[:, :, None] == seg_k[:, None, :]) | (pre_q[:, :, None] == seg_k[:, None, :])
         visible_BxQxW = causal_QxW[None] & seen_BxQxW & (seg_q[:, :, None] > 0)
+        if sliding is not None:
+            pos_q = jax.lax.dynamic_slice_in_dim(positions_BxT, start, Q, axis=1)
+            visible_BxQxW &= near(pos_q, jax.lax.dynamic_slice_in_dim(pos_pad, start + Q, window, axis=1))
         if prefix_keys:
             slot_BxP = from_B[:, None] + jnp.arange(prefix_keys)
             seg_p = jnp.take_along_axis(seg_pad, slot_BxP, axis=1)
             # Only the prefix keys before the window: the window already holds the others.
             visible_BxQxP = ((pre_q[:, :, None] == seg_p[:, None, :]) & (slot_BxP < start + Q)[:, None]
                              & (seg_q != pre_q)[:, :, None])
+            if sliding is not None:
+                visible_BxQxP &= near(pos_q, jnp.take_along_axis(pos_pad, slot_BxP, axis=1))
             k = jnp.concatenate([take(k_pad, from_B), k], axis=2)
             v = jnp.concatenate([take(v_pad, from_B), v], axis=2)
             visible_BxQxW = jnp.concatenate([visible_BxQxP, visible_BxQxW], axis=2)
-        return _softmax_attention(q, k, v, visible_BxQxW)
+        return _softmax_attention(q, k, v, visible_BxQxW, sinks_N)
 
     out_ZxBxNxQxH = jax.lax.map(block, (jnp.arange(0, T, Q), from_BxZ.T))
     return out_ZxBxNxQxH.transpose(1, 2, 0, 3, 4).reshape(B, N, T, H)
 
 
-def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, window):
+def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, window, sinks_N=None,
+                     sliding: int | None = None, positions_BxT=None):
     """Causal attention within segments of packed rows (T a multiple of QUERY_BLOCK), a query also
     seeing its prefix segment (a group's shared prompt; its own segment otherwise), each query block
     over `packed_windows(T)[window]` keys and `prefix_window` of its prefix's (enough for the longest
-    segment and prefix of the batch), or over the keys up to it where that reads no more."""
+    segment and prefix of the batch), or over the keys up to it where that reads no more. `sinks_N` as
+    in `causal_attention`; with `sliding`, a query sees only keys fewer than `sliding` positions before
+    it (`positions_BxT`: a completion's keys follow its prompt's in positions, not in slots)."""
     B, T, N, H = q_BxTxNxH.shape
     G = N // k_BxTxKxH.shape[2]
     q = q_BxTxNxH.transpose(0, 2, 1, 3)
@@ -468,22 +593,29 @@ def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, 
     v = jnp.repeat(v_BxTxKxH, G, axis=2).transpose(0, 2, 1, 3)
     # window_keys grows with the window: the windows that read fewer keys than the whole row come first.
     narrower = [w for w in packed_windows(T) if window_keys(w, T) < window_keys(T, T)]
-    branches = [functools.partial(_segment_window_attention, window=w, prefix_keys=prefix_window(w, T))
-                for w in narrower] + [_segment_causal_attention]
-    out = jax.lax.switch(jnp.minimum(window, len(narrower)), branches, q, k, v, segments_BxT, prefix_BxT)
+    branches = [functools.partial(_segment_window_attention, sliding=sliding, window=w,
+                                  prefix_keys=prefix_window(w, T)) for w in narrower]
+    branches.append(functools.partial(_segment_causal_attention, sliding=sliding))
+    out = jax.lax.switch(jnp.minimum(window, len(narrower)), branches, q, k, v, segments_BxT, prefix_BxT,
+                         positions_BxT, sinks_N)
     return out.transpose(0, 2, 1, 3)
 
 
-def cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS):
+def cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, sinks_N=None):
     """Queries over a KV cache; the G query heads of a KV head and the T queries form the rows of
-    one matmul per (batch, KV head), so the cache is read in place, never copied per query head."""
+    one matmul per (batch, KV head), so the cache is read in place, never copied per query head.
+    `sinks_N` as in `causal_attention` (a sliding window is the caller's `visible_BxTxS`)."""
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxKxHxS.shape[1]
     q_BxKxGTxH = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
     scores = jnp.einsum("bkqh,bkhs->bkqs", q_BxKxGTxH, k_BxKxHxS, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, N // K, T, -1) / np.float32(math.sqrt(H))
     scores = jnp.where(visible_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype).reshape(B, K, N // K * T, -1)
+    if sinks_N is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        probs = softmax_with_sink(scores, sinks_N.astype(jnp.float32).reshape(1, K, N // K, 1, 1))[0]
+    probs = probs.astype(v_BxKxSxH.dtype).reshape(B, K, N // K * T, -1)
     out_BxKxGTxH = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
     return out_BxKxGTxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
@@ -502,16 +634,18 @@ class SharedPrefix(NamedTuple):
 
 
 def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_UxKxHxP, v_UxKxPxH,
-                            shared: SharedPrefix):
+                            shared: SharedPrefix, sinks_N=None, prefix_visible_BxTxP=None):
     """Queries over their group's prefix and then their own cache row, with one softmax over both
     (cascade attention). A group's rows, queries and query heads are the rows of one matmul against
     its prefix, so the prefix is read once per group, not once per row; the two parts' softmaxes are
-    merged by their maxima and sums."""
+    merged by their maxima and sums. `sinks_N` as in `causal_attention`; `prefix_visible_BxTxP`: which
+    of its group's real prefix slots each query sees (a sliding window), all of them where None."""
     B, T, N, H = q_BxTxNxH.shape
     K, (U, n), P = k_BxKxHxS.shape[1], shared.members_Uxn.shape, k_UxKxHxP.shape[-1]
-    R = N // K * T
+    g = N // K
+    R = g * T
     scale, fill = np.float32(1 / math.sqrt(H)), jnp.finfo(jnp.float32).min
-    q_BxKxRxH = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R, H)
+    q_BxKxRxH = q_BxTxNxH.reshape(B, T, K, g, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R, H)
 
     def part(scores, visible, v_xKxSxH):
         """One part's unnormalised output, max and sum of exp, (., K, rows, .), of its masked scores."""
@@ -523,19 +657,28 @@ def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_Ux
         return out, max_.reshape(*rows, 1), e.sum(-1).reshape(*rows, 1)
 
     own = jnp.einsum("bkrh,bkhs->bkrs", q_BxKxRxH, k_BxKxHxS, preferred_element_type=jnp.float32) * scale
-    own_out, own_max, own_sum = part(own.reshape(B, K, N // K, T, -1), visible_BxTxS[:, None, None], v_BxKxSxH)
+    own_out, own_max, own_sum = part(own.reshape(B, K, g, T, -1), visible_BxTxS[:, None, None], v_BxKxSxH)
     q_UxKxMxH = q_BxKxRxH[shared.members_Uxn].transpose(0, 2, 1, 3, 4).reshape(U, K, n * R, H)
     pre = jnp.einsum("ukmh,ukhp->ukmp", q_UxKxMxH, k_UxKxHxP, preferred_element_type=jnp.float32) * scale
-    real_Ux1x1xP = (jnp.arange(P) < shared.length_U[:, None])[:, None, None]
+    # Rows M = (member, query head, query): masks of (U, 1, n, 1, T, P) broadcast over the heads.
+    real_Ux1x1x1x1xP = (jnp.arange(P) < shared.length_U[:, None])[:, None, None, None, None]
+    if prefix_visible_BxTxP is not None:
+        real_Ux1x1x1x1xP = real_Ux1x1x1x1xP & prefix_visible_BxTxP[shared.members_Uxn][:, None, :, None]
     # Back to rows: (U, K, n, R, .) indexed by (group, rank) gives (B, K, R, .).
     pre_out, pre_max, pre_sum = (x.reshape(U, K, n, R, -1)[shared.group_B, :, shared.rank_B]
-                                 for x in part(pre, real_Ux1x1xP, v_UxKxPxH))
+                                 for x in part(pre.reshape(U, K, n, g, T, P), real_Ux1x1x1x1xP, v_UxKxPxH))
     max_ = jnp.maximum(own_max, pre_max)
+    if sinks_N is not None:
+        # Row r of a KV head's rows is query head r // T of its group.
+        sink_1xKxRx1 = jnp.repeat(sinks_N.astype(jnp.float32).reshape(K, g), T, axis=1)[None, :, :, None]
+        max_ = jnp.maximum(max_, sink_1xKxRx1)
     own_w, pre_w = jnp.exp(own_max - max_), jnp.exp(pre_max - max_)
     total = own_sum * own_w + pre_sum * pre_w
+    if sinks_N is not None:
+        total += jnp.exp(sink_1xKxRx1 - max_)
     # A row that sees nothing (a free slot of the batch) gets 0, not 0 / 0.
     out_BxKxRxH = (own_out * own_w + pre_out * pre_w) / jnp.where(total > 0, total, 1)
-    out = out_BxKxRxH.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    out = out_BxKxRxH.reshape(B, K, g, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return out.astype(q_BxTxNxH.dtype)
 
 
@@ -555,13 +698,14 @@ def key_windows(slots: int, most: int = 8, align: int = 64) -> tuple[int, ...]:
     return tuple(range(step, slots, step)) + (slots,)
 
 
-def windowed_cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, window):
+def windowed_cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, window, sinks_N=None):
     """`cached_attention` over the first key_windows(S)[window] slots only: a prefill chunk reads
     the slots in use (within a step), not the whole cache, whose width is fixed."""
     windows = key_windows(v_BxKxSxH.shape[2])
 
     def over(w):
-        return lambda: cached_attention(q_BxTxNxH, k_BxKxHxS[..., :w], v_BxKxSxH[:, :, :w], visible_BxTxS[..., :w])
+        return lambda: cached_attention(q_BxTxNxH, k_BxKxHxS[..., :w], v_BxKxSxH[:, :, :w], visible_BxTxS[..., :w],
+                                        sinks_N)
 
     return jax.lax.switch(window, [over(w) for w in windows])
 
@@ -579,14 +723,23 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """A mixture of experts: a linear router picks each token's top-k experts (`jaxrl.models.moe.route`),
-    each a gated MLP; the experts' weights are stacked, gate and up fused: (E, D, 2I) and (E, I, D)."""
+    each a gated MLP; the experts' weights are stacked, gate and up fused: (E, D, 2I) and (E, I, D).
+
+    gpt-oss's fused gate/up interleaves gate and up columns (transformers' layout): it is kept so and read
+    strided by its activation (`moe.clamped_swiglu`). Snapshots, `hf_names` and `params_from_hf_tensors`
+    map a tensor to a parameter by name and at most a transpose; a de-interleaved copy would need a
+    permutation at each of those edges (snapshots, engines' reloads, export)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.router = Linear(d, e, ("embed", None), False, cfg, rngs)
+        self.router = Linear(d, e, ("embed", None), cfg.router_bias, cfg, rngs)
         self.gate_up = _param(rngs, (e, d, 2 * f), ("expert", "embed", "mlp"), cfg, "normal")
         self.down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg, "normal")
+        self.gate_up_bias = _param(rngs, (e, 2 * f), ("expert", "mlp"), cfg, "zeros") if cfg.expert_bias else None
+        self.down_bias = _param(rngs, (e, d), ("expert", "embed"), cfg, "zeros") if cfg.expert_bias else None
         self.top_k, self.norm_topk, self.dtype = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.jnp_dtype
+        self.scoring = cfg.router_scoring
+        self.activation = (cfg.expert_activation, cfg.swiglu_limit, cfg.swiglu_alpha)
 
     def __call__(self, x_BxTxD, mask_BxT, replay_BxTxK=None):
         """(output, the router's own top-k (B, T, K), its statistics over the tokens where mask_BxT holds)."""
@@ -594,10 +747,11 @@ class MoE(nnx.Module):
         x_NxD = x_BxTxD.reshape(B * T, D).astype(self.dtype)
         logits_NxE = self.router(x_NxD)
         replay = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
-        experts, weights, own = moe.route(logits_NxE, self.top_k, "softmax", self.norm_topk, replay)
+        experts, weights, own = moe.route(logits_NxE, self.top_k, self.scoring, self.norm_topk, replay)
+        biases = [None if b is None else b[...].astype(self.dtype) for b in (self.gate_up_bias, self.down_bias)]
         y_NxD = moe.experts_forward(x_NxD, experts, weights, self.gate_up[...].astype(self.dtype),
-                                    self.down[...].astype(self.dtype), moe.silu_glu,
-                                    mesh=jax.sharding.get_abstract_mesh())
+                                    self.down[...].astype(self.dtype), moe.expert_activation(*self.activation),
+                                    *biases, mesh=jax.sharding.get_abstract_mesh())
         stats = moe.router_stats(logits_NxE, own, mask_BxT.reshape(-1))
         return y_NxD.reshape(B, T, D), own.reshape(B, T, -1), stats
 
@@ -620,7 +774,7 @@ def _routed(parts: list) -> Routed | None:
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
-        self.self_attn = Attention(cfg, rngs)
+        self.self_attn = Attention(cfg, rngs, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = MoE(cfg, rngs) if cfg.is_moe(layer) else MLP(cfg, rngs)
 
@@ -660,6 +814,11 @@ class _KeySlots(NamedTuple):
     segments_BxT: jax.Array | None = None  # packed rows: each token's segment (0: padding)
     prefix_BxT: jax.Array | None = None  # packed rows: the other segment each token sees (a shared prompt)
     shared: SharedPrefix | None = None  # with a cache: each row's group prefix, before its cache row
+    positions_BxT: jax.Array | None = None  # packed rows of a model with sliding layers: each token's position
+    # With a cache and sliding layers: `visible_BxTxS` within the window, and the group prefix's slots
+    # each query sees (with `shared`).
+    sliding_BxTxS: jax.Array | None = None
+    sliding_prefix_BxTxP: jax.Array | None = None
 
 
 class Decoder(nnx.Module):
@@ -706,12 +865,21 @@ class Decoder(nnx.Module):
             keys = _KeySlots(mask_BxT, None, None)
         else:
             slots = cache.v_BxKxSxH[0].shape[2]
-            query_slot_BxT = cache.length_B[:, None] + jnp.arange(T)
+            query_slot_BxTx1 = (cache.length_B[:, None] + jnp.arange(T))[:, :, None]
             windows = key_windows(slots)
             window = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(cache.length_B) + T),
                                  len(windows) - 1) if windowed and shared is None else None
-            keys = _KeySlots(mask_BxT, cache.length_B, jnp.arange(slots) <= query_slot_BxT[:, :, None], window,
-                             shared=shared)
+            visible_BxTxS = jnp.arange(slots) <= query_slot_BxTx1
+            sliding_BxTxS = sliding_prefix_BxTxP = None
+            if self.cfg.sliding_layers:
+                w = self.cfg.sliding_window
+                sliding_BxTxS = visible_BxTxS & (jnp.arange(slots) > query_slot_BxTx1 - w)
+                if shared is not None:
+                    # A row's slots come after its group prefix's length_U real ones.
+                    query_BxTx1 = shared.length_U[shared.group_B][:, None, None] + query_slot_BxTx1
+                    sliding_prefix_BxTxP = jnp.arange(shared.v_UxKxPxH[0].shape[2]) > query_BxTx1 - w
+            keys = _KeySlots(mask_BxT, cache.length_B, visible_BxTxS, window, shared=shared,
+                             sliding_BxTxS=sliding_BxTxS, sliding_prefix_BxTxP=sliding_prefix_BxTxP)
 
         x = self._embed(tokens_BxT)
         rope = rope_tables(positions_BxT, self.cfg)
@@ -736,7 +904,8 @@ class Decoder(nnx.Module):
         (numbered from 1 in each row, 0 for padding) attend within themselves and to their prefix segment
         (a shared prompt before them; their own where they have none), each query block over
         `packed_windows(L)[window]` keys."""
-        keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL, prefix_RxL)
+        keys = _KeySlots(segments_RxL > 0, None, None, window, segments_RxL, prefix_RxL,
+                         positions_BxT=positions_RxL if self.cfg.sliding_layers else None)
         x = self._embed(tokens_RxL)
         rope = rope_tables(positions_RxL, self.cfg)
         parts = []

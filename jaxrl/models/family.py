@@ -37,7 +37,7 @@ class Family:
     architecture: str  # transformers' causal LM class, as config.json's `architectures` names it
     qkv_bias: bool = False  # q/k/v always carry a bias (others follow `attention_bias`)
     qk_norm: bool = False  # q and k are RMS-normed per head before RoPE
-    # config.json -> the ModelConfig fields this family sets beyond the common ones
+    # config.json -> the ModelConfig fields this family sets beyond the common ones (or instead of them)
     config_fields: Callable[[Mapping[str, Any], str], dict] = _none
     # ModelConfig -> the config.json keys this family writes beyond the common ones
     hf_keys: Callable[[ModelConfig], dict] = _none

@@ -64,6 +64,8 @@ def hf_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple, bool]]:
         if cfg.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 yield f"{pre}.self_attn.{norm}.weight", ("layers", i, "self_attn", norm, "weight"), False
+        if cfg.attention_sinks:
+            yield f"{pre}.self_attn.sinks", ("layers", i, "self_attn", "sinks"), False
     yield "model.norm.weight", ("norm", "weight"), False
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", ("lm_head",), True
@@ -326,7 +328,9 @@ def save_pretrained(
             return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = {**(hf_config or {}), **cfg.to_hf()}
+    # The tensors are written unquantised whatever the source was (gpt-oss's MXFP4 experts): a source's
+    # quantization_config would make transformers read them as quantised.
+    config = {**{k: v for k, v in (hf_config or {}).items() if k != "quantization_config"}, **cfg.to_hf()}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards: list[dict[str, jax.Array]] = [{}]
     size = 0

@@ -8,6 +8,7 @@ them, so the router keeps its gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -177,9 +178,27 @@ def expert_parallel(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, 
     return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=rows)(*args, *bias_args)
 
 
+ACTIVATIONS = ("silu_glu", "clamped_swiglu")
+
+
 def silu_glu(h_AxG):
     """Qwen-MoE's expert activation: silu(gate) * up, gate and up the two halves of the fused projection."""
     gate, up = jnp.split(h_AxG, 2, axis=-1)
     return jax.nn.silu(gate) * up
 
 
+def clamped_swiglu(h_AxG, limit: float, alpha: float):
+    """gpt-oss's expert activation: (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at `limit`
+    and up to [-limit, limit]; gate and up interleaved in the fused projection (even and odd columns)."""
+    gate = jnp.minimum(h_AxG[..., ::2], limit)
+    up = jnp.clip(h_AxG[..., 1::2], -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+def expert_activation(name: str, limit: float, alpha: float):
+    """The activation `experts_forward` applies, by its config name (one of ACTIVATIONS)."""
+    if name == "silu_glu":
+        return silu_glu
+    if name == "clamped_swiglu":
+        return functools.partial(clamped_swiglu, limit=limit, alpha=alpha)
+    raise ValueError(f"expert activation {name!r}; one of {ACTIVATIONS}")

@@ -142,7 +142,7 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     policy = load_model_config(model_dir)
     if cfg.learner.routing_replay and not policy.route_width:
         raise StartupError(f"learner.routing_replay: {model_dir} is a dense {policy.model_type} model, whose tokens "
-                           "have no expert routes to replay; set it for a mixture-of-experts policy (qwen3_moe) only")
+                           "have no expert routes to replay; set it for a mixture-of-experts policy (qwen3_moe, gpt_oss) only")
     if cfg.learner.lora is not None:
         try:
             check_targets(policy, cfg.learner.lora)

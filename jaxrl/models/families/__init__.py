@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from jaxrl.models.config import DTYPES, ModelConfig, ModelConfigError, rope_from_hf
-from jaxrl.models.families import llama, qwen2, qwen3, qwen3_moe
+from jaxrl.models.config import DTYPES, ModelConfig, ModelConfigError, rope_from_hf, rope_to_hf
+from jaxrl.models.families import gpt_oss, llama, qwen2, qwen3, qwen3_moe
 from jaxrl.models.family import Family, require
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
+                                                         gpt_oss.FAMILY)}
 
 
 def family_of(model_type: str, source: str = "config") -> Family:
@@ -41,7 +41,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", classifier: 
     rope_theta, rope_scaling = rope_from_hf(hf, source)
     attention_bias = bool(hf.get("attention_bias", False))
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return ModelConfig(
+    common = dict(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -64,8 +64,9 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", classifier: 
         pad_token_id=hf.get("pad_token_id"),
         param_dtype=dtype if dtype in DTYPES else "float32",
         dtype=dtype if dtype in DTYPES else "float32",
-        **family.config_fields(hf, source),
     )
+    # A family's fields may replace common ones whose defaults are its own (gpt-oss: biased attention).
+    return ModelConfig(**(common | family.config_fields(hf, source)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -93,9 +94,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
         "dtype": cfg.param_dtype,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope_to_hf(cfg),
     }
-    if cfg.rope_scaling is not None:
-        hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
-                                 **dataclasses.asdict(cfg.rope_scaling)}
     return hf | family.hf_keys(cfg)
