@@ -26,10 +26,10 @@ from jaxrl.run.typed_config import ConfigError, apply_overrides, load
 
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
-    family: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = option(
-        "architecture of the tiny model (qwen3_moe: a mixture of experts in every layer)", default="qwen3")
+    family: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "gpt_oss"] = option(
+        "architecture of the tiny model (qwen3_moe, gpt_oss: a mixture of experts in every layer)", default="qwen3")
     hidden_size: int = option("width", default=64)
-    intermediate_size: int = option("MLP width", default=128)
+    intermediate_size: int = option("MLP width (gpt_oss: its experts', moe_intermediate_size)", default=128)
     num_layers: int = option("layers", default=2)
     seed: int = option("initialisation seed", default=0)
     num_experts: int = option("experts of each MoE layer (an MoE family's)", default=8)
@@ -40,9 +40,11 @@ class TinyModelConfig:
         """The `jaxrl.tiny.tiny_config` fields this tiny model sets."""
         fields = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                   "num_layers": self.num_layers}
-        if self.family == "qwen3_moe":
+        if self.family in ("qwen3_moe", "gpt_oss"):
             fields |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                        "moe_intermediate_size": self.moe_intermediate_size}
+        if self.family == "gpt_oss":  # config.json's intermediate_size is its experts' width
+            fields["intermediate_size"] = self.moe_intermediate_size
         return fields
 
 
