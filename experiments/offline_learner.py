@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = Path(args.trajectories) if args.trajectories else collect(cfg, out / "trajectories.jsonl",
                                                                        2 if args.toy else 16)
     groups = api.load_trajectories(path)
+    # As a run sizes it from its environments' first prompts: here from the prompts the trajectories hold.
+    longest = max(len(t.prompt_ids) for g in groups for t in g)
+    cfg = api.config(cfg, {"rollout.max_prompt_tokens": cfg.rollout.max_prompt_tokens or api.prompt_budget(longest)})
     per_batch = cfg.rollout.groups_per_step
     batches = [[t for g in groups[i:i + per_batch] for t in g] for i in range(0, len(groups) - per_batch + 1, per_batch)]
     epochs = 1 if args.toy else 4

@@ -480,7 +480,7 @@ def test_stats_count_trajectories_and_refusals(bridge):
     assert after["episodes_in_flight"] == 0 and after["episode_errors"] == before["episode_errors"]
     assert after["engine.rows"] == before["engine.rows"] + 4
     assert after["engine.tokens"] == before["engine.tokens"] + 16  # 4 episodes x max_tokens, no stop
-    assert after["engine.batches"] > before["engine.batches"]
+    assert after["engine.decode_calls"] > before["engine.decode_calls"]
     assert after["policy_version"] == bridge.engine.policy_version
     assert after["uptime_s"] > before["uptime_s"]
 

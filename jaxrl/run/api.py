@@ -44,6 +44,7 @@ from jaxrl.run.batches import learner_widths, rl_batch
 from jaxrl.run.collection import StepRollouts, rollout_metrics
 from jaxrl.run.config import ConfigError, TrainConfig, load_config
 from jaxrl.run.distributed import Exchange, exchange_step
+from jaxrl.run.env_probe import prompt_budget
 from jaxrl.run.evaluation import EvalResult
 from jaxrl.run.evaluation import evaluate as evaluate_on
 from jaxrl.run.export import export
@@ -68,7 +69,8 @@ __all__ = [
     "Exchange", "Learner",
     "MetricsLogger", "PromptGroup", "SamplingParams", "StartupError", "StepRollouts", "Task", "TrainConfig",
     "TrajectoryData", "compare_runs", "config", "evaluate", "exchange_step", "export", "load_learner",
-    "load_trajectories", "make_learner", "open_bridge", "read_metrics", "restart_tuned", "rl_batch", "rollout_metrics", "save_learner", "save_trajectories", "start_bridge", "summary_table", "train",
+    "load_trajectories", "make_learner", "open_bridge", "prompt_budget", "read_metrics", "restart_tuned", "rl_batch",
+    "rollout_metrics", "save_learner", "save_trajectories", "start_bridge", "summary_table", "train",
 ]
 
 
@@ -104,7 +106,10 @@ def evaluate(target: str | Path | TrainConfig, version: int | None = None, env: 
     versions = snapshot_versions(run / "snapshots")
     if version is not None and version not in versions:
         raise ConfigError(f"evaluate: {run} has snapshots {versions}, not version {version}")
-    snapshot = (run / "snapshots", versions[-1] if version is None else version) if versions else None
+    if not versions:
+        raise ConfigError(f"evaluate: {run} has no snapshot (the run stopped before it published weights); evaluate "
+                          f"its config's model.dir ({cfg.model.dir}) instead")
+    snapshot = (run / "snapshots", versions[-1] if version is None else version)
     return evaluate_weights(cfg, run / "logs" / "eval", snapshot, env, split, lora_base(cfg, RunDir(run)))
 
 
