@@ -160,72 +160,100 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     Returns the pool and the decode state.
     """
     model: Decoder = nnx.merge(graphdef, params)
-    K, B = plan.tokens.shape[0], state.live.shape[0]
-    R = prefill_block_rows(K)
+    pool, state = _save_ended(pool, state, plan, width)
+    leads_K, cache = _start_from_pool(pool, state.cache, plan, width)
+    # Chunks while more than two tails of a prompt are left, then tails.
+    cache, logits_BxV = _prefill(model, cache, state.logits, plan, plan.chunk_block, plan.chunk_steps, chunk,
+                                 2 * tail, width)
+    cache, logits_BxV = _prefill(model, cache, logits_BxV, plan, plan.tail_block, plan.tail_steps, tail, 0, width)
+    state = _seat_new_rows(state, cache, logits_BxV, plan, leads_K, width)
+    # Moves last (their sources and targets are none of the slots above): every loop that writes the
+    # slots in place then follows every read of them (unordered, XLA copied every slot to be safe).
+    return pool, _move_rows(state, plan, width)
+
+
+def _save_ended(pool: KVCache, state: DecodeState, plan: InsertArrays, width: int):
+    """The caches of slots plan.save_slot[k] copied to pool rows plan.save_row[k] (k < n_save), and every
+    slot of save_slot freed: (pool, state)."""
     pool = _copy_rows(pool, state.cache, plan.save_slot, plan.save_row, plan.n_save, width)
     # A free slot's length 0 keeps the decode's attention window to the slots in use.
-    state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.save_slot].set(0, mode="drop")),
-                           live=state.live.at[plan.save_slot].set(False, mode="drop"))
+    return pool, state._replace(
+        cache=state.cache._replace(length_B=state.cache.length_B.at[plan.save_slot].set(0, mode="drop")),
+        live=state.live.at[plan.save_slot].set(False, mode="drop"))
 
+
+def _start_from_pool(pool: KVCache, cache: KVCache, plan: InsertArrays, width: int):
+    """Each new leader row's cached prompt start copied from its pool row into its slot, its length set:
+    (which of the K rows lead, the cache)."""
+    K = plan.tokens.shape[0]
     # In prefill order the real rows come first (`prefill_order`).
     leads_K = (plan.leader == jnp.arange(K)) & (jnp.arange(K) < plan.n_new)
-    cache = _copy_rows(state.cache, pool, *_compacted(leads_K & (plan.cached > 0), plan.src, plan.slot), width)
-    cache = cache._replace(length_B=cache.length_B.at[plan.slot].set(plan.cached, mode="drop"))
+    cache = _copy_rows(cache, pool, *_compacted(leads_K & (plan.cached > 0), plan.src, plan.slot), width)
+    return leads_K, cache._replace(length_B=cache.length_B.at[plan.slot].set(plan.cached, mode="drop"))
 
-    def prefill(cache, logits_BxV, block_I, steps, size: int, more_than: int):
-        """`steps` prefill steps of `size` tokens, step i over the rows of block block_I[i]: a row takes
-        it while more than `more_than` tokens of its prompt are left; the others write nothing."""
 
-        def body(carry):
-            i, cache, logits_BxV = carry
-            lo = block_I[i] * R
+def _prefill(model: Decoder, cache: KVCache, logits_BxV, plan: InsertArrays, block_I, steps, size: int,
+             more_than: int, width: int):
+    """`steps` prefill steps of `size` tokens, step i over the rows of block block_I[i] of
+    `prefill_block_rows` rows: a row takes it while more than `more_than` tokens of its prompt are left;
+    the others write nothing. A row whose prompt ends in the step gets its last token's logits. Returns
+    (cache, logits_BxV)."""
+    B, R = cache.length_B.shape[0], prefill_block_rows(plan.tokens.shape[0])
 
-            def rows(x):
-                return jax.lax.dynamic_slice_in_dim(x, lo, R)
+    def step(carry):
+        i, cache, logits_BxV = carry
+        slot_R, tokens_RxW, prompt_len_R = (jax.lax.dynamic_slice_in_dim(x, block_I[i] * R, R)
+                                            for x in (plan.slot, plan.tokens, plan.prompt_len))
+        take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first
+        part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
+                       tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R],
+                       None if cache.routes_BxSxU is None else cache.routes_BxSxU[take_R, :width])
+        start_R = part.length_B
+        takes_R = (slot_R < B) & (prompt_len_R - start_R > more_than)
+        tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (size,)))(tokens_RxW, start_R)
+        slot_RxC = start_R[:, None] + jnp.arange(size)
+        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
+        last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
+        h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, size - 1)[:, None, None], axis=1)[:, 0]
+        ends_here_R = takes_R & (last_R < size)
+        logits_RxV = model.logits(h_RxD[:, None])[:, 0]
+        logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
+        return i + 1, _write_taken(cache, part, slot_R, takes_R), logits_BxV
 
-            slot_R = rows(plan.slot)
-            take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first
-            part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
-                           tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R],
-                           None if cache.routes_BxSxU is None else cache.routes_BxSxU[take_R, :width])
-            start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
-            takes_R = (slot_R < B) & (prompt_len_R - start_R > more_than)
-            tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (size,)))(rows(plan.tokens), start_R)
-            slot_RxC = start_R[:, None] + jnp.arange(size)
-            h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
-            last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
-            h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, size - 1)[:, None, None], axis=1)[:, 0]
-            ends_here_R = takes_R & (last_R < size)
-            logits_RxV = model.logits(h_RxD[:, None])[:, 0]
-            logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
+    _, cache, logits_BxV = jax.lax.while_loop(lambda carry: carry[0] < steps, step, (jnp.int32(0), cache, logits_BxV))
+    return cache, logits_BxV
 
-            def write(r, cache):
-                row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
-                return jax.lax.cond(takes_R[r], lambda c: jax.tree.map(
-                    lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
-                    lambda c: c, cache)
 
-            return i + 1, jax.lax.fori_loop(0, R, write, cache), logits_BxV
+def _write_taken(cache: KVCache, part: KVCache, slot_R, takes_R) -> KVCache:
+    """Row r of `part` written to slot slot_R[r] of `cache` where takes_R[r] holds, one row at a time."""
 
-        _, cache, logits_BxV = jax.lax.while_loop(lambda carry: carry[0] < steps, body, (jnp.int32(0), cache, logits_BxV))
-        return cache, logits_BxV
+    def write(r, cache):
+        row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
+        return jax.lax.cond(takes_R[r], lambda c: jax.tree.map(
+            lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
+            lambda c: c, cache)
 
-    cache, logits_BxV = prefill(cache, state.logits, plan.chunk_block, plan.chunk_steps, chunk, more_than=2 * tail)
-    cache, logits_BxV = prefill(cache, logits_BxV, plan.tail_block, plan.tail_steps, tail, more_than=0)
+    return jax.lax.fori_loop(0, slot_R.shape[0], write, cache)
+
+
+def _seat_new_rows(state: DecodeState, cache: KVCache, logits_BxV, plan: InsertArrays, leads_K, width: int):
+    """Followers copy their leader's prefilled slot; every new row goes live with its settings."""
+    K = plan.tokens.shape[0]
     follows_K = ~leads_K & (jnp.arange(K) < plan.n_new)
     cache, logits_BxV = _copy_rows((cache, logits_BxV), None, *_compacted(follows_K, plan.slot[plan.leader], plan.slot),
                                    width)
-    state = state._replace(
+    return state._replace(
         cache=cache, logits=logits_BxV, live=state.live.at[plan.slot].set(True, mode="drop"),
         position=state.position.at[plan.slot].set(0, mode="drop"),
         settings=jax.tree.map(lambda whole, new: whole.at[plan.slot].set(new, mode="drop"), state.settings,
                               plan.settings))
-    # Moves last (their sources and targets are none of the slots above): every loop that writes the
-    # slots in place then follows every read of them (unordered, XLA copied every slot to be safe).
+
+
+def _move_rows(state: DecodeState, plan: InsertArrays, width: int) -> DecodeState:
+    """Slot move_from[k] moved to move_to[k], settings and all (k < n_move), and freed."""
     state = _copy_rows(state, None, plan.move_from, plan.move_to, plan.n_move, width)
-    state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.move_from].set(0, mode="drop")),
-                           live=state.live.at[plan.move_from].set(False, mode="drop"))
-    return pool, state
+    return state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.move_from].set(0, mode="drop")),
+                          live=state.live.at[plan.move_from].set(False, mode="drop"))
 
 
 def _slots_from(x, offset_b, width: int, axis: int):
