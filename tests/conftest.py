@@ -90,7 +90,7 @@ def _memory_back_past_the_limit():
 HEAVIEST_FIRST = tuple(f"tests/{name}.py" for name in (
     "test_train", "test_reliability", "test_launchers", "test_distributed", "test_bench_gpu", "test_learner",
     "test_checkpoints", "test_train_step", "test_env_rollouts", "test_packing", "test_jax_engine", "test_cli",
-    "test_experiment_loss_variants", "test_sampling", "test_experiment_offline_learner", "test_replay",
+    "test_experiment_loss_variants", "test_slots", "test_experiment_offline_learner", "test_replay",
     "test_decoder", "test_experiment_critique_revise", "test_harness", "test_processes", "test_lora",
     "test_experiment_distillation", "test_bench_lora", "test_api", "test_bench_multiturn", "test_bench_train_step",
     "test_snapshots", "test_server", "test_losses", "test_bench_compile_apart", "test_snapshot_store", "test_export",

@@ -204,7 +204,7 @@ def test_an_episodes_next_turn_reuses_its_cached_prefix_until_the_weights_change
 
 
 def test_slots_ending_with_nothing_to_keep_are_freed_without_a_copy(model_dir):
-    from bridge.engines.sampler import insert
+    from bridge.engines.slots import insert
     from bridge.engines.scheduler import Plan
 
     engine = JaxEngine(model_dir, max_batch=4, max_seq_len=64, prefill_chunk=16, decode_steps=4)

@@ -1,7 +1,7 @@
 """The JAX engine: jaxrl's own KV-cache sampler over `jaxrl.models`, with continuous batching.
 
 Requests become rows (one per completion) that wait for one of `max_batch` decode slots
-(`bridge.engines.sampler.Slots`: the host plan of `bridge.engines.scheduler`, the device calls of the
+(`bridge.engines.slots.Slots`: the host plan of `bridge.engines.scheduler`, the device calls of the
 sampler). Each device call advances every live slot `decode_steps` tokens;
 between calls, rows that ended are handed back and waiting rows are prefilled into the free slots.
 When the engine is idle, requests that arrive within `batch_window_s` of the first start together.
@@ -38,7 +38,7 @@ from flax import nnx
 
 from bridge.engines.admission import admit
 from bridge.engines.base import Completion, EngineError, PromptTooLong, SamplingParams, derive_seed, read_off_loop
-from bridge.engines.sampler import Shapes, Slots
+from bridge.engines.slots import Shapes, Slots
 from bridge.engines.scheduler import Row
 from jaxrl.compilation import compiles
 from jaxrl.models import ModelConfig, load_pretrained, params_from_hf_tensors

@@ -65,7 +65,7 @@ from jaxrl.run.rollout_client import RolloutClient
 from jaxrl.run.run_dir import RunDir, disk_full, snapshot_directory
 from jaxrl.run.services import StartupError, check_services
 from jaxrl.run.stopping import GracefulStop
-from jaxrl.run.tasks import checked_tasks
+from jaxrl.run.tasks import TaskSource, checked_tasks
 from jaxrl.run.tracking import MetricsLogger, Progress, log_file, sample_rows
 from jaxrl.run.typed_config import dump_yaml
 from jaxrl.run.warm_start import demonstrations, lora_base, warm_start, write_base_model
@@ -133,7 +133,42 @@ def _keep_served(job: _Job) -> None:
 def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, Any]:
     """Runs the training job `cfg` (this process's part of it); returns the summary printed as the last line."""
     wall_start = time.perf_counter()
-    # Check: everything that can fail before a child process starts.
+    plan = _checked(cfg, resume)
+    summary: dict[str, Any] = {"run_dir": str(plan.run.path)}
+    with GracefulStop() as stop, contextlib.ExitStack() as stack:
+        # Shutdown order: the stack closes last-in first-out, so a run ends with the progress bar,
+        # the metrics logger, the collector (its prefetch), the served snapshot kept in
+        # RUN/snapshots, the bridge (its snapshot writer, the rollout client, the children: bridges,
+        # environment servers), the snapshot directory, the checkpointer and train.log.
+        # `_train_steps` checkpoints the steps taken before any of it.
+        job, learner, step, meta = _started(plan, stack, summary, wall_start, out)
+        collector, logger, progress = _loop_parts(job, learner, step, stack)
+        step, late_programs = _train_steps(job, learner, collector, logger, progress, stop, step, meta)
+        _finished(job, learner, logger, stop, step, meta, late_programs, summary)
+    summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
+    summary["final"] = report.finish_report(plan.run.path, out) if jax.process_index() == 0 else {}
+    return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a run found before any child process starts (`_checked`)."""
+
+    cfg: TrainConfig
+    tasks: TaskSource
+    share: Share
+    model_dir: Path
+    policy: ModelConfig
+    run: RunDir
+    ckpt: TrainCheckpointer
+    start_step: int | None  # the checkpoint resumed from; None: a new run
+    served: Path  # what the bridges serve first
+    base_to_come: bool  # the warm start trains every weight, the base of the run's adapters
+    logs: Path
+
+
+def _checked(cfg: TrainConfig, resume: bool) -> _Plan:
+    """Everything that can fail before a child process starts; StartupError in one line."""
     initialize(cfg.distributed)
     check_services(cfg)
     tasks = checked_tasks(cfg)
@@ -142,7 +177,8 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     policy = load_model_config(model_dir)
     if cfg.learner.routing_replay and not policy.route_width:
         raise StartupError(f"learner.routing_replay: {model_dir} is a dense {policy.model_type} model, whose tokens "
-                           "have no expert routes to replay; set it for a mixture-of-experts policy (qwen3_moe, gpt_oss) only")
+                           "have no expert routes to replay; set it for a mixture-of-experts policy (qwen3_moe, "
+                           "gpt_oss) only")
     if cfg.learner.lora is not None:
         try:
             check_targets(policy, cfg.learner.lora)
@@ -161,61 +197,66 @@ def train(cfg: TrainConfig, resume: bool = False, out=sys.stdout) -> dict[str, A
     if not (served / "config.json").is_file():
         raise StartupError(f"--resume: {served}, the base of this config's LoRA adapters, is missing; resume with "
                            "the sft.train_all the run started with (true for a model.tiny model)")
-    logs = _record(run, cfg, start_step)
-    summary: dict[str, Any] = {"run_dir": str(run.path)}
-    with GracefulStop() as stop, contextlib.ExitStack() as stack:
-        # Shutdown order: the stack closes last-in first-out, so a run ends with the progress bar,
-        # the metrics logger, the collector (its prefetch), the served snapshot kept in
-        # RUN/snapshots, the bridge (its snapshot writer, the rollout client, the children: bridges,
-        # environment servers), the snapshot directory, the checkpointer and train.log.
-        # `_train_steps` checkpoints the steps taken before any of it.
-        stack.enter_context(log_file(logs / "train.log"))
-        stack.callback(ckpt.close)
-        snapshots, _ = stack.enter_context(_snapshot_room(cfg, run, model_dir))
-        # Start: environment servers and bridges, the base model's evaluation, the learner.
-        bridge = open_bridge(cfg, served, logs, snapshots, stack, tasks)
-        cfg = bridge.cfg  # rollout.max_prompt_tokens sized from the environments' first prompts if it was null
-        job = _Job(cfg, run, ckpt, bridge, share, out, policy)
-        if job.primary:
-            job.bridge.tokenizer.save_pretrained(run.tokenizer)
-        startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
-        model = load_pretrained(served, param_dtype=cfg.model.dtype)
-        if cfg.learner.lora is not None and not base_to_come:  # fresh adapters: the base model, as served
-            add_lora(model, cfg.learner.lora)
-        job.bridge.snapshot_writer()  # a snapshot directory it cannot write stops the run before the warm start
-        stack.callback(_keep_served, job)
-        if start_step is None and cfg.bridge.addresses:  # running bridges may serve anything: give them ours
-            job.bridge.publish_weights(nnx.state(model, nnx.LoRAParam) if cfg.learner.lora else nnx.split(model)[1], 0)
-        learner, step, meta = _make_learner(job, model, start_step, summary)
-        del model
-        # The learner's programs compile while the first rollout runs (the bridges' warm-up first).
-        stack.callback(learner.close)
-        if step < cfg.steps:
-            learner.prepare(rl_batch([], cfg, job.pad_id, rows=share.count * cfg.learner.group_size, model=job.model))
-        startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
-        _print_startup(startup, out)
-        collector = stack.enter_context(contextlib.closing(
-            Collector(cfg, job.bridge.client, job.bridge.tasks, job.bridge.stop_ids, share)))
-        logger = stack.enter_context(MetricsLogger(run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
-                                                   resume_step=step + 1)) if job.primary else None
-        progress = (stack.enter_context(Progress(cfg.steps, initial=step))
-                    if cfg.log.progress and job.primary else None)
-        # Train.
-        step, late_programs = _train_steps(job, learner, collector, logger, progress, stop, step, meta)
-        # Finish: the last checkpoint (collective with several processes), the final evaluation.
-        if ckpt.latest_step() != step:
-            ckpt.save(step, learner.state, {**meta, "step": step}, force=True)
-        ckpt.wait()
-        summary["steps"] = step
-        if late_programs is not None:
-            summary["programs_after_first_step"] = late_programs
-        if step >= cfg.steps and cfg.eval.episodes and job.primary:
-            summary.update(_final_evaluation(job, logger, step, summary))
-        if step < cfg.steps:  # stopped: by a signal to this process or to another one
-            summary["stopped"] = (stop.signal or signal.SIGTERM).name  # `jaxrl train` exits 128 + its number
-    summary["wall_s"] = round(time.perf_counter() - wall_start, 1)
-    summary["final"] = report.finish_report(run.path, out) if jax.process_index() == 0 else {}
-    return summary
+    return _Plan(cfg, tasks, share, model_dir, policy, run, ckpt, start_step, served, base_to_come,
+                 _record(run, cfg, start_step))
+
+
+def _started(plan: _Plan, stack: contextlib.ExitStack, summary: dict, wall_start: float, out):
+    """Environment servers and bridges, the base model's evaluation, the warm start and the learner, whose
+    programs compile while the first rollout runs (the bridges' warm-up first): (job, learner, step, meta)."""
+    stack.enter_context(log_file(plan.logs / "train.log"))
+    stack.callback(plan.ckpt.close)
+    snapshots, _ = stack.enter_context(_snapshot_room(plan.cfg, plan.run, plan.model_dir))
+    bridge = open_bridge(plan.cfg, plan.served, plan.logs, snapshots, stack, plan.tasks)
+    # bridge.cfg: rollout.max_prompt_tokens sized from the environments' first prompts if it was null
+    job = _Job(bridge.cfg, plan.run, plan.ckpt, bridge, plan.share, out, plan.policy)
+    cfg = job.cfg
+    if job.primary:
+        job.bridge.tokenizer.save_pretrained(plan.run.tokenizer)
+    startup = summary["startup"] = {"services_s": round(time.perf_counter() - wall_start, 2)}
+    model = load_pretrained(plan.served, param_dtype=cfg.model.dtype)
+    if cfg.learner.lora is not None and not plan.base_to_come:  # fresh adapters: the base model, as served
+        add_lora(model, cfg.learner.lora)
+    job.bridge.snapshot_writer()  # a snapshot directory it cannot write stops the run before the warm start
+    stack.callback(_keep_served, job)
+    if plan.start_step is None and cfg.bridge.addresses:  # running bridges may serve anything: give them ours
+        job.bridge.publish_weights(nnx.state(model, nnx.LoRAParam) if cfg.learner.lora else nnx.split(model)[1], 0)
+    learner, step, meta = _make_learner(job, model, plan.start_step, summary)
+    stack.callback(learner.close)
+    if step < cfg.steps:
+        learner.prepare(rl_batch([], cfg, job.pad_id, rows=plan.share.count * cfg.learner.group_size, model=job.model))
+    startup["first_step_at_s"] = round(time.perf_counter() - wall_start, 2)
+    _print_startup(startup, out)
+    return job, learner, step, meta
+
+
+def _loop_parts(job: _Job, learner: Learner, step: int, stack: contextlib.ExitStack):
+    """What the train loop reads and writes besides the learner: (collector, metrics logger, progress bar);
+    process 0 alone logs."""
+    cfg = job.cfg
+    collector = stack.enter_context(contextlib.closing(
+        Collector(cfg, job.bridge.client, job.bridge.tasks, job.bridge.stop_ids, job.share)))
+    logger = stack.enter_context(MetricsLogger(job.run.path, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
+                                               resume_step=step + 1)) if job.primary else None
+    progress = (stack.enter_context(Progress(cfg.steps, initial=step))
+                if cfg.log.progress and job.primary else None)
+    return collector, logger, progress
+
+
+def _finished(job: _Job, learner: Learner, logger: MetricsLogger | None, stop: GracefulStop, step: int, meta: dict,
+              late_programs: int | None, summary: dict) -> None:
+    """The last checkpoint (collective with several processes) and the final evaluation, into `summary`."""
+    cfg, ckpt = job.cfg, job.ckpt
+    if ckpt.latest_step() != step:
+        ckpt.save(step, learner.state, {**meta, "step": step}, force=True)
+    ckpt.wait()
+    summary["steps"] = step
+    if late_programs is not None:
+        summary["programs_after_first_step"] = late_programs
+    if step >= cfg.steps and cfg.eval.episodes and job.primary:
+        summary.update(_final_evaluation(job, logger, step, summary))
+    if step < cfg.steps:  # stopped: by a signal to this process or to another one
+        summary["stopped"] = (stop.signal or signal.SIGTERM).name  # `jaxrl train` exits 128 + its number
 
 
 def _ensure_model_once(cfg: TrainConfig) -> Path:

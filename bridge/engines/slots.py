@@ -13,10 +13,7 @@ are fixed by `Shapes`: per power-of-two row count, one insert and one shared-pro
 per cache window and one decode program per (finer) decode window, all compiled by a warm-up.
 
 Every row carries its own temperature, top-p, top-k, token budget and seed, so requests with
-different settings share one compiled program and one tick. The logprob reported for a sampled
-token is `log_softmax(logits / temperature)` over the whole vocabulary, the quantity the learner
-recomputes; top-p / top-k only restrict what can be sampled. At temperature 0 (greedy) it is
-`log_softmax(logits)`.
+different settings share one compiled program and one tick (`bridge.engines.sampling`).
 
 A row samples token t from its own key stream (its seed folded with t, its own decode position),
 so what it samples depends neither on the rows beside it nor on when it joined. Its numbers may, in
@@ -37,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import NamedTuple
 
@@ -46,86 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bridge.engines.sampling import sample
 from bridge.engines.scheduler import (NO_STOP, Groups, Plan, Row, Scheduler, bucket, group_capacity,
                                       prefill_block_rows, prefill_order)
 from jaxrl.models import Decoder, KVCache, ModelConfig
 from jaxrl.models.decoder import SharedPrefix, attention_windows, key_windows
-
-
-def _filter_logits(logits_BxV, top_p_B, top_k_B):
-    """Logits outside each row's top-k / top-p set become -inf."""
-    V = logits_BxV.shape[-1]
-    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
-    kth_B = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], -1)
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    keep_sorted = before_BxV < top_p_B[:, None]
-    cutoff_B = jnp.min(jnp.where(keep_sorted, sorted_BxV, jnp.inf), axis=-1)
-    threshold_B = jnp.maximum(kth_B[:, 0], cutoff_B)
-    return jnp.where(logits_BxV >= threshold_B[:, None], logits_BxV, -jnp.inf)
-
-
-def _first_reaching(cum_BxN, threshold_B, mass_BxN):
-    """Each row's first entry with mass whose cumulative mass reaches its threshold; where rounding leaves
-    none, its last entry with mass. Never an entry without mass (a token top-k / top-p removed)."""
-    N = cum_BxN.shape[-1]
-    index_N = jnp.arange(N, dtype=jnp.int32)
-    has_BxN = mass_BxN > 0
-    first_B = jnp.min(jnp.where((cum_BxN >= threshold_B[:, None]) & has_BxN, index_N, N), -1)
-    return jnp.minimum(first_B, jnp.max(jnp.where(has_BxN, index_N, -1), -1))
-
-
-def cdf_block(vocab: int) -> int:
-    """`_inverse_cdf`'s block for a vocabulary: near its square root, so that both levels' prefix-sum
-    matrices are small (blocks of 32 made Qwen's 151,936 tokens a 4,748 x 4,748 one), and a divisor
-    of it where one is close (no padding to copy each step), else a multiple of 8."""
-    root = math.sqrt(vocab)
-    near = [d for d in range(max(1, math.ceil(root / 2)), math.floor(2 * root) + 1) if vocab % d == 0]
-    return min(near, key=lambda d: abs(d - root)) if near else 8 * math.ceil(root / 8)
-
-
-def _inverse_cdf(probs_BxV, u_B, block: int | None = None):
-    """The token at which each row's cumulative mass first reaches (1 - u) of its total, u in [0, 1):
-    one uniform a row, where the Gumbel trick draws one per vocabulary entry (threefry over B x V was a
-    fifth of a decode step on CPU). In two levels, blocks of `block` tokens (`cdf_block`) and then the
-    tokens of the chosen block, each prefix sum a small matmul: a cumulative sum over the vocabulary
-    is a reduce-window on XLA:CPU, most of a step's sampling."""
-    B, V = probs_BxV.shape
-    block = block or cdf_block(V)
-    n = -(-V // block)
-    x_BxnxK = jnp.pad(probs_BxV, ((0, 0), (0, n * block - V))).reshape(B, n, block)
-    mass_Bxn = x_BxnxK.sum(-1)
-    hi = jax.lax.Precision.HIGHEST  # full float32 sums on every backend
-    cum_Bxn = jnp.dot(mass_Bxn, jnp.triu(jnp.ones((n, n), probs_BxV.dtype)), precision=hi)
-    threshold_B = (1 - u_B) * cum_Bxn[:, -1]
-    block_B = _first_reaching(cum_Bxn, threshold_B, mass_Bxn)
-    x_BxK = jnp.take_along_axis(x_BxnxK, block_B[:, None, None], 1)[:, 0]
-    before_B = (jnp.take_along_axis(cum_Bxn, block_B[:, None], 1) - jnp.take_along_axis(mass_Bxn, block_B[:, None], 1))[:, 0]
-    cum_BxK = jnp.dot(x_BxK, jnp.triu(jnp.ones((block, block), probs_BxV.dtype)), precision=hi)
-    return block_B * block + _first_reaching(cum_BxK, threshold_B - before_B, x_BxK)
-
-
-def _sample(logits_BxV, u_B, temperature_B, top_p_B, top_k_B):
-    """Each row's token and its logprob, the token the inverse CDF of its filtered, tempered
-    distribution gives at its uniform u_B in [0, 1)."""
-    greedy_B = temperature_B <= 0
-    scaled = logits_BxV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-    # One exponential pass serves the sampled token's log-softmax and the sampling: the top token
-    # survives any filter, so the filtered probabilities are these with the removed ones zeroed.
-    max_B = jnp.max(scaled, -1)
-    exp_BxV = jnp.exp(scaled - max_B[:, None])
-    log_total_B = jnp.log(jnp.sum(exp_BxV, -1))
-    needs_filter = jnp.any((top_p_B < 1) | (top_k_B > 0))
-    probs_BxV = jax.lax.cond(
-        needs_filter, lambda: jnp.where(_filter_logits(scaled, top_p_B, top_k_B) > -jnp.inf, exp_BxV, 0.0),
-        lambda: exp_BxV)
-    sampled_B = _inverse_cdf(probs_BxV, u_B)
-    # The argmax is a slow variadic reduce on XLA:CPU: only when a row is greedy.
-    token_B = jax.lax.cond(jnp.any(greedy_B), lambda: jnp.where(greedy_B, jnp.argmax(logits_BxV, -1), sampled_B),
-                           lambda: sampled_B).astype(jnp.int32)
-    return token_B, jnp.take_along_axis(scaled, token_B[:, None], -1)[:, 0] - max_B - log_total_B
 
 
 class RowSettings(NamedTuple):
@@ -239,72 +160,100 @@ def insert(params, graphdef, pool: KVCache, state: DecodeState, plan: InsertArra
     Returns the pool and the decode state.
     """
     model: Decoder = nnx.merge(graphdef, params)
-    K, B = plan.tokens.shape[0], state.live.shape[0]
-    R = prefill_block_rows(K)
+    pool, state = _save_ended(pool, state, plan, width)
+    leads_K, cache = _start_from_pool(pool, state.cache, plan, width)
+    # Chunks while more than two tails of a prompt are left, then tails.
+    cache, logits_BxV = _prefill(model, cache, state.logits, plan, plan.chunk_block, plan.chunk_steps, chunk,
+                                 2 * tail, width)
+    cache, logits_BxV = _prefill(model, cache, logits_BxV, plan, plan.tail_block, plan.tail_steps, tail, 0, width)
+    state = _seat_new_rows(state, cache, logits_BxV, plan, leads_K, width)
+    # Moves last (their sources and targets are none of the slots above): every loop that writes the
+    # slots in place then follows every read of them (unordered, XLA copied every slot to be safe).
+    return pool, _move_rows(state, plan, width)
+
+
+def _save_ended(pool: KVCache, state: DecodeState, plan: InsertArrays, width: int):
+    """The caches of slots plan.save_slot[k] copied to pool rows plan.save_row[k] (k < n_save), and every
+    slot of save_slot freed: (pool, state)."""
     pool = _copy_rows(pool, state.cache, plan.save_slot, plan.save_row, plan.n_save, width)
     # A free slot's length 0 keeps the decode's attention window to the slots in use.
-    state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.save_slot].set(0, mode="drop")),
-                           live=state.live.at[plan.save_slot].set(False, mode="drop"))
+    return pool, state._replace(
+        cache=state.cache._replace(length_B=state.cache.length_B.at[plan.save_slot].set(0, mode="drop")),
+        live=state.live.at[plan.save_slot].set(False, mode="drop"))
 
+
+def _start_from_pool(pool: KVCache, cache: KVCache, plan: InsertArrays, width: int):
+    """Each new leader row's cached prompt start copied from its pool row into its slot, its length set:
+    (which of the K rows lead, the cache)."""
+    K = plan.tokens.shape[0]
     # In prefill order the real rows come first (`prefill_order`).
     leads_K = (plan.leader == jnp.arange(K)) & (jnp.arange(K) < plan.n_new)
-    cache = _copy_rows(state.cache, pool, *_compacted(leads_K & (plan.cached > 0), plan.src, plan.slot), width)
-    cache = cache._replace(length_B=cache.length_B.at[plan.slot].set(plan.cached, mode="drop"))
+    cache = _copy_rows(cache, pool, *_compacted(leads_K & (plan.cached > 0), plan.src, plan.slot), width)
+    return leads_K, cache._replace(length_B=cache.length_B.at[plan.slot].set(plan.cached, mode="drop"))
 
-    def prefill(cache, logits_BxV, block_I, steps, size: int, more_than: int):
-        """`steps` prefill steps of `size` tokens, step i over the rows of block block_I[i]: a row takes
-        it while more than `more_than` tokens of its prompt are left; the others write nothing."""
 
-        def body(carry):
-            i, cache, logits_BxV = carry
-            lo = block_I[i] * R
+def _prefill(model: Decoder, cache: KVCache, logits_BxV, plan: InsertArrays, block_I, steps, size: int,
+             more_than: int, width: int):
+    """`steps` prefill steps of `size` tokens, step i over the rows of block block_I[i] of
+    `prefill_block_rows` rows: a row takes it while more than `more_than` tokens of its prompt are left;
+    the others write nothing. A row whose prompt ends in the step gets its last token's logits. Returns
+    (cache, logits_BxV)."""
+    B, R = cache.length_B.shape[0], prefill_block_rows(plan.tokens.shape[0])
 
-            def rows(x):
-                return jax.lax.dynamic_slice_in_dim(x, lo, R)
+    def step(carry):
+        i, cache, logits_BxV = carry
+        slot_R, tokens_RxW, prompt_len_R = (jax.lax.dynamic_slice_in_dim(x, block_I[i] * R, R)
+                                            for x in (plan.slot, plan.tokens, plan.prompt_len))
+        take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first
+        part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
+                       tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R],
+                       None if cache.routes_BxSxU is None else cache.routes_BxSxU[take_R, :width])
+        start_R = part.length_B
+        takes_R = (slot_R < B) & (prompt_len_R - start_R > more_than)
+        tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (size,)))(tokens_RxW, start_R)
+        slot_RxC = start_R[:, None] + jnp.arange(size)
+        h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
+        last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
+        h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, size - 1)[:, None, None], axis=1)[:, 0]
+        ends_here_R = takes_R & (last_R < size)
+        logits_RxV = model.logits(h_RxD[:, None])[:, 0]
+        logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
+        return i + 1, _write_taken(cache, part, slot_R, takes_R), logits_BxV
 
-            slot_R = rows(plan.slot)
-            take_R = jnp.where(slot_R < B, slot_R, slot_R[0])  # padding rows (slot B) read the block's first
-            part = KVCache(tuple(k[take_R, :, :, :width] for k in cache.k_BxKxHxS),
-                           tuple(v[take_R, :, :width] for v in cache.v_BxKxSxH), cache.length_B[take_R],
-                           None if cache.routes_BxSxU is None else cache.routes_BxSxU[take_R, :width])
-            start_R, prompt_len_R = part.length_B, rows(plan.prompt_len)
-            takes_R = (slot_R < B) & (prompt_len_R - start_R > more_than)
-            tokens_RxC = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (size,)))(rows(plan.tokens), start_R)
-            slot_RxC = start_R[:, None] + jnp.arange(size)
-            h_RxCxD, part = model.hidden(tokens_RxC, slot_RxC, slot_RxC < prompt_len_R[:, None], part)
-            last_R = prompt_len_R - 1 - start_R  # the prompt's last token, for rows it is in this chunk
-            h_RxD = jnp.take_along_axis(h_RxCxD, jnp.clip(last_R, 0, size - 1)[:, None, None], axis=1)[:, 0]
-            ends_here_R = takes_R & (last_R < size)
-            logits_RxV = model.logits(h_RxD[:, None])[:, 0]
-            logits_BxV = logits_BxV.at[jnp.where(ends_here_R, slot_R, B)].set(logits_RxV, mode="drop")
+    _, cache, logits_BxV = jax.lax.while_loop(lambda carry: carry[0] < steps, step, (jnp.int32(0), cache, logits_BxV))
+    return cache, logits_BxV
 
-            def write(r, cache):
-                row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
-                return jax.lax.cond(takes_R[r], lambda c: jax.tree.map(
-                    lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
-                    lambda c: c, cache)
 
-            return i + 1, jax.lax.fori_loop(0, R, write, cache), logits_BxV
+def _write_taken(cache: KVCache, part: KVCache, slot_R, takes_R) -> KVCache:
+    """Row r of `part` written to slot slot_R[r] of `cache` where takes_R[r] holds, one row at a time."""
 
-        _, cache, logits_BxV = jax.lax.while_loop(lambda carry: carry[0] < steps, body, (jnp.int32(0), cache, logits_BxV))
-        return cache, logits_BxV
+    def write(r, cache):
+        row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), part)
+        return jax.lax.cond(takes_R[r], lambda c: jax.tree.map(
+            lambda whole, x: jax.lax.dynamic_update_slice(whole, x, (slot_R[r],) + (0,) * (x.ndim - 1)), c, row),
+            lambda c: c, cache)
 
-    cache, logits_BxV = prefill(cache, state.logits, plan.chunk_block, plan.chunk_steps, chunk, more_than=2 * tail)
-    cache, logits_BxV = prefill(cache, logits_BxV, plan.tail_block, plan.tail_steps, tail, more_than=0)
+    return jax.lax.fori_loop(0, slot_R.shape[0], write, cache)
+
+
+def _seat_new_rows(state: DecodeState, cache: KVCache, logits_BxV, plan: InsertArrays, leads_K, width: int):
+    """Followers copy their leader's prefilled slot; every new row goes live with its settings."""
+    K = plan.tokens.shape[0]
     follows_K = ~leads_K & (jnp.arange(K) < plan.n_new)
     cache, logits_BxV = _copy_rows((cache, logits_BxV), None, *_compacted(follows_K, plan.slot[plan.leader], plan.slot),
                                    width)
-    state = state._replace(
+    return state._replace(
         cache=cache, logits=logits_BxV, live=state.live.at[plan.slot].set(True, mode="drop"),
         position=state.position.at[plan.slot].set(0, mode="drop"),
         settings=jax.tree.map(lambda whole, new: whole.at[plan.slot].set(new, mode="drop"), state.settings,
                               plan.settings))
-    # Moves last (their sources and targets are none of the slots above): every loop that writes the
-    # slots in place then follows every read of them (unordered, XLA copied every slot to be safe).
+
+
+def _move_rows(state: DecodeState, plan: InsertArrays, width: int) -> DecodeState:
+    """Slot move_from[k] moved to move_to[k], settings and all (k < n_move), and freed."""
     state = _copy_rows(state, None, plan.move_from, plan.move_to, plan.n_move, width)
-    state = state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.move_from].set(0, mode="drop")),
-                           live=state.live.at[plan.move_from].set(False, mode="drop"))
-    return pool, state
+    return state._replace(cache=state.cache._replace(length_B=state.cache.length_B.at[plan.move_from].set(0, mode="drop")),
+                          live=state.live.at[plan.move_from].set(False, mode="drop"))
 
 
 def _slots_from(x, offset_b, width: int, axis: int):
@@ -353,7 +302,7 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
 
     def body(carry):
         i, logits_bxV, cache, live_b, position_b, out_tokens, out_logp = carry
-        token_b, logp_b = _sample(logits_bxV, u_bxS[:, i], s.temperature, s.top_p, s.top_k)
+        token_b, logp_b = sample(logits_bxV, u_bxS[:, i], s.temperature, s.top_p, s.top_k)
         out_tokens = out_tokens.at[:, i].set(jnp.where(live_b, token_b, -1))
         out_logp = out_logp.at[:, i].set(jnp.where(live_b, logp_b, 0.0))
         position_b = position_b + live_b
