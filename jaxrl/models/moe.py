@@ -92,6 +92,13 @@ def _block_rows(assignments: int, experts: int) -> int:
     return int(min(256, max(8, 2 ** int(np.log2(mean)))))
 
 
+def blocks(assignments: int, experts: int) -> tuple[int, int]:
+    """(blocks, rows per block) of `_blocked_matmul` over `assignments` rows: blocks enough for any split
+    of the rows over the experts."""
+    b = _block_rows(assignments, experts)
+    return -(-(assignments + experts * (b - 1)) // b), b
+
+
 def _blocked_matmul(x_AxD, w_ExDxF, sizes_E):
     """`ragged_dot` as blocks of rows that each belong to one expert: every expert's rows padded to whole
     blocks, one batched matmul of each block with its expert's weight (rows past the groups: zeros). Its
@@ -99,8 +106,7 @@ def _blocked_matmul(x_AxD, w_ExDxF, sizes_E):
     every expert)."""
     A, D = x_AxD.shape
     E = w_ExDxF.shape[0]
-    b = _block_rows(A, E)
-    n = -(-(A + E * (b - 1)) // b)  # blocks enough for any split of A rows over E experts
+    n, b = blocks(A, E)
     padded_E = -(-sizes_E // b) * b
     padded_end_E = jnp.cumsum(padded_E)
     start_E = jnp.cumsum(sizes_E) - sizes_E
@@ -176,6 +182,15 @@ def expert_parallel(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, 
     bias_args = (gate_up_bias_ExG, down_bias_ExD) if biased else ()
     in_specs = (rows, rows, rows, experts, experts) + ((P("expert", None),) * 2 if biased else ())
     return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=rows)(*args, *bias_args)
+
+
+def every_expert_forward(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation):
+    """`experts_forward` the dense way: every expert on every token, then each token's own picked. The
+    reference the grouped path is checked and measured against (E / K times its arithmetic)."""
+    h_ExNxG = jnp.einsum("nd,edg->eng", x_NxD, gate_up_ExDxG)
+    out_ExNxD = jnp.einsum("eni,eid->end", activation(h_ExNxG), down_ExIxD)
+    picked_NxKxD = out_ExNxD[experts_NxK, jnp.arange(x_NxD.shape[0])[:, None]]
+    return (picked_NxKxD * weights_NxK[..., None].astype(picked_NxKxD.dtype)).sum(1)
 
 
 ACTIVATIONS = ("silu_glu", "clamped_swiglu")
