@@ -48,7 +48,7 @@ def _median_tok_s(run, tokens_per_run: int, repeats: int) -> float:
     return statistics.median(_tok_s(run, tokens_per_run) for _ in range(repeats))
 
 
-def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(10, vocab, rng.integers(8, 33)).tolist() for _ in range(n)]
 
@@ -155,7 +155,7 @@ def main() -> None:
                                      hidden_size=args.hidden, num_layers=args.layers,
                                      intermediate_size=args.intermediate)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        prompts = _prompts(args.sequences, vocab)
+        prompts = random_prompts(args.sequences, vocab)
         figures = {"sequences": args.sequences, "new_tokens": args.new_tokens}
         inproc, bridged, floor = jax_inproc_and_bridge(model_dir, prompts, params, args.repeats, args.sequences)
         figures["jax_tok_s"], figures["jax_bridge_tok_s"] = inproc, bridged

@@ -208,6 +208,41 @@ def cpu_model() -> str:
         return "unknown"
 
 
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def interleaved_steps(learner: Learner, torch_step: TorchStep, batch: dict[str, np.ndarray], steps: int) -> dict:
+    """Our step and PyTorch's on `batch`, alternated: a first one of each (compiles ours; both start
+    from the same weights, so their gradient norms must agree), untimed rounds until a step of ours
+    faults no page in, then `steps` timed rounds. Each side's seconds by step, ours outside its jitted
+    call (`host_s`), and our page faults."""
+    jax_norm = learner.update(batch)["grad_norm"]
+    torch_norm = torch_step()["grad_norm"]
+    # The two sides share the one heap of the malloc settings, which grows over the first rounds to
+    # hold both steps' memory, and a step that faults ~250 MB in took 2-3x as long at the defaults
+    # (0.8-0.9 s against ~0.3).
+    warmup_faults = []
+    while len(warmup_faults) < WARMUP_ROUNDS and (not warmup_faults or warmup_faults[-1] > 0):
+        before = minor_faults()
+        learner.update(batch)
+        warmup_faults.append(minor_faults() - before)
+        torch_step()
+    jax_s, host_s, torch_s, faults = [], [], [], []
+    for _ in range(steps):
+        faults_before = minor_faults()
+        start = time.perf_counter()
+        step_s = learner.update(batch)["step_s"]
+        jax_s.append(time.perf_counter() - start)
+        faults.append(minor_faults() - faults_before)
+        host_s.append(jax_s[-1] - step_s)
+        start = time.perf_counter()
+        torch_step()
+        torch_s.append(time.perf_counter() - start)
+    return {"jax_norm": jax_norm, "torch_norm": torch_norm, "warmup_faults": warmup_faults, "jax_s": jax_s,
+            "host_s": host_s, "torch_s": torch_s, "faults": faults}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -224,33 +259,8 @@ def main(argv=None) -> dict:
     mesh = make_mesh(MeshConfig())
     learner = Learner(model, cfg, mesh)
 
-    def minor_faults() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-    # Warm-up: compiles ours, lets torch allocate; both start from the same weights, so the
-    # gradient norms must agree (a check that the two losses are the same).
-    jax_norm = learner.update(batch)["grad_norm"]
-    torch_norm = torch_step()["grad_norm"]
-    # Then rounds of both until a step of ours faults no page in: the two sides share the one heap of
-    # the malloc settings, which grows over the first rounds to hold both steps' memory, and a step
-    # that faults ~250 MB in took 2-3x as long at the defaults (0.8-0.9 s against ~0.3).
-    warmup_faults = []
-    while len(warmup_faults) < WARMUP_ROUNDS and (not warmup_faults or warmup_faults[-1] > 0):
-        before = minor_faults()
-        learner.update(batch)
-        warmup_faults.append(minor_faults() - before)
-        torch_step()
-    jax_s, host_s, torch_s, faults = [], [], [], []
-    for _ in range(args.steps):
-        faults_before = minor_faults()
-        start = time.perf_counter()
-        step_s = learner.update(batch)["step_s"]
-        jax_s.append(time.perf_counter() - start)
-        faults.append(minor_faults() - faults_before)
-        host_s.append(jax_s[-1] - step_s)
-        start = time.perf_counter()
-        torch_step()
-        torch_s.append(time.perf_counter() - start)
+    timed = interleaved_steps(learner, torch_step, batch, args.steps)
+    jax_s, host_s, torch_s, faults = timed["jax_s"], timed["host_s"], timed["torch_s"], timed["faults"]
     jax_med, torch_med = statistics.median(jax_s), statistics.median(torch_s)
 
     arrays = put_batch(batch, mesh)
@@ -278,10 +288,10 @@ def main(argv=None) -> dict:
         "host_overhead_ms": 1000 * statistics.median(host_s),
         "jax_page_faults_per_step": statistics.median(faults),
         "jax_page_faults_by_step": faults,
-        "jax_page_faults_warmup": warmup_faults,
+        "jax_page_faults_warmup": timed["warmup_faults"],
         "jax_step_s_by_step": jax_s,
         "torch_step_s_by_step": torch_s,
-        "grad_norm_rel_diff": abs(jax_norm - torch_norm) / torch_norm,
+        "grad_norm_rel_diff": abs(timed["jax_norm"] - timed["torch_norm"]) / timed["torch_norm"],
         "tokens_per_step": tokens,
         "threads": threads,
         "cpu": cpu_model(),
