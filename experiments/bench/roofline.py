@@ -4,7 +4,8 @@ A decode step of `rows` sequences must at least read every weight once and each 
 once, and do its matmuls. `machine()` measures the memory bandwidth (a large numpy copy: bytes read +
 written per second) and `decode_floor` times, with XLA's float32 dot on this machine, each matmul
 of one decode step at the model's shapes (projections, MLP, the output head; attention over the rows'
-contexts at the best of those rates); the step's floor is the larger of the two times: bytes / bandwidth, or the matmuls' sum.
+contexts at the best of those rates; an MoE layer's experts as one matmul of its token-expert
+pairs); the step's floor is the larger of the two times: bytes / bandwidth, or the matmuls' sum.
 Softmaxes, norms, sampling and the step's bookkeeping are left out: whatever an engine spends on them
 is what its figure over the floor shows.
 """
@@ -92,19 +93,26 @@ def decode_floor(cfg, rows: int, context: int, bandwidth: float, param_count: in
     """The floor of one decode step of `rows` rows that each attend to `context` cached tokens, for a
     model of `cfg` (a jaxrl ModelConfig) with `param_count` parameters; the first `shared` of those
     tokens are the same for each `group` rows (a GRPO group's prompt), whose keys and values are read
-    once for the group."""
+    once for the group. An MoE layer's experts count as one matmul of every token-expert pair (no
+    grouped matmul does less), and its experts that no row routes to (expected, routes uniform) as
+    weights not read."""
     D, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     item = np.dtype(cfg.jnp_dtype).itemsize
-    layer = [(rows, D, N * H), (rows, D, K * H), (rows, D, K * H), (rows, N * H, D),
-             (rows, D, F), (rows, D, F), (rows, F, D)]
-    timed = {shape: matmul_s(*shape, repeats=repeats) for shape in set(layer + [(rows, D, V)])}
-    best_rate = max(2 * m * k * n / s for (m, k, n), s in timed.items())
+    attention = [(rows, D, N * H), (rows, D, K * H), (rows, D, K * H), (rows, N * H, D)]
+    mlp = {False: [(rows, D, F), (rows, D, F), (rows, F, D)],
+           True: [(rows, D, E), (rows * k, D, I), (rows * k, D, I), (rows * k, I, D)]}
+    layers = [attention + mlp[cfg.is_moe(i)] for i in range(L)]
+    shapes = {shape for layer in layers for shape in layer} | {(rows, D, V)}
+    timed = {shape: matmul_s(*shape, repeats=repeats) for shape in shapes}
+    best_rate = max(2 * m * k_ * n / s for (m, k_, n), s in timed.items())
     # Attention (each query head against its row's keys, then values) at the best rate measured: its
     # many small products are no harder than the projections, and the floor should not excuse them.
     attention_flops = 2 * 2 * rows * N * H * context
-    seconds = L * (sum(timed[s] for s in layer) + attention_flops / best_rate) + timed[(rows, D, V)]
-    flops = 2 * (L * sum(m * k * n for m, k, n in layer) + rows * D * V) + L * attention_flops
+    seconds = sum(sum(timed[s] for s in layer) + attention_flops / best_rate for layer in layers) + timed[(rows, D, V)]
+    flops = 2 * (sum(m * k_ * n for layer in layers for m, k_, n in layer) + rows * D * V) + L * attention_flops
     kv_bytes = (rows * (context - shared) + -(-rows // group) * shared) * L * 2 * K * H * item
-    total = param_count * np.dtype(cfg.jnp_param_dtype).itemsize + kv_bytes
-    return Floor(rows, context, shared, group, total, flops, total / bandwidth, seconds, bandwidth)
+    unread = len(cfg.moe_layers) * E * (1 - k / E) ** rows * 3 * D * I if E else 0
+    total = (param_count - unread) * np.dtype(cfg.jnp_param_dtype).itemsize + kv_bytes
+    return Floor(rows, context, shared, group, int(total), flops, total / bandwidth, seconds, bandwidth)
