@@ -1,4 +1,4 @@
-"""The GPU figures: learner, JAX engine, weight sync and a real run at Qwen3-0.6B / 1.7B shapes.
+"""The GPU figures: learner, JAX engine, weight sync and a real run at Qwen3-0.6B / 1.7B shapes; a Qwen3-MoE.
 
     python -m experiments.bench.gpu [--only PART,...] [--budget-s 470] [--out DIR] [--tiny]
 
@@ -40,6 +40,19 @@ go on. `--out DIR` gets `gpu.json` (rewritten after every part) and `gpu.log` (t
                  full fine-tuning.
   multiturn      experiments.bench.multiturn's episodes on the JAX engine at 0.6B: multi-turn tokens/s
                  over one full batch's.
+  moe_learner    a Qwen3-MoE of 16 layers, hidden 1,024, attention as 0.6B's, 64 experts of width 512, top 8
+                 (1.87B parameters, 0.46B active; float32 parameters and AdamW state computing in bfloat16, as
+                 learner): one layer's experts over a micro-batch's tokens, forward and backward, grouped
+                 (`jax.lax.ragged_dot`) against every expert on every token (experiments.bench.moe); then the
+                 GRPO step at 32 x 1,024 tokens in micro-batches of 8 x 1,024, MFU = 6 N tokens/s over the
+                 peak with N the active parameters.
+  torch_moe_learner  the same step in PyTorch (transformers' `Qwen3MoeForCausalLM`, its default experts
+                 implementation; otherwise as torch_learner).
+  moe_engine     `JaxEngine` on the MoE (bfloat16) at 64 slots, 512 prompt + 256 sampled tokens, recording
+                 routes and without its caches' route buffer (experiments.bench.moe), in turn after a warm-up
+                 round: against the floor (prefill FLOPs of the active parameters) and what recording costs.
+                 Not measured yet: an expert-sharded step (the experts over two virtual shards of the card),
+                 which waits for expert parallelism.
 
 Last line: one JSON object: `goals` first (each goal's figure and whether it is met), then each
 part's figures.
@@ -68,28 +81,41 @@ SHAPES = {
                  num_kv_heads=8, head_dim=128),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=32),
+    # 1.87B parameters, 0.46B active (the tied embedding once)
+    "moe": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=16,
+                num_heads=16, num_kv_heads=8, head_dim=128, num_experts=64, num_experts_per_tok=8,
+                moe_intermediate_size=512),
+    "tiny_moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32),
 }
 # (rows, prompt, completion, micro-batches): a micro-batch of 16 x 1,024 or 1 x 8,192 tokens keeps
-# the attention probabilities the backward pass keeps within an H100's memory.
+# the attention probabilities the backward pass keeps within an H100's memory; the MoE's of 8 x 1,024
+# its token-expert pairs' activations too, beside 30 GB of float32 parameters, gradients and AdamW state.
 FULL = dict(model="0.6b", sync_models=("0.6b", "1.7b"), matmul_n=8192, copy_elems=1 << 30,
             learner=(64, 512, 512, 4), learner_long=(16, 1024, 7168, 16), slots=(64, 256), prompt=512, new=512,
-            hf_slots=(64, 256), run_steps=20, run_groups=8, repeats=3)
+            hf_slots=(64, 256), run_steps=20, run_groups=8, repeats=3, moe_model="moe", moe_learner=(32, 512, 512, 4),
+            moe_slots=64, moe_new=256)
 TINY = dict(model="tiny", sync_models=("tiny",), matmul_n=256, copy_elems=1 << 20,
             learner=(8, 8, 24, 2), learner_long=(4, 16, 48, 4), slots=(4, 8), prompt=16, new=16,
-            hf_slots=(4,), run_steps=2, run_groups=1, repeats=2)
+            hf_slots=(4,), run_steps=2, run_groups=1, repeats=2, moe_model="tiny_moe", moe_learner=(8, 8, 24, 2),
+            moe_slots=4, moe_new=16)
 # Seconds each part may take at most (the whole run: --budget-s); the order is the priority.
 BUDGETS = {"peaks": 40, "learner": 240, "torch_learner": 60, "engine": 120, "hf_generate": 60, "sync": 80,
-           "run": 150, "learner_long": 120, "torch_learner_long": 60, "lora": 150, "multiturn": 100}
+           "run": 150, "learner_long": 120, "torch_learner_long": 60, "lora": 150, "multiturn": 100,
+           "moe_learner": 240, "torch_moe_learner": 90, "moe_engine": 240}
 PARTS = tuple(BUDGETS)
 GOALS = {"learner_mfu": 0.35, "learner_over_torch": 1.5, "engine_over_floor_max": 3.0, "engine_over_hf": 3.0,
-         "sync_0.6b_s_max": 1.0}
+         "sync_0.6b_s_max": 1.0, "moe_learner_mfu": 0.2, "moe_learner_over_torch": 1.5,
+         "moe_route_recording_ratio_max": 1.05}
 
 
 def model_config(shape: str, dtype: str = "bfloat16", param_dtype: str | None = None, **extra):
     from jaxrl.models import ModelConfig
 
-    return ModelConfig(model_type="qwen3", qk_norm=True, tie_word_embeddings=True, max_position_embeddings=16384,
-                       rope_theta=1e6, dtype=dtype, param_dtype=param_dtype or dtype, **{**SHAPES[shape], **extra})
+    return ModelConfig(**{"model_type": "qwen3", "qk_norm": True, "tie_word_embeddings": True,
+                          "max_position_embeddings": 16384, "rope_theta": 1e6, "dtype": dtype,
+                          "param_dtype": param_dtype or dtype, **SHAPES[shape], **extra})
 
 
 def num_params(cfg) -> int:
@@ -176,15 +202,35 @@ def full_batch(rows: int, prompt: int, completion: int, vocab: int, seed: int = 
             "rewards_BxR": rng.random((rows, 1)).astype(np.float32)}
 
 
+def learner_config(shape: str):
+    """The learner's model: float32 parameters and AdamW state, computing in bfloat16 (as `jaxrl train` loads
+    a bfloat16 checkpoint)."""
+    return model_config(shape, dtype="bfloat16", param_dtype="float32")
+
+
 def part_learner(s: dict, work: Path) -> dict:
-    return learner_step(*s["learner"], s)
+    return learner_step(learner_config(s["model"]), *s["learner"], s)
 
 
 def part_learner_long(s: dict, work: Path) -> dict:
-    return learner_step(*s["learner_long"], s)
+    return learner_step(learner_config(s["model"]), *s["learner_long"], s)
 
 
-def learner_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -> dict:
+def part_moe_learner(s: dict, work: Path) -> dict:
+    """The MoE's experts alone (grouped against every expert on every token, over one micro-batch's tokens),
+    then its train step."""
+    from experiments.bench import moe
+
+    cfg = learner_config(s["moe_model"])
+    rows, prompt, completion, micro = s["moe_learner"]
+    out = {"active_params": moe.active_params(cfg),
+           "experts": moe.experts_figures(cfg, rows // micro * (prompt + completion), s["repeats"])}
+    partial(out)
+    return learner_step(cfg, rows, prompt, completion, micro, s, out)
+
+
+def learner_step(cfg, rows: int, prompt: int, completion: int, micro: int, s: dict, out: dict | None = None) -> dict:
+    """The train step's figures, added to `out` (figures measured before it, kept if it fails)."""
     import jax
     from flax import nnx
 
@@ -195,7 +241,6 @@ def learner_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -
     from jaxrl.sharding import MeshConfig, batch_sharding, make_mesh, put_batch
     from jaxrl.train_step import LearnerConfig, jit_train_step
 
-    cfg = model_config(s["model"], dtype="bfloat16", param_dtype="float32")
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     lcfg = LearnerConfig(group_size=8 if rows % 8 == 0 else 2, grad_accum=micro,
                          optimizer=OptimizerConfig(learning_rate=1e-6))
@@ -203,7 +248,8 @@ def learner_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -
     arrays = put_batch(full_batch(rows, prompt, completion, cfg.vocab_size), mesh)
     step = jit_train_step(learner.graphdef, lcfg, learner.tx, learner.shardings,
                           {k: batch_sharding(mesh, v.ndim) for k, v in arrays.items()}, 1, learner.frozen_shardings)
-    out = {"params": num_params(cfg), "rows": rows, "tokens": rows * (prompt + completion), "micro_batches": micro}
+    out = {**(out or {}), "params": num_params(cfg), "rows": rows, "tokens": rows * (prompt + completion),
+           "micro_batches": micro}
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         compiled = step.lower(learner.state, arrays, learner.frozen).compile()
@@ -224,14 +270,18 @@ def learner_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -
 
 
 def part_torch_learner(s: dict, work: Path) -> dict:
-    return torch_step(*s["learner"], s)
+    return torch_step(s["model"], *s["learner"], s)
 
 
 def part_torch_learner_long(s: dict, work: Path) -> dict:
-    return torch_step(*s["learner_long"], s)
+    return torch_step(s["model"], *s["learner_long"], s)
 
 
-def torch_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -> dict:
+def part_torch_moe_learner(s: dict, work: Path) -> dict:
+    return torch_step(s["moe_model"], *s["moe_learner"], s)
+
+
+def torch_step(shape: str, rows: int, prompt: int, completion: int, micro: int, s: dict) -> dict:
     import numpy as np
     import torch
     import transformers
@@ -241,18 +291,14 @@ def torch_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -> 
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    shape = SHAPES[s["model"]]
-    hf_cfg = transformers.Qwen3Config(
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], tie_word_embeddings=True,
-        max_position_embeddings=16384, rope_theta=1e6)
-    hf_cfg._attn_implementation = "sdpa"
+    cfg = model_config(shape)
+    hf = cfg.to_hf()
+    hf_cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device(device):
-        model = transformers.Qwen3ForCausalLM(hf_cfg)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
-    batch = full_batch(rows, prompt, completion, shape["vocab_size"])
+    batch = full_batch(rows, prompt, completion, hf_cfg.vocab_size)
     lcfg = LearnerConfig(group_size=8 if rows % 8 == 0 else 2)
     adv_B, _ = compute_advantages(batch["rewards_BxR"], lcfg.group_size, lcfg.advantages)
     ids = torch.tensor(np.concatenate([batch["prompt_BxP"], batch["completion_BxC"]], 1), device=device)
@@ -279,19 +325,22 @@ def torch_step(rows: int, prompt: int, completion: int, micro: int, s: dict) -> 
             torch.cuda.synchronize()
 
     step_s = median_s(one, s["repeats"])
-    return {"torch": torch.__version__, "rows": rows, "tokens": rows * (prompt + completion), "micro_batches": micro,
-            "step_s": step_s, "tokens_per_s": rows * (prompt + completion) / step_s,
+    return {"torch": torch.__version__, "model": type(model).__name__, "attention": model.config._attn_implementation,
+            "experts": model.config._experts_implementation if cfg.num_experts else None, "rows": rows,
+            "tokens": rows * (prompt + completion), "micro_batches": micro, "step_s": step_s,
+            "tokens_per_s": rows * (prompt + completion) / step_s,
             "device_peak_gb": torch.cuda.max_memory_allocated() / GB if cuda else 0.0}
 
 
 def decode_floor_s(kv_bytes_per_token: int, slots: int, prompt: int, new: int, copy_bytes_per_s: float,
-                   matmul_flops: float, params: int) -> float:
+                   matmul_flops: float, params: int, active: int | None = None) -> float:
     """The least time `slots` sequences of `prompt` + `new` tokens can take: every decode step reads
-    every weight once and every live key and value once; the prefill does 2 N FLOPs per token."""
+    every weight once and every live key and value once; the prefill does 2 N FLOPs per token (N: the
+    `active` parameters of an MoE, whose decode steps at 64 slots route to nearly every expert)."""
     weight_bytes = 2 * params  # bfloat16
     live = sum(prompt + i for i in range(new))
     decode_bytes = new * weight_bytes + slots * live * kv_bytes_per_token
-    return decode_bytes / copy_bytes_per_s + 2 * params * slots * prompt / matmul_flops
+    return decode_bytes / copy_bytes_per_s + 2 * (active or params) * slots * prompt / matmul_flops
 
 
 def part_engine(s: dict, work: Path) -> dict:
@@ -329,6 +378,30 @@ def part_engine(s: dict, work: Path) -> dict:
                                  "first_run_s": compile_wall}
         partial(out)
     asyncio.run(engine.close())
+    return out
+
+
+def part_moe_engine(s: dict, work: Path) -> dict:
+    """`JaxEngine` on the MoE, recording routes and not (experiments.bench.moe), taking turns."""
+    import numpy as np
+
+    from bridge.engines.base import SamplingParams
+    from bridge.engines.jax_engine import JaxEngine
+    from experiments.bench import moe
+
+    path = model_dir(work, s["moe_model"])
+    P, C, slots = s["prompt"], s["moe_new"], s["moe_slots"]
+
+    def engine() -> JaxEngine:  # no prefix cache: every round prefills and decodes the same
+        return JaxEngine(path, max_batch=slots, max_seq_len=P + C, prefix_cache_rows=0)
+
+    c = model_config(s["moe_model"])
+    out = {"prompt": P, "new": C, "slots": slots, "params": num_params(c), "active_params": moe.active_params(c),
+           "kv_bytes_per_token": 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2}
+    prompts = np.random.default_rng(slots).integers(10, c.vocab_size, (slots, P)).tolist()
+    engines = {"moe": engine(), "moe_without_routes": moe.without_routes(engine())}
+    out["decode"] = moe.decode_figures(engines, prompts, SamplingParams(temperature=1.0, max_tokens=C, seed=slots),
+                                       s["repeats"])
     return out
 
 
@@ -578,6 +651,22 @@ def derived(results: dict) -> dict:
                 if "tok_s" in hf.get(key, {}):
                     out[f"engine_{slots}_over_hf"] = figures["tok_s"] / hf[key]["tok_s"]
 
+    moe_learner, moe_engine = results.get("moe_learner", {}), results.get("moe_engine", {})
+    if "experts" in moe_learner:
+        out["moe_grouped_over_dense"] = moe_learner["experts"]["dense_s"] / moe_learner["experts"]["grouped_s"]
+    if "tokens_per_s" in moe_learner and flops:
+        out["moe_learner_mfu"] = 6 * moe_learner["active_params"] * moe_learner["tokens_per_s"] / flops
+    if "step_s" in moe_learner and "step_s" in results.get("torch_moe_learner", {}):
+        out["moe_learner_over_torch"] = results["torch_moe_learner"]["step_s"] / moe_learner["step_s"]
+    if "decode" in moe_engine:
+        routed, unrouted = (moe_engine["decode"][k]["decode_s_by_round"] for k in ("moe", "moe_without_routes"))
+        out["moe_route_recording_ratio"] = statistics.median(routed) / statistics.median(unrouted)
+        if flops and copy:
+            e, d = moe_engine, moe_engine["decode"]["moe"]
+            floor = decode_floor_s(e["kv_bytes_per_token"], e["slots"], e["prompt"], e["new"], copy, flops,
+                                   e["params"], e["active_params"])
+            out["moe_engine_over_floor"] = d["tokens"] / d["tok_s"] / floor
+
     def goal(name: str, suffix: str, worst, bound: float, at_least: bool) -> None:
         values = [v for k, v in out.items() if k.startswith(name) and k.endswith(suffix)]
         if values:
@@ -589,6 +678,9 @@ def derived(results: dict) -> dict:
     goal("learner", "_over_torch", min, GOALS["learner_over_torch"], True)
     goal("engine", "_over_floor", max, GOALS["engine_over_floor_max"], False)
     goal("engine", "_over_hf", min, GOALS["engine_over_hf"], True)
+    goal("moe_learner", "_mfu", min, GOALS["moe_learner_mfu"], True)
+    goal("moe_learner", "_over_torch", min, GOALS["moe_learner_over_torch"], True)
+    goal("moe_route_recording", "_ratio", max, GOALS["moe_route_recording_ratio_max"], False)
     trips = [v["round_trip_s"] for k, v in results.get("sync", {}).items()
              if k.startswith(("0.6b", "tiny")) and isinstance(v, dict) and "round_trip_s" in v]
     if trips:
