@@ -13,26 +13,40 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 from jaxrl.models import moe
 
 
-@pytest.mark.parametrize("sizes, past", [([5, 0, 17, 1, 0, 40, 3, 0], 0), ([0] * 7 + [64], 0), ([1] * 8, 0),
-                                         ([300, 2, 0, 0, 1, 0, 0, 9], 0), ([5, 0, 17, 1], 30)])
-def test_blocked_matmul_is_ragged_dot_with_its_gradients(sizes, past):
-    """`past` rows after every group (another shard's pairs): zeros, as ragged_dot gives them."""
+@pytest.mark.parametrize("sizes, past, biased", [([5, 0, 17, 1, 0, 40, 3, 0], 0, False), ([0] * 7 + [64], 0, True),
+                                                 ([1] * 8, 0, False), ([300, 2, 0, 0, 1, 0, 0, 9], 0, False),
+                                                 ([5, 0, 17, 1], 30, True)])
+def test_blocked_experts_are_the_ragged_dot_ones_with_their_gradients(sizes, past, biased):
+    """The CPU's blocks against `ragged_dot` (XLA:CPU's dense expansion: exact, however slow), gpt-oss's
+    biases and activation or Qwen's; `past` pairs after every group (another shard's experts) add nothing."""
     rng = np.random.default_rng(len(sizes) + sum(sizes))
-    A, E, D, F = sum(sizes) + past, len(sizes), 24, 40
-    x = jnp.asarray(rng.normal(size=(A, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(E, D, F)), jnp.float32)
+    N, A, E, D, I = 50, sum(sizes) + past, len(sizes), 24, 20
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape) / 3, jnp.float32)
+
+    x = normal(N, D)
+    token_A = jnp.asarray(rng.integers(0, N, A), jnp.int32)
+    expert_A = jnp.asarray(np.repeat(np.arange(E + 1), sizes + [past]), jnp.int32)
+    weight_A = jnp.asarray(rng.uniform(size=A), jnp.float32)
     sizes = jnp.asarray(sizes, jnp.int32)
-    want = jax.lax.ragged_dot(x, w, sizes)  # XLA:CPU's dense expansion: exact, however slow
-    np.testing.assert_allclose(moe._blocked_matmul(x, w, sizes), want, rtol=1e-5, atol=1e-4)
-    assert moe.grouped_matmul(x, w, sizes).shape == (A, F)
+    experts = (normal(E, D, 2 * I), normal(E, I, D)) + ((normal(E, 2 * I), normal(E, D)) if biased else (None, None))
+    activation = moe.expert_activation("clamped_swiglu" if biased else "silu_glu", limit=1.0, alpha=1.702)
 
-    def loss(f):
-        return lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
+    def run(path):
+        return lambda x, w, experts: path(x, token_A, expert_A, w, sizes, experts, activation)
 
-    got = jax.grad(loss(moe._blocked_matmul), (0, 1))(x, w)
-    ref = jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w)
+    want = run(moe.ragged_experts)(x, weight_A, experts)
+    np.testing.assert_allclose(run(moe.blocked_experts)(x, weight_A, experts), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want)).max() > 0.1
+
+    def grads(path):
+        return jax.grad(lambda *a: jnp.sum(jnp.sin(run(path)(*a))), (0, 1, 2))(x, weight_A, experts)
+
+    got, ref = jax.tree.leaves(grads(moe.blocked_experts)), jax.tree.leaves(grads(moe.ragged_experts))
+    assert len(got) == len(ref) == 4 + 2 * biased
     for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
 
 
 def test_block_rows_keep_padding_under_half_the_work():

@@ -14,9 +14,9 @@ Ratios (first in the last line's JSON object):
   grouped_over_dense       one MoE layer's experts over the learner batch's tokens, forward and backward: seconds of
                            every expert on every token (`moe.every_expert_forward`) over the grouped path's
                            (`moe.experts_forward`)
-  grouped_over_ragged_dot  one grouped matmul (the layer's gate and up projection of the token-expert pairs),
-                           forward and backward: `jax.lax.ragged_dot` as this backend lowers it (XLA:CPU: a dense
-                           product with every expert) over `moe.grouped_matmul`
+  grouped_over_ragged_dot  the same layer's token-expert pairs, sorted by expert, through their experts forward and
+                           backward: seconds of `moe.ragged_experts` (two `jax.lax.ragged_dot`s, which XLA:CPU lowers
+                           to products with every expert) over the CPU's `moe.blocked_experts`
   moe_decode_over_dense    the engine's decode tokens/s on the MoE over those on a dense model of the same active
                            parameters (hidden size, layers and attention the same; an MLP of width top_k x
                            moe_intermediate_size), the same prompts, sampling and lengths
@@ -118,10 +118,10 @@ def step_flops(cfg: ModelConfig, rows: int, slots: int, completion: int) -> int:
 
 def experts_figures(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) -> dict:
     """One MoE layer of `cfg` over `tokens` tokens routed by a random router, forward and backward (the gradients
-    of the tokens, their routing weights and the experts): the grouped path and every expert on every token; and
-    one grouped matmul (the gate and up projection of the token-expert pairs, sorted by expert) by
-    `moe.grouped_matmul` and by `jax.lax.ragged_dot`. Median seconds and the FLOPs each executes (a blocked
-    matmul's padding rows and a dense product's unrouted experts included)."""
+    of the tokens, their routing weights and the experts): the grouped path (`moe.experts_forward`) and every
+    expert on every token; on the CPU also the token-expert pairs sorted by expert through the CPU's
+    `moe.blocked_experts` and through `moe.ragged_experts` (`jax.lax.ragged_dot`, the other platforms' path).
+    Median seconds and the FLOPs each executes (padding rows and unrouted experts included)."""
     rng = np.random.default_rng(seed)
     D, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
 
@@ -133,32 +133,36 @@ def experts_figures(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) 
     experts_NxK, weights_NxK, _ = moe.route(normal((tokens, E)), k, "softmax", cfg.norm_topk_prob)
 
     def seconds(f, *args):
-        """Median seconds of the gradient of sum(f(...)^2) with respect to every floating argument."""
-        wrt = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
-        grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.square(f(*a).astype(jnp.float32))), wrt))
+        """Median seconds of the gradient of sum(f(...)^2) with respect to every argument."""
+        grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.square(f(*a).astype(jnp.float32))), tuple(range(len(args)))))
         return median_s(lambda: jax.block_until_ready(grad(*args)), repeats)
 
-    def layer(forward):
-        return seconds(lambda x, e, w, gu, d: forward(x, e, w, gu, d, moe.silu_glu),
-                       x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD)
-
     A = tokens * k
+    per_row = 2 * (D * 2 * I + I * D)  # the two grouped matmuls' forward FLOPs per token-expert pair
     flat_A = np.asarray(experts_NxK).reshape(-1)
     order_A = np.argsort(flat_A, kind="stable")
-    x_AxD, sizes_E = x_NxD[order_A // k], jnp.asarray(np.bincount(flat_A, minlength=E), jnp.int32)
-    cpu = jax.default_backend() == "cpu"  # where grouped_matmul runs blocks of rows, and ragged_dot every expert
-    grouped_rows = int(np.prod(moe.blocks(A, E))) if cpu else A
-    per_row = 2 * (D * 2 * I + I * D)  # the two grouped matmuls' forward FLOPs per token-expert pair
-    return {
-        "tokens": tokens, "pairs": A,
-        "grouped_s": layer(moe.experts_forward), "dense_s": layer(moe.every_expert_forward),
-        "grouped_flops": 3 * grouped_rows * per_row, "dense_flops": 3 * tokens * E * per_row,
-        "grouped_matmul_s": seconds(moe.grouped_matmul, x_AxD, gate_up_ExDxG, sizes_E),
-        "ragged_dot_s": seconds(lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32),
-                                x_AxD, gate_up_ExDxG, sizes_E),
-        "grouped_matmul_flops": 3 * 2 * grouped_rows * D * 2 * I,
-        "ragged_dot_flops": 3 * 2 * A * (E if cpu else 1) * D * 2 * I,
-    }
+    sizes_E = np.bincount(flat_A, minlength=E)
+    cpu = jax.default_backend() == "cpu"
+    b = moe.blocks(A, E)[1]
+    out = {"tokens": tokens, "pairs": A,
+           "grouped_s": seconds(lambda x, w, gu, d: moe.experts_forward(x, experts_NxK, w, gu, d, moe.silu_glu),
+                                x_NxD, weights_NxK, gate_up_ExDxG, down_ExIxD),
+           "dense_s": seconds(lambda x, w, gu, d: moe.every_expert_forward(x, experts_NxK, w, gu, d, moe.silu_glu),
+                              x_NxD, weights_NxK, gate_up_ExDxG, down_ExIxD),
+           # The CPU's blocks: each expert's rows padded to whole blocks of b.
+           "grouped_flops": 3 * per_row * (int(np.sum(-(-sizes_E // b) * b)) if cpu else A),
+           "dense_flops": 3 * per_row * tokens * E}
+    if cpu:
+        pairs = (jnp.asarray(order_A // k, jnp.int32), jnp.asarray(flat_A[order_A], jnp.int32))
+
+        def sorted_pairs(path):
+            return seconds(lambda x, w, gu, d: path(x, *pairs, w, jnp.asarray(sizes_E, jnp.int32), (gu, d, None, None),
+                                                    moe.silu_glu),
+                           x_NxD, weights_NxK.reshape(-1)[order_A], gate_up_ExDxG, down_ExIxD)
+
+        out.update(blocked_s=sorted_pairs(moe.blocked_experts), ragged_dot_s=sorted_pairs(moe.ragged_experts),
+                   blocked_flops=out["grouped_flops"], ragged_dot_flops=3 * per_row * A * E)
+    return out
 
 
 class _SlotsWithoutRoutes(Slots):
@@ -278,7 +282,7 @@ def main(argv=None) -> dict:
     figures = {
         "learner_over_torch": learner["torch_step_s"] / learner["jax_step_s"],
         "grouped_over_dense": experts["dense_s"] / experts["grouped_s"],
-        "grouped_over_ragged_dot": experts["ragged_dot_s"] / experts["grouped_matmul_s"],
+        "grouped_over_ragged_dot": experts["ragged_dot_s"] / experts["blocked_s"],
         "moe_decode_over_dense": decode["moe"]["decode_tok_s"] / decode["dense"]["decode_tok_s"],
         "route_recording_ratio": with_s / without_s,
         "model": {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "layers": args.layers,
@@ -300,9 +304,8 @@ def main(argv=None) -> dict:
           f"{learner['torch_experts']}, attention {learner['torch_attention']})")
     print(f"  experts, {experts['tokens']} tokens: grouped {experts['grouped_s'] * 1e3:.1f} ms "
           f"({experts['grouped_flops'] / 1e9:.2f} GFLOP), every expert {experts['dense_s'] * 1e3:.1f} ms "
-          f"({experts['dense_flops'] / 1e9:.2f} GFLOP); one matmul: grouped {experts['grouped_matmul_s'] * 1e3:.1f} "
-          f"ms ({experts['grouped_matmul_flops'] / 1e9:.2f} GFLOP), ragged_dot {experts['ragged_dot_s'] * 1e3:.1f} ms "
-          f"({experts['ragged_dot_flops'] / 1e9:.2f} GFLOP)")
+          f"({experts['dense_flops'] / 1e9:.2f} GFLOP); sorted pairs: blocks {experts['blocked_s'] * 1e3:.1f} ms, "
+          f"ragged_dot {experts['ragged_dot_s'] * 1e3:.1f} ms ({experts['ragged_dot_flops'] / 1e9:.2f} GFLOP)")
     for name in engines:
         d = decode[name]
         print(f"  decode {name}: {d['tokens']} tokens, {d['decode_tok_s']:.0f} tok/s decoding ({d['tok_s']:.0f} "

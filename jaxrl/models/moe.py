@@ -86,55 +86,24 @@ def sum_stats(stats: list[RouterStats]) -> RouterStats:
 
 
 def _block_rows(assignments: int, experts: int) -> int:
-    """Rows per block of `_blocked_matmul`: a power of two near half the mean rows an expert gets (so
+    """Rows per block of `blocked_experts`: a power of two near half the mean rows an expert gets (so
     blocks padded to it add at most about half the work), from 8 to 256."""
     mean = max(1, assignments // (2 * experts))
     return int(min(256, max(8, 2 ** int(np.log2(mean)))))
 
 
 def blocks(assignments: int, experts: int) -> tuple[int, int]:
-    """(blocks, rows per block) of `_blocked_matmul` over `assignments` rows: blocks enough for any split
+    """(blocks, rows per block) of `blocked_experts` over `assignments` rows: blocks enough for any split
     of the rows over the experts."""
     b = _block_rows(assignments, experts)
     return -(-(assignments + experts * (b - 1)) // b), b
 
 
-def _blocked_matmul(x_AxD, w_ExDxF, sizes_E):
-    """`ragged_dot` as blocks of rows that each belong to one expert: every expert's rows padded to whole
-    blocks, one batched matmul of each block with its expert's weight (rows past the groups: zeros). Its
-    work grows with the rows, not with the experts (XLA:CPU lowers `ragged_dot` to a dense product over
-    every expert)."""
-    A, D = x_AxD.shape
-    E = w_ExDxF.shape[0]
-    n, b = blocks(A, E)
-    padded_E = -(-sizes_E // b) * b
-    padded_end_E = jnp.cumsum(padded_E)
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    expert_A = jnp.repeat(jnp.arange(E), sizes_E, total_repeat_length=A)
-    grouped_A = jnp.arange(A) < sizes_E.sum()
-    # A row past the groups goes nowhere: past the blocks, each to its own place (the indices stay unique).
-    dest_A = jnp.where(grouped_A, (padded_end_E - padded_E)[expert_A] + jnp.arange(A) - start_E[expert_A],
-                       n * b + jnp.arange(A))
-    x_PxD = jnp.zeros((n * b, D), x_AxD.dtype).at[dest_A].set(x_AxD, unique_indices=True, mode="drop")
-    expert_n = jnp.minimum(jnp.searchsorted(padded_end_E, jnp.arange(n) * b, side="right"), E - 1)
-    y = jnp.einsum("nbd,ndf->nbf", x_PxD.reshape(n, b, D), w_ExDxF[expert_n], preferred_element_type=jnp.float32)
-    return y.reshape(n * b, -1).at[dest_A].get(mode="fill", fill_value=0).astype(x_AxD.dtype)
-
-
-def grouped_matmul(x_AxD, w_ExDxF, sizes_E):
-    """Rows sorted by expert (the first sizes_E[0] rows expert 0's, ...) each times its expert's weight,
-    rows past the groups zeros: `jax.lax.ragged_dot` on GPU and TPU, blocks of rows on CPU."""
-
-    def ragged(x, w, sizes):
-        return jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32).astype(x.dtype)
-
-    return jax.lax.platform_dependent(x_AxD, w_ExDxF, sizes_E, cpu=_blocked_matmul, default=ragged)
-
-
 def experts_forward(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation, gate_up_bias_ExG=None,
                     down_bias_ExD=None, first_expert=0, mesh=None):
     """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]), each expert down(activation(x gate_up)). The
-    token-expert pairs are sorted by expert and run as two grouped matmuls.
+    token-expert pairs are sorted by expert and run through their experts as groups: `ragged_experts` on
+    GPU and TPU, `blocked_experts` on CPU.
 
     The weights may be a shard of the experts, those from `first_expert` on: pairs of other experts add
     nothing (and sort past every group). Under a `mesh` with an `expert` axis of more than one device, the
@@ -150,15 +119,134 @@ def experts_forward(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, 
     order_A = jnp.argsort(key_A, stable=True)
     expert_A, token_A = key_A[order_A], order_A // K
     sizes_E = jnp.zeros(E, jnp.int32).at[key_A].add(1, mode="drop")
-    h_AxG = grouped_matmul(x_NxD[token_A], gate_up_ExDxG, sizes_E)
-    if gate_up_bias_ExG is not None:
-        h_AxG = h_AxG + gate_up_bias_ExG.at[expert_A].get(mode="fill", fill_value=0).astype(h_AxG.dtype)
-    out_AxD = grouped_matmul(activation(h_AxG), down_ExIxD, sizes_E)
-    if down_bias_ExD is not None:
-        out_AxD = out_AxD + down_bias_ExD.at[expert_A].get(mode="fill", fill_value=0).astype(out_AxD.dtype)
     weight_A = jnp.where(mine_NxK, weights_NxK, 0).reshape(-1)[order_A]
-    out_AxD = out_AxD * weight_A[:, None].astype(out_AxD.dtype)
-    return jnp.zeros_like(x_NxD).at[token_A].add(out_AxD)
+    experts = (gate_up_ExDxG, down_ExIxD, gate_up_bias_ExG, down_bias_ExD)
+    return jax.lax.platform_dependent(x_NxD, token_A, expert_A, weight_A, sizes_E, experts,
+                                      cpu=functools.partial(blocked_experts, activation=activation),
+                                      default=functools.partial(ragged_experts, activation=activation))
+
+
+def ragged_experts(x_NxD, token_A, expert_A, weight_A, sizes_E, experts, activation):
+    """The pairs sorted by expert (token_A[a] to expert_A[a] with weight_A[a]; expert E: none here, past
+    every group) through their experts (gate_up, down and their biases or None) as two `jax.lax.ragged_dot`s,
+    summed into each token's output."""
+    gate_up, down, gate_up_bias, down_bias = experts
+
+    def grouped(x, w):
+        return jax.lax.ragged_dot(x, w, sizes_E, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    h_AxG = grouped(x_NxD[token_A], gate_up)
+    if gate_up_bias is not None:
+        h_AxG = h_AxG + gate_up_bias.at[expert_A].get(mode="fill", fill_value=0).astype(h_AxG.dtype)
+    out_AxD = grouped(activation(h_AxG), down)
+    if down_bias is not None:
+        out_AxD = out_AxD + down_bias.at[expert_A].get(mode="fill", fill_value=0).astype(out_AxD.dtype)
+    return jnp.zeros_like(x_NxD).at[token_A].add(out_AxD * weight_A[:, None].astype(out_AxD.dtype))
+
+
+def blocked_experts(x_NxD, token_A, expert_A, weight_A, sizes_E, experts, activation):
+    """`ragged_experts` for XLA:CPU, which lowers `ragged_dot` to a product with every expert: each expert's
+    pairs padded to whole blocks of `blocks` rows, and the blocks in use run one after another, each through
+    its expert's whole MLP (`_expert_blocks`). A block reads its expert's weights where they lie and the
+    weights' gradients add up in place, where a batched matmul of every block copied an expert's weights
+    per block and scattered their gradients back (docs/benchmarks.md)."""
+    A, E, D = token_A.shape[0], sizes_E.shape[0], x_NxD.shape[1]
+    n, b = blocks(A, E)
+    padded_E = -(-sizes_E // b) * b
+    padded_end_E = jnp.cumsum(padded_E)
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    expert = jnp.minimum(expert_A, E - 1)
+    # A pair past the groups goes nowhere: past the blocks, each to its own place (the indices stay unique).
+    dest_A = jnp.where(expert_A < E, (padded_end_E - padded_E)[expert] + jnp.arange(A) - start_E[expert],
+                       n * b + jnp.arange(A))
+    # Padding rows take token 0 with weight 0: they add nothing, and their gradients are zeros.
+    token_P = jnp.zeros(n * b, jnp.int32).at[dest_A].set(token_A, unique_indices=True, mode="drop")
+    weight_P = jnp.zeros(n * b, weight_A.dtype).at[dest_A].set(weight_A, unique_indices=True, mode="drop")
+    expert_n = jnp.minimum(jnp.searchsorted(padded_end_E, jnp.arange(n) * b, side="right"), E - 1)
+    x_NxBxD, *experts = _vary_alike(x_NxD[token_P].reshape(n, b, D), *experts)
+    y_NxBxD = _expert_blocks(x_NxBxD, expert_n, padded_end_E[-1] // b, tuple(experts), activation)
+    y_PxD = y_NxBxD.reshape(n * b, D) * weight_P[:, None].astype(y_NxBxD.dtype)
+    return jnp.zeros_like(x_NxD).at[token_P].add(y_PxD)
+
+
+def _block_mlp(x_bxD, e, experts, activation):
+    """(h, y) of one block's rows through expert e: h its gate and up projection, y its output."""
+    gate_up, down, gate_up_bias, down_bias = experts
+    h = jnp.dot(x_bxD, gate_up[e], preferred_element_type=jnp.float32).astype(x_bxD.dtype)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[e].astype(h.dtype)
+    y = jnp.dot(activation(h), down[e], preferred_element_type=jnp.float32).astype(x_bxD.dtype)
+    return h, (y if down_bias is None else y + down_bias[e].astype(y.dtype))
+
+
+def _vary_alike(*arrays):
+    """`arrays` (None kept), each made to vary over every `shard_map` axis one of them varies over (zeros of
+    the others added; outside `shard_map`, nothing changes). A loop's carry must be typed as what its body
+    makes of them, and so must a hand-written gradient: JAX sums it back over the axes its array did not vary
+    over (expert parallelism's weights vary over `expert` alone, its tokens over the batch axes too)."""
+    zero = sum(jnp.zeros_like(a, shape=(), dtype=jnp.float32) for a in arrays if a is not None)
+    return tuple(None if a is None else a + zero.astype(a.dtype) for a in arrays)
+
+
+def _run_blocks(x_NxBxD, expert_n, used, experts, activation, keep_h: bool):
+    """Blocks [0, used) through their experts: the outputs (zeros past `used`), and with `keep_h` the gate and
+    up projections (what the backward pass needs)."""
+    n, b, _ = x_NxBxD.shape
+
+    def body(i, carry):
+        y, h_all = carry
+        h, out = _block_mlp(x_NxBxD[i], expert_n[i], experts, activation)
+        return y.at[i].set(out), (h_all.at[i].set(h) if keep_h else h_all)
+
+    h_all = jnp.zeros_like(x_NxBxD, shape=(n, b, experts[0].shape[-1]) if keep_h else ())
+    return jax.lax.fori_loop(0, used, body, (jnp.zeros_like(x_NxBxD), h_all))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _expert_blocks(x_NxBxD, expert_n, used, experts, activation):
+    """Each block of rows x_NxBxD[i], i < used, through expert expert_n[i]'s MLP; zeros past `used`. A loop
+    of a number of blocks known only when it runs: its gradient is written out (`_expert_blocks_bwd`). The
+    rows and the experts vary alike (`_vary_alike`)."""
+    return _run_blocks(x_NxBxD, expert_n, used, experts, activation, keep_h=False)[0]
+
+
+def _expert_blocks_fwd(x_NxBxD, expert_n, used, experts, activation):
+    y, h_all = _run_blocks(x_NxBxD, expert_n, used, experts, activation, keep_h=True)
+    return y, (x_NxBxD, expert_n, used, experts, h_all)
+
+
+def _expert_blocks_bwd(activation, residuals, dy_NxBxD):
+    """Per block: the activation's gradient from its kept input, the input's gradient, and the expert's
+    weight (and bias) gradients added to that expert's in place."""
+    x_NxBxD, expert_n, used, experts, h_all = residuals
+    gate_up, down, gate_up_bias, down_bias = experts
+
+    def t_dot(a, b, contract):  # a . b contracting a's and b's axes `contract`, in float32
+        return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+    def body(i, grads):
+        dx, d_gate_up, d_down, d_gate_up_bias, d_down_bias = grads
+        e, dy = expert_n[i], dy_NxBxD[i]
+        a, activation_vjp = jax.vjp(activation, h_all[i])
+        d_down = d_down.at[e].add(t_dot(a, dy, ((0,), (0,))))
+        (dh,) = activation_vjp(t_dot(dy, down[e], ((1,), (1,))).astype(a.dtype))
+        d_gate_up = d_gate_up.at[e].add(t_dot(x_NxBxD[i], dh, ((0,), (0,))))
+        if gate_up_bias is not None:
+            d_gate_up_bias = d_gate_up_bias.at[e].add(dh.sum(0, dtype=jnp.float32))
+        if down_bias is not None:
+            d_down_bias = d_down_bias.at[e].add(dy.sum(0, dtype=jnp.float32))
+        return (dx.at[i].set(t_dot(dh, gate_up[e], ((1,), (1,))).astype(dx.dtype)), d_gate_up, d_down,
+                d_gate_up_bias, d_down_bias)
+
+    def zeros(w):
+        return None if w is None else jnp.zeros_like(w, dtype=jnp.float32)
+
+    grads = jax.lax.fori_loop(0, used, body, (jnp.zeros_like(x_NxBxD), *map(zeros, experts)))
+    d_experts = tuple(None if w is None else g.astype(w.dtype) for w, g in zip(experts, grads[1:]))
+    return grads[0], None, None, d_experts
+
+
+_expert_blocks.defvjp(_expert_blocks_fwd, _expert_blocks_bwd)
 
 
 def expert_parallel(x_NxD, experts_NxK, weights_NxK, gate_up_ExDxG, down_ExIxD, activation, mesh,
