@@ -41,7 +41,7 @@ def test_tiny_run_measures_every_part_and_judges_the_goals(tmp_path):
     assert {"tiny_disk", "tiny_shm"} <= set(figures["sync"])
     assert figures["run"]["exit"] == 0 and figures["run"]["learn_s_median"] > 0
     assert {"moe_grouped_over_dense", "moe_engine_over_floor"} <= set(figures["derived"])
-    assert figures["torch_moe_learner"]["model"] == "Qwen3MoeForCausalLM"
+    assert figures["torch_moe_learner"]["bfloat16"]["model"] == "Qwen3MoeForCausalLM"
     assert figures["moe_learner"]["active_params"] < figures["moe_learner"]["params"]
     assert json.loads((tmp_path / "gpu.json").read_text())["goals"] == figures["goals"]
     assert "==== run" in (tmp_path / "gpu.log").read_text()

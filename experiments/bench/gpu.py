@@ -47,7 +47,8 @@ go on. `--out DIR` gets `gpu.json` (rewritten after every part) and `gpu.log` (t
                  GRPO step at 32 x 1,024 tokens in micro-batches of 8 x 1,024, MFU = 6 N tokens/s over the
                  peak with N the active parameters.
   torch_moe_learner  the same step in PyTorch (transformers' `Qwen3MoeForCausalLM`, its default experts
-                 implementation; otherwise as torch_learner).
+                 implementation): as torch_learner, and with bfloat16 weights and AdamW state (its grouped_mm
+                 runs in the weights' dtype: float32 under autocast); the faster is the baseline.
   moe_engine     `JaxEngine` on the MoE (bfloat16) at 64 slots, 512 prompt + 256 sampled tokens, recording
                  routes and without its caches' route buffer (experiments.bench.moe), in turn after a warm-up
                  round: against the floor (prefill FLOPs of the active parameters) and what recording costs.
@@ -278,10 +279,17 @@ def part_torch_learner_long(s: dict, work: Path) -> dict:
 
 
 def part_torch_moe_learner(s: dict, work: Path) -> dict:
-    return torch_step(s["moe_model"], *s["moe_learner"], s)
+    """As torch_learner, and again with bfloat16 weights: transformers' grouped_mm runs the experts in their
+    weights' dtype, so under autocast with float32 weights they miss the bfloat16 kernel. `step_s`: the faster."""
+    out = {"float32": torch_step(s["moe_model"], *s["moe_learner"], s)}
+    partial(out)
+    out["bfloat16"] = torch_step(s["moe_model"], *s["moe_learner"], s, weights="bfloat16")
+    return {**out, "step_s": min(out["float32"]["step_s"], out["bfloat16"]["step_s"])}
 
 
-def torch_step(shape: str, rows: int, prompt: int, completion: int, micro: int, s: dict) -> dict:
+def torch_step(shape: str, rows: int, prompt: int, completion: int, micro: int, s: dict,
+               weights: str = "float32") -> dict:
+    """The GRPO step in PyTorch, `weights` the parameters' (and AdamW state's) dtype, computing in bfloat16."""
     import numpy as np
     import torch
     import transformers
@@ -295,7 +303,8 @@ def torch_step(shape: str, rows: int, prompt: int, completion: int, micro: int, 
     hf = cfg.to_hf()
     hf_cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=getattr(torch, weights),
+                                                              attn_implementation="sdpa")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
     batch = full_batch(rows, prompt, completion, hf_cfg.vocab_size)
@@ -324,8 +333,11 @@ def torch_step(shape: str, rows: int, prompt: int, completion: int, micro: int, 
         if cuda:
             torch.cuda.synchronize()
 
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     step_s = median_s(one, s["repeats"])
-    return {"torch": torch.__version__, "model": type(model).__name__, "attention": model.config._attn_implementation,
+    return {"torch": torch.__version__, "model": type(model).__name__, "weights": weights,
+            "attention": model.config._attn_implementation,
             "experts": model.config._experts_implementation if cfg.num_experts else None, "rows": rows,
             "tokens": rows * (prompt + completion), "micro_batches": micro, "step_s": step_s,
             "tokens_per_s": rows * (prompt + completion) / step_s,
