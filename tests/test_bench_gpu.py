@@ -77,4 +77,4 @@ def test_goals_come_from_the_parts_figures():
     floor = gpu.decode_floor_s(65536, 64, 512, 256, 4e12, 1e15, 1.9e9, 4e8)
     assert math.isclose(out["derived"]["moe_engine_over_floor"], 4.0 / floor)
     assert out["goals"]["moe_learner_over_torch"] == {"figure": 2.5, "goal": ">= 1.5", "met": True}
-    assert out["goals"]["moe_route_recording_ratio"] == {"figure": 1.1 / 1.0, "goal": "<= 1.05", "met": False}
+    assert out["goals"]["moe_route_recording_ratio"] == {"figure": 1.2 / 1.1, "goal": "<= 1.05", "met": False}

@@ -344,6 +344,13 @@ def torch_step(shape: str, rows: int, prompt: int, completion: int, micro: int, 
             "device_peak_gb": torch.cuda.max_memory_allocated() / GB if cuda else 0.0}
 
 
+def route_recording_ratio(decode: dict) -> float:
+    """Decode seconds of the MoE engine recording routes over those without, each round's pair (run back to
+    back) a ratio: their median, less swayed by the machine's drifts than a ratio of medians."""
+    with_s, without_s = (decode[k]["decode_s_by_round"] for k in ("moe", "moe_without_routes"))
+    return statistics.median(a / b for a, b in zip(with_s, without_s))
+
+
 def decode_floor_s(kv_bytes_per_token: int, slots: int, prompt: int, new: int, copy_bytes_per_s: float,
                    matmul_flops: float, params: int, active: int | None = None) -> float:
     """The least time `slots` sequences of `prompt` + `new` tokens can take: every decode step reads
@@ -671,8 +678,7 @@ def derived(results: dict) -> dict:
     if "step_s" in moe_learner and "step_s" in results.get("torch_moe_learner", {}):
         out["moe_learner_over_torch"] = results["torch_moe_learner"]["step_s"] / moe_learner["step_s"]
     if "decode" in moe_engine:
-        routed, unrouted = (moe_engine["decode"][k]["decode_s_by_round"] for k in ("moe", "moe_without_routes"))
-        out["moe_route_recording_ratio"] = statistics.median(routed) / statistics.median(unrouted)
+        out["moe_route_recording_ratio"] = route_recording_ratio(moe_engine["decode"])
         if flops and copy:
             e, d = moe_engine, moe_engine["decode"]["moe"]
             floor = decode_floor_s(e["kv_bytes_per_token"], e["slots"], e["prompt"], e["new"], copy, flops,

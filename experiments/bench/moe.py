@@ -21,7 +21,8 @@ Ratios (first in the last line's JSON object):
                            parameters (hidden size, layers and attention the same; an MLP of width top_k x
                            moe_intermediate_size), the same prompts, sampling and lengths
   route_recording_ratio    the MoE engine's decode seconds recording every token's route (its cache's route buffer,
-                           read back as rows end) over the same engine's without the buffer (target: under 1.05)
+                           read back as rows end) over the same engine's without the buffer in the same round, the
+                           median over rounds (target: under 1.05)
 Then each part's work and figures: tokens and FLOPs, each side's rate against this machine's matmul rate (XLA's
 float32 dot at the step's shapes, measured in the same run), each engine against its decode floor
 (experiments.bench.roofline). Decode figures: tokens over the engine's decode calls' device time (inserts and
@@ -48,7 +49,7 @@ from bridge.engines.base import SamplingParams
 from bridge.engines.jax_engine import JaxEngine
 from bridge.engines.slots import Slots
 from experiments.bench.engines import random_prompts
-from experiments.bench.gpu import median_s, num_params
+from experiments.bench.gpu import median_s, num_params, route_recording_ratio
 from experiments.bench.learner import TorchStep, cpu_model, cpu_vector_units, interleaved_steps, make_batch
 from experiments.bench.roofline import decode_floor, matmul_s, memory_bandwidth
 from jaxrl.compilation import compiles
@@ -61,7 +62,7 @@ from jaxrl.train_step import LearnerConfig
 
 # Sizes for a 2-core CPU (a few minutes in all); --tiny keeps CI to seconds.
 DEFAULTS = dict(batch=8, prompt_len=64, completion_len=192, steps=5, vocab=8192, hidden=256, layers=4, experts=16,
-                top_k=2, moe_intermediate=256, group_size=4, logp_chunk=64, sequences=16, new_tokens=64, repeats=5)
+                top_k=2, moe_intermediate=256, group_size=4, logp_chunk=64, sequences=16, new_tokens=64, repeats=9)
 TINY = dict(batch=4, prompt_len=8, completion_len=32, steps=2, vocab=512, hidden=64, layers=2, experts=4, top_k=2,
             moe_intermediate=32, group_size=2, logp_chunk=8, sequences=4, new_tokens=8, repeats=1)
 
@@ -132,10 +133,10 @@ def experts_figures(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) 
     gate_up_ExDxG, down_ExIxD = normal((E, D, 2 * I), D ** -0.5), normal((E, I, D), I ** -0.5)
     experts_NxK, weights_NxK, _ = moe.route(normal((tokens, E)), k, "softmax", cfg.norm_topk_prob)
 
-    def seconds(f, *args):
-        """Median seconds of the gradient of sum(f(...)^2) with respect to every argument."""
+    def seconds(f, *args, fixed=()):
+        """Median seconds of the gradient of sum(f(*args, *fixed)^2) with respect to `args`."""
         grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.square(f(*a).astype(jnp.float32))), tuple(range(len(args)))))
-        return median_s(lambda: jax.block_until_ready(grad(*args)), repeats)
+        return median_s(lambda: jax.block_until_ready(grad(*args, *fixed)), repeats)
 
     A = tokens * k
     per_row = 2 * (D * 2 * I + I * D)  # the two grouped matmuls' forward FLOPs per token-expert pair
@@ -145,20 +146,20 @@ def experts_figures(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) 
     cpu = jax.default_backend() == "cpu"
     b = moe.blocks(A, E)[1]
     out = {"tokens": tokens, "pairs": A,
-           "grouped_s": seconds(lambda x, w, gu, d: moe.experts_forward(x, experts_NxK, w, gu, d, moe.silu_glu),
-                                x_NxD, weights_NxK, gate_up_ExDxG, down_ExIxD),
-           "dense_s": seconds(lambda x, w, gu, d: moe.every_expert_forward(x, experts_NxK, w, gu, d, moe.silu_glu),
-                              x_NxD, weights_NxK, gate_up_ExDxG, down_ExIxD),
+           "grouped_s": seconds(lambda x, w, gu, d, e: moe.experts_forward(x, e, w, gu, d, moe.silu_glu),
+                                x_NxD, weights_NxK, gate_up_ExDxG, down_ExIxD, fixed=(experts_NxK,)),
+           "dense_s": seconds(lambda x, w, gu, d, e: moe.every_expert_forward(x, e, w, gu, d, moe.silu_glu),
+                              x_NxD, weights_NxK, gate_up_ExDxG, down_ExIxD, fixed=(experts_NxK,)),
            # The CPU's blocks: each expert's rows padded to whole blocks of b.
            "grouped_flops": 3 * per_row * (int(np.sum(-(-sizes_E // b) * b)) if cpu else A),
            "dense_flops": 3 * per_row * tokens * E}
     if cpu:
-        pairs = (jnp.asarray(order_A // k, jnp.int32), jnp.asarray(flat_A[order_A], jnp.int32))
+        pairs = tuple(jnp.asarray(a, jnp.int32) for a in (order_A // k, flat_A[order_A], sizes_E))
 
         def sorted_pairs(path):
-            return seconds(lambda x, w, gu, d: path(x, *pairs, w, jnp.asarray(sizes_E, jnp.int32), (gu, d, None, None),
-                                                    moe.silu_glu),
-                           x_NxD, weights_NxK.reshape(-1)[order_A], gate_up_ExDxG, down_ExIxD)
+            return seconds(lambda x, w, gu, d, token, expert, sizes: path(x, token, expert, w, sizes,
+                                                                         (gu, d, None, None), moe.silu_glu),
+                           x_NxD, weights_NxK.reshape(-1)[order_A], gate_up_ExDxG, down_ExIxD, fixed=pairs)
 
         out.update(blocked_s=sorted_pairs(moe.blocked_experts), ragged_dot_s=sorted_pairs(moe.ragged_experts),
                    blocked_flops=out["grouped_flops"], ragged_dot_flops=3 * per_row * A * E)
@@ -241,6 +242,7 @@ def main(argv=None) -> dict:
     # XLA's CPU client runs one intra-op thread per core it may use; torch gets as many.
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
+    load_before = os.getloadavg()[0]
     cfg = moe_config(args)
     dense = dense_twin(cfg)
     learner = learner_figures(args, cfg)
@@ -277,18 +279,19 @@ def main(argv=None) -> dict:
         decode[name]["floor"] = floor.figures()
         decode[name]["over_floor"] = decode[name]["decode_tok_s"] / floor.tok_s
 
-    with_s = statistics.median(decode["moe"]["decode_s_by_round"])
-    without_s = statistics.median(decode["moe_without_routes"]["decode_s_by_round"])
     figures = {
         "learner_over_torch": learner["torch_step_s"] / learner["jax_step_s"],
         "grouped_over_dense": experts["dense_s"] / experts["grouped_s"],
         "grouped_over_ragged_dot": experts["ragged_dot_s"] / experts["blocked_s"],
         "moe_decode_over_dense": decode["moe"]["decode_tok_s"] / decode["dense"]["decode_tok_s"],
-        "route_recording_ratio": with_s / without_s,
+        "route_recording_ratio": route_recording_ratio(decode),
         "model": {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "layers": args.layers,
                   "moe_intermediate": args.moe_intermediate, "vocab": args.vocab, "params": num_params(cfg),
                   "active_params": active_params(cfg), "dense_twin_params": num_params(dense)},
-        "machine": {"matmul_gflop_s": matmul_flop_s / 1e9, "bandwidth_gb_s": bandwidth / 1e9, "threads": threads,
+        # The machine's 1-minute load average before and after (this run's own threads count in the second):
+        # PyTorch's threads wait on each other, so a busy machine flatters the ratio to PyTorch.
+        "machine": {"load_average": [load_before, os.getloadavg()[0]], "matmul_gflop_s": matmul_flop_s / 1e9,
+                    "bandwidth_gb_s": bandwidth / 1e9, "threads": threads,
                     "cpu": cpu_model(), "cpu_vector_units": cpu_vector_units(), "backend": jax.default_backend()},
         "learner": learner, "experts": experts, "decode": decode,
     }
@@ -297,7 +300,8 @@ def main(argv=None) -> dict:
           f"{figures['model']['active_params']:,} active); learner batch {args.batch} x (prompt {args.prompt_len} + "
           f"completion {args.completion_len}), median of {args.steps} steps; decode {args.sequences} x "
           f"{args.new_tokens} tokens, median of {args.repeats}; {jax.default_backend()}, {threads} threads")
-    print(f"  matmul rate {matmul_flop_s / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s")
+    print(f"  matmul rate {matmul_flop_s / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"  learner: {learner['tokens']} tokens ({learner['slots']} slots), {learner['flops_per_step'] / 1e9:.2f} "
           f"GFLOP a step each side; ours {learner['jax_step_s']:.3f} s ({learner['jax_gflop_s']:.1f} GFLOP/s), "
           f"PyTorch {learner['torch_step_s']:.3f} s ({learner['torch_gflop_s']:.1f} GFLOP/s, experts "
