@@ -29,10 +29,10 @@ bash scripts/setup.sh test || { wait "$vllm_setup"; exit 1; }  # leaving no inst
 # locks/docs.txt, then the build), ~10 s after: beside the main suite, it adds nothing to the wall time.
 bash scripts/docs.sh > "$docs_log" 2>&1 &
 docs_build=$!
-# Three workers on CI's two cores (a test file stays on one: its module fixtures are built once), in
-# conftest's order: most tests wait on processes they start, and two workers kept the cores busy only
-# about 1.7 of 2 on average. A worker that crashes is not replaced: xdist 3.8 then hangs under
-# loadfile (pytest-xdist#784, #1327); without a restart the run ends, naming the test it crashed in.
+# Three workers on CI's two cores (a test file stays on one, its module fixtures built once, but for the
+# few conftest spreads), in conftest's order: most tests wait on processes they start, and two workers
+# kept the cores busy only about 1.7 of 2 on average. A worker that crashes is not replaced: xdist 3.8
+# then hangs under loadfile (pytest-xdist#784, #1327); without a restart the run ends, naming the test it crashed in.
 run_pytest .venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 \
   --max-worker-restart=0 --ignore=tests/vllm "$@"
 main_status=$?

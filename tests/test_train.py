@@ -627,13 +627,10 @@ def test_bad_configs_fail_in_one_line_before_anything_starts(model_dir, tmp_path
     (tmp_path / "token").write_text("a-token")
     (tmp_path / "token").chmod(0o600)
     args = [a for o in overrides for a in ("--set", o.replace("{tmp}", str(tmp_path)))]
-    start = time.perf_counter()
     proc = jaxrl("train", config, *args, timeout=120)
-    took = time.perf_counter() - start
     assert proc.returncode == 2
     assert message in error_line(proc.stderr, "jaxrl train")
-    assert not (tmp_path / "run").exists()  # nothing started
-    assert took < 20  # 3 s on a quiet machine (interpreter, imports, the checks); a started bridge takes longer
+    assert not (tmp_path / "run").exists()  # nothing started: a run's first act is to make its directory
 
 
 @pytest.mark.parametrize("fn, last_line", [
