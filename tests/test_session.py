@@ -2,6 +2,7 @@
 cancelled call, and the limits' checks."""
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -50,6 +51,34 @@ def test_guess_number_episode_and_an_execution_error(guess):
             assert e.value.code == "EXECUTION_ERROR"
             assert (await env.reset(seed=1))["observation"]["guesses_left"] > 0
         assert idle(endpoint)
+
+    asyncio.run(run())
+
+
+def test_a_reward_that_is_no_number_loses_the_session_as_any_unreadable_reply_does():
+    """A server is untrusted: {"reward": "lots"} is a bad reply (the episode is replayed on a new session),
+    not the RewardError that stops a run over a reward function's bug."""
+    from websockets.asyncio.server import serve
+
+    async def answer(ws):
+        async for raw in ws:
+            kind = json.loads(raw)["type"]
+            if kind == "close":
+                return
+            reward = "lots" if kind == "step" else None
+            await ws.send(json.dumps({"type": "observation",
+                                      "data": {"observation": {"text": "hi"}, "reward": reward, "done": False}}))
+
+    async def run():
+        async with serve(answer, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            endpoint = Endpoint(f"http://127.0.0.1:{port}", name="liar")
+            async with endpoint.session() as env:
+                assert (await env.reset())["observation"] == {"text": "hi"}
+                with pytest.raises(SessionLost, match=r"unreadable reply to step: its reward 'lots' is not a finite "
+                                                      r"number; the episode is lost: restart it"):
+                    await env.step({"message": "x"})
+            assert env.closed and endpoint.metrics["sessions_lost"] == 1
 
     asyncio.run(run())
 

@@ -113,6 +113,11 @@ class EnvServerError(EnvError):
         super().__init__(text)
 
 
+def _is_reward(value: Any) -> bool:
+    """None (no reward) or a finite number, booleans included as OpenEnv's Observation allows them."""
+    return value is None or (isinstance(value, (int, float)) and math.isfinite(value))
+
+
 def _pydantic_error(error: Any) -> str:
     if not isinstance(error, dict):
         return str(error)
@@ -223,6 +228,10 @@ class Session:
                                  str(data.get("message", "")), data)
         if kind != expect:
             raise self._lost(f"expected a {expect!r} reply to {what}, got {kind!r}")
+        # A server's reply is untrusted input: a reward that is no number is a bad reply, the episode replayed
+        # (a reward function of the user's raising on one is a bug, and stops the run).
+        if kind == "observation" and not _is_reward(data.get("reward")):
+            raise self._lost(f"unreadable reply to {what}: its reward {data['reward']!r} is not a finite number")
         self._endpoint.answered()
         return data
 
