@@ -160,8 +160,16 @@ class TrainCheckpointer:
             raise
 
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
+        """Waits for the save under way and ends the manager. A save one part of which failed (a full disk)
+        has others still writing into its temporary directory when `wait` raises: the manager's close waits
+        for those, and what they left is removed then."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            finally:
+                self._discard_unfinished()
 
     def _discard_unfinished(self) -> None:
         """A failed save (a full disk) leaves its temporary directory behind: remove it, so that only

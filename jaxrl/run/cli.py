@@ -111,8 +111,10 @@ def _failure_line(e: BaseException, run_dir: str) -> str:
 
     if disk_full(e):
         failed = f"{e}: " if isinstance(e, CheckpointFailed) else ""
-        return (f"disk full: {failed}no space left on the file system of {run_dir}; free some (or move run_dir), "
-                "then --resume from its last checkpoint")
+        saved = [int(p.name) for p in (Path(run_dir) / "checkpoints").glob("*") if p.name.isdigit()]
+        then = (f"then --resume from its last checkpoint (step {max(saved)})" if saved else
+                "then start it again (it wrote no checkpoint yet)")
+        return f"disk full: {failed}no space left on the file system of {run_dir}; free some (or move run_dir), {then}"
     if isinstance(e, SnapshotError):
         return f"snapshot {e}; once the snapshot store answers, --resume from the last checkpoint"
     ours = (BridgeError, BridgesDown, CheckpointFailed, ChildStartError, EnvServerDown, EnvironmentsDown,

@@ -93,19 +93,36 @@ class MetricsLogger:
         _sync(self._samples)
 
     def close(self) -> None:
-        for f in (self._metrics, self._samples):
-            f.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        """Closes every sink, each even where one closed before it failed (a full disk fails them all)."""
+        with contextlib.ExitStack() as stack:
+            if self._wandb is not None:
+                stack.callback(self._wandb.finish)
+                self._wandb = None
+            if self._tensorboard is not None:
+                stack.callback(_close_tensorboard, self._tensorboard)
+            for f in (self._samples, self._metrics):
+                stack.callback(f.close)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_tensorboard(writer) -> None:
+    """tensorboardX's writer closed, or where its last flush fails (a full disk), stopped: each of its file
+    writers has a worker thread and an exit hook that would try the disk again, each printing a traceback
+    after the run's one-line error."""
+    try:
+        writer.close()
+    except OSError:
+        for file_writer in (writer.all_writers or {}).values():
+            events = file_writer.event_writer
+            if not events._closed:
+                events._worker.stop()
+                events._closed = True  # what its exit hook checks
+        raise
 
 
 def _sync(f) -> None:
