@@ -113,6 +113,40 @@ def test_cached_decoding_matches_full_forward(family, slots):
     assert np.asarray(cache.length_B).tolist() == [n + steps for n in lengths]
 
 
+def test_a_sliding_layers_cache_holds_its_window_and_decodes_as_a_full_forward():
+    """gpt-oss sliding over 8 keys in layer 0 (layer 1 full), 40 tokens a row fed in calls of 1 to 12 tokens
+    (right-padded, rows feeding different numbers, none at all in some calls, as an engine's rows that
+    ended do): layer 0's cache is a ring of 8 slots, layer 1's all 48, and every fed token's logits are the
+    full forward pass's."""
+    cfg = tiny_config("gpt_oss", vocab_size=VOCAB, sliding_window=8)
+    model = Decoder(cfg, nnx.Rngs(5))
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, VOCAB, (3, 40))
+    cache = KVCache.empty(cfg, batch=3, max_len=48)
+    assert [k.shape[-1] for k in cache.k_BxKxHxS] == [v.shape[2] for v in cache.v_BxKxSxH] == [8, 48]
+
+    @nnx.jit
+    def step(model, tokens, positions, mask, cache):
+        return model(tokens, positions, mask, cache)
+
+    # Tokens each row feeds per call (with 0s: the call's padding rows), each call as wide as its most.
+    calls = [[5, 12, 1], [12, 3, 0], [1, 1, 1], [3, 9, 12], [0, 1, 7], [9, 6, 1], [1, 8, 10], [9, 0, 8]]
+    fed, got = np.zeros(3, int), [[] for _ in range(3)]
+    for counts in calls:
+        T = max(counts)
+        tokens, mask = np.zeros((3, T), np.int32), np.arange(T)[None] < np.asarray(counts)[:, None]
+        for b, n in enumerate(counts):
+            tokens[b, :n] = rows[b, fed[b]:fed[b] + n]
+        logits, cache = step(model, jnp.asarray(tokens), jnp.asarray(fed[:, None] + np.arange(T)), jnp.asarray(mask),
+                             cache)
+        for b, n in enumerate(counts):
+            got[b].extend(np.asarray(logits[b, :n]))
+        fed += counts
+    assert fed.tolist() == [40, 40, 40] and np.asarray(cache.length_B).tolist() == [40, 40, 40]
+    expected, _ = model(jnp.asarray(rows), jnp.arange(40)[None].repeat(3, 0), jnp.ones((3, 40), jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+
+
 def test_cached_decoding_past_the_smallest_window_sees_every_slot():
     cfg = tiny_config("qwen3", vocab_size=VOCAB)
     model = Decoder(cfg, nnx.Rngs(4))
@@ -381,9 +415,9 @@ def test_packed_attention_with_sinks_and_a_sliding_window_counts_positions_not_s
             np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-def test_cached_and_shared_prefix_attention_with_sinks_and_a_window_are_plain_attention():
-    """The decode paths: a cache row's visible slots (the caller's window) and, in groups, the prefix
-    slots each query sees, each against one softmax with the sink column."""
+def test_cached_and_shared_prefix_attention_with_sinks_are_plain_attention():
+    """The full layers' decode paths: a cache row's visible slots and, in groups, its prefix's real slots,
+    against one softmax with the sink column."""
     B, T, N, K, H, S, P, n = 6, 2, 4, 2, 8, 12, 10, 3
     group, length = np.array([0, 0, 1, 2, 1, 0]), np.array([7, 3, 10, 0])
     members, rank = np.zeros((4, n), np.int32), np.zeros(B, np.int32)
@@ -396,18 +430,16 @@ def test_cached_and_shared_prefix_attention_with_sinks_and_a_window_are_plain_at
     k, v = rng.standard_normal((B, K, H, S), np.float32), rng.standard_normal((B, K, S, H), np.float32)
     sinks = rng.standard_normal(N, np.float32) + 1
     query = np.array([3, 5, 1, 7, 9, 4])[:, None, None] + np.arange(T)[:, None]
-    visible = (np.arange(S)[None, None] <= query) & (np.arange(S)[None, None] > query - 4)
-    prefix_visible = np.arange(P) > length[group][:, None, None] + query - 4
+    visible = np.arange(S)[None, None] <= query
     got = shared_prefix_attention(q, k, v, visible, k_p, v_p, SharedPrefix((k_p,), (v_p,), length, members, group,
-                                                                           rank), sinks, prefix_visible)
+                                                                           rank), sinks)
     k_all, v_all = np.zeros((B, P + S, K, H), np.float32), np.zeros((B, P + S, K, H), np.float32)
     visible_all = np.zeros((B, T, P + S), bool)
     for b in range(B):
         L = length[group[b]]
         k_all[b, :L], k_all[b, L:L + S] = k_p[group[b], ..., :L].transpose(2, 0, 1), k[b].transpose(2, 0, 1)
         v_all[b, :L], v_all[b, L:L + S] = v_p[group[b], :, :L].transpose(1, 0, 2), v[b].transpose(1, 0, 2)
-        visible_all[b, :, :L], visible_all[b, :, L:L + S] = prefix_visible[b, :, :L], visible[b]
-    assert ((np.arange(P) < length[group][:, None, None]) & ~prefix_visible).any(), "no prefix slot beyond the window"
+        visible_all[b, :, :L], visible_all[b, :, L:L + S] = True, visible[b]
     want = _plain_attention(q, k_all, v_all, visible_all, sinks)
     np.testing.assert_allclose(got, want, atol=1e-6)
     cache_k, cache_v = k_all.transpose(0, 2, 3, 1), v_all.transpose(0, 2, 1, 3)

@@ -255,6 +255,32 @@ def test_a_groups_rows_read_their_shared_prompt_once_and_sample_what_they_sample
 
 
 @pytest.fixture(scope="module")
+def oss8_dir(tmp_path_factory):
+    """gpt-oss whose sliding layers (every other one) keep rings of 8 slots: prompts and turns far past them."""
+    return build_tiny_model(tmp_path_factory.mktemp("oss8"), "gpt_oss", sliding_window=8)
+
+
+def test_a_sliding_window_engine_samples_the_learners_greedy_tokens_past_its_window_and_next_turns(oss8_dir):
+    engine = JaxEngine(oss8_dir, max_batch=4, max_seq_len=64, prefill_chunk=16, prefix_block=4)
+    width = engine.shapes.width
+    for cache in (engine.slots.state.cache, engine.slots.pool):  # the decode slots' and the prefix pool's
+        assert [k.shape[-1] for k in cache.k_BxKxHxS] == [v.shape[2] for v in cache.v_BxKxSxH] == [8, width]
+    model = load_pretrained(oss8_dir)
+    rng = np.random.default_rng(1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (3, 13, 30)]
+    first = [c for [c] in run(engine.generate(prompts, greedy))]
+    turns = [p + c.token_ids + [40, 41] for p, c in zip(prompts, first)]  # of up to 42 tokens, then 10 more
+    second = [c for [c] in run(engine.generate(turns, greedy))]
+    assert engine.stats["prefix_cached_tokens"] == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
+    for context, c in zip(prompts + turns, first + second):
+        n = len(context) + len(c.token_ids)
+        logits, _ = model(jnp.asarray([context + c.token_ids]), jnp.arange(n)[None], jnp.ones((1, n), jnp.int32))
+        assert len(c.token_ids) == 10 and c.token_ids == np.asarray(logits[0, len(context) - 1:-1]).argmax(-1).tolist()
+        np.testing.assert_allclose(c.logprobs, learner_logprobs(model, context, c.token_ids, 1.0), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
 def slot_engine(model_dir):
     """4 slots advanced 4 tokens per device call, every program compiled up front."""
     return JaxEngine(model_dir, max_batch=4, max_seq_len=64, prefill_chunk=16, decode_steps=4, warm_up=True)
@@ -374,7 +400,9 @@ def own_routes(model, tokens):
     return np.asarray(routed.own_BxTxU[0])
 
 
-def test_an_moe_engine_records_every_fed_tokens_route_in_prefill_decode_and_cached_prefixes(moe_model_dir):
+@pytest.mark.parametrize("directory", ["moe_model_dir", "oss8_dir"])  # gpt-oss: routes of every position, rings of 8
+def test_an_moe_engine_records_every_fed_tokens_route_in_prefill_decode_and_cached_prefixes(directory, request):
+    moe_model_dir = request.getfixturevalue(directory)
     engine = JaxEngine(moe_model_dir, max_batch=MIN_BATCH, max_seq_len=256, prefill_chunk=16, decode_steps=8,
                        prefix_block=4, warm_up=True)
     model = load_pretrained(moe_model_dir)

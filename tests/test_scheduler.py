@@ -93,6 +93,23 @@ def test_prefix_lookup_takes_the_longest_shared_prefix_past_whole_blocks():
     assert index.lookup(np.r_[np.arange(10), 7], index.block_hashes(np.r_[np.arange(10), 7])) == (1, 6)
 
 
+def test_with_sliding_layers_a_row_longer_than_the_window_serves_only_prompts_continuing_it():
+    """Sliding layers over 8 keys keep a sequence's last 8: a row of 16 serves its whole sequence (or all but
+    its last token), not a prompt leaving it earlier, which a shorter row sharing fewer blocks then serves."""
+    index, dense = PrefixIndex(rows=3, block=4, sliding_window=8), PrefixIndex(rows=3, block=4)
+    for i in (index, dense):
+        i.keep(0, np.r_[np.arange(12), 77, 78, 79, 80])
+        i.keep(1, np.arange(9))
+        i.keep(2, np.arange(100, 106))  # within the window: any prefix of it serves
+    for prompt, want, want_dense in ((np.r_[np.arange(12), 77, 78, 79, 80, 5], (0, 16), (0, 16)),
+                                     (np.r_[np.arange(12), 77, 78, 79, 80], (0, 15), (0, 15)),
+                                     (np.r_[np.arange(12), 5], (1, 9), (0, 12)),
+                                     (np.r_[np.arange(6), 99], (3, 0), (1, 6)),
+                                     (np.r_[np.arange(100, 104), 1], (2, 4), (2, 4))):
+        assert index.lookup(prompt, index.block_hashes(prompt)) == want
+        assert dense.lookup(prompt, dense.block_hashes(prompt)) == want_dense
+
+
 def test_claims_prefer_the_extended_row_then_empty_rows_then_the_least_recently_used():
     index = PrefixIndex(rows=3, block=4)
     index.keep(0, np.arange(8))

@@ -21,6 +21,12 @@ def model():
     return Decoder(tiny_config("qwen3", vocab_size=128), nnx.Rngs(3))
 
 
+@pytest.fixture(scope="module")
+def oss_model():
+    """gpt-oss sliding over 8 keys in layer 0 (layer 1 full, both with sinks): rows here run to 40 tokens."""
+    return Decoder(tiny_config("gpt_oss", vocab_size=128, sliding_window=8), nnx.Rngs(3))
+
+
 def slots_for(model, shapes=SHAPES, prefix_rows=0):
     """Slots whose prefix pool finds sequences by blocks of one token: every shared prefix, however short."""
     return Slots(model.cfg, shapes, prefix_rows, prefix_block=1)
@@ -168,9 +174,12 @@ def test_a_row_samples_the_same_tokens_alone_batched_or_from_the_prefix_cache(mo
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_row_inserted_into_running_slots_samples_what_it_samples_alone(model, temperature):
+@pytest.mark.parametrize("name", ["model", "oss_model"])
+def test_a_row_inserted_into_running_slots_samples_what_it_samples_alone(name, temperature, request):
     """Rows join and leave the slots around the target: it is inserted while eleven rows run,
-    they end while it runs (and it moves down to the first slot), and new rows join after."""
+    they end while it runs (and it moves down to the first slot), and new rows join after. gpt-oss's
+    target outgrows its sliding layer's ring of 8 slots, which moves with it."""
+    model = request.getfixturevalue(name)
     graphdef, params = nnx.split(model)
     target = Row([7, 8, 9, 10, 11], 12, 2**40 + 5, temperature)
     [alone] = run(model, [Row(target.prompt, 12, target.seed, temperature)])
@@ -302,3 +311,51 @@ def test_a_batch_prefills_its_leaders_in_blocks_and_every_row_samples_what_it_sa
     assert cache.prefix.stats["cached_tokens"] == len(earlier) + 2 * len(shared[0]) + 2 * len(shared[1])
     for prompt, seed, row in zip(prompts, seeds, batched):
         same(row, run(model, [Row(prompt, 6, seed)], slots_for(model, shapes))[0])
+
+
+def test_a_sliding_layer_keeps_a_ring_of_its_window_in_the_slots_and_in_the_pool(oss_model):
+    shapes = Shapes(max_seq_len=1024, chunk=64, max_batch=4)
+    slots = slots_for(oss_model, shapes, prefix_rows=8)
+    cfg, width = oss_model.cfg, shapes.width
+    for cache, rows in ((slots.state.cache, 4), (slots.pool, 8 + 1)):
+        assert [k.shape for k in cache.k_BxKxHxS] == [(rows, 2, 32, 8), (rows, 2, 32, width)]
+        assert [v.shape for v in cache.v_BxKxSxH] == [(rows, 2, 8, 32), (rows, 2, width, 32)]
+        assert cache.routes_BxSxU.shape == (rows, width, cfg.route_width)  # a route per position, as before
+        # Keys and values of 2 heads of 32 float32s a slot: 8 + width slots a row, where full layers had 2 x width.
+        assert sum(x.nbytes for x in cache.k_BxKxHxS + cache.v_BxKxSxH) == rows * 2 * (2 * 32 * 4) * (8 + width)
+
+
+@pytest.mark.parametrize("chunk", [4, 16], ids=["chunks-within-the-window", "chunks-past-the-window"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sliding_models_rows_past_its_window_sample_what_a_full_pass_gives(oss_model, chunk, temperature):
+    """Rows of 13 to 40 tokens through a ring of 8 slots, prefilled in steps of fewer and of more tokens than
+    it holds: every logprob is the full forward pass's, greedy its argmax."""
+    shapes = Shapes(max_seq_len=48, chunk=chunk, max_batch=4, decode_steps=3)
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(1, 128, n)) for n in (3, 13, 30)]
+    rows = run(oss_model, rows_of(prompts, 10, temperature=temperature, seed=4), slots_for(oss_model, shapes))
+    for prompt, row in zip(prompts, rows):
+        assert len(row.tokens) == 10
+        logp, at_tokens = _full_logp(oss_model, prompt, row.tokens, temperature or 1.0)
+        np.testing.assert_allclose(row.logprobs, at_tokens, atol=1e-5)
+        if not temperature:
+            assert row.tokens == np.asarray(logp).argmax(-1).tolist()
+
+
+def test_a_sliding_models_next_turn_continues_from_the_pool_and_a_prompt_leaving_it_earlier_does_not(oss_model):
+    """A next turn continues its episode's pool row (whose ring holds the window before it); a prompt sharing
+    only its first 10 of 20 tokens is prefilled whole (the ring no longer holds the window before token
+    10). Each samples what it samples without the pool, the full forward pass's logprobs."""
+    shapes = Shapes(max_seq_len=48, chunk=4, max_batch=4, decode_steps=3)
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(1, 128, n)) for n in (12, 5)]
+    cached = slots_for(oss_model, shapes, prefix_rows=4)
+    first = run(oss_model, rows_of(prompts, 9, temperature=1.0, seed=0), cached)
+    turns = [p + r.tokens + [11, 12, 13] for p, r in zip(prompts, first)]
+    leaving = prompts[0][:10] + [99, 98]
+    second = run(oss_model, rows_of(turns + [leaving], 16, temperature=1.0, seed=7), cached)
+    assert cached.prefix.stats["cached_tokens"] == sum(len(p) + len(r.tokens) - 1 for p, r in zip(prompts, first))
+    fresh = run(oss_model, rows_of(turns + [leaving], 16, temperature=1.0, seed=7), slots_for(oss_model, shapes))
+    for prompt, row, alone in zip(turns + [leaving], second, fresh):
+        same(row, alone)
+        np.testing.assert_allclose(row.logprobs, _full_logp(oss_model, prompt, row.tokens, 1.0)[1], atol=1e-5)

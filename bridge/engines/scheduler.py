@@ -17,7 +17,10 @@ index; at the deepest hit, the row sharing the longest prefix (compared token by
 whole block) is reused for that many tokens. Rows of one tick with the same prompt prefill it once
 (the first is their leader). A row being generated has claimed the pool row its sequence goes to when
 it ends (the one it extends, when that one is free); otherwise the least recently used row. Everything
-is forgotten when the weights change, and a row that saw two versions is not kept.
+is forgotten when the weights change, and a row that saw two versions is not kept. A model's sliding
+layers keep only a window of each sequence (`jaxrl.models.decoder.RingSlots`): a pool row longer than the
+window serves only a prompt that continues its whole sequence (an episode's next turn), as vLLM's
+sliding-window layers hit only where the blocks of the window before the hit are still cached.
 
 Groups. The rows of a GRPO group share their prompt, and each slot holds a copy; a decode reads it once
 for the group when `groups` finds the rows' shared whole blocks (keys of the same weights) enough for
@@ -114,8 +117,9 @@ class PrefixIndex:
     """Which pool row holds which token sequence, looked up by chained hashes of `block`-token blocks.
     Host bookkeeping only: the keys and values live on the device, in the pool rows named here."""
 
-    def __init__(self, rows: int, block: int):
+    def __init__(self, rows: int, block: int, sliding_window: int = 0):
         self.rows, self.block = rows, block
+        self.sliding_window = sliding_window  # of the model's sliding layers; 0: none
         self.scratch = rows  # the pool's last row: where nothing is kept
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0}
         self.clock = 0
@@ -139,29 +143,42 @@ class PrefixIndex:
         return out
 
     def lookup(self, tokens: np.ndarray, hashes: list[int]) -> tuple[int, int]:
-        """(pool row, tokens of `tokens` it holds) for the row sharing the longest prefix; (scratch, 0) if none
-        shares a whole block. At most len(tokens) - 1 tokens: the last one is prefilled for its logits."""
-        rows = None
-        depth = 0
+        """(pool row, tokens of `tokens` it holds) for the row sharing the longest prefix that it can serve;
+        (scratch, 0) if none shares a whole block. At most len(tokens) - 1 tokens: the last one is prefilled
+        for its logits. Rows sharing fewer blocks are looked at only where none sharing more can serve."""
+        levels = []  # the rows sharing each number of whole blocks
         for h in hashes:
             found = self.index.get(h)
             if not found:
                 break
-            rows, depth = found, depth + 1
-        if rows is None:
-            return self.scratch, 0
+            levels.append(found)
+        deeper: dict[int, None] = {}
+        for depth in range(len(levels), 0, -1):
+            # A row that shares more blocks was looked at already.
+            best, n = self._longest(tokens, [r for r in levels[depth - 1] if r not in deeper], depth * self.block)
+            if n:
+                return best, n
+            deeper = levels[depth - 1]
+        return self.scratch, 0
+
+    def _longest(self, tokens: np.ndarray, rows: list[int], start: int) -> tuple[int, int]:
+        """(row, tokens it holds) for the row of `rows` (each sharing `tokens`' first `start`) sharing the
+        most, of those it can serve; (scratch, 0) if none."""
         best, best_len = self.scratch, 0
-        start = depth * self.block
         for row in reversed(rows):  # the latest first: equal prefixes keep the row most recently written
             seq = self.sequence[row]
             end = min(len(seq), len(tokens) - 1)
             tail = np.flatnonzero(seq[start:end] != tokens[start:end])
-            n = start + (tail[0] if len(tail) else max(end - start, 0))
+            n = min(start + (tail[0] if len(tail) else max(end - start, 0)), end)
+            if self.sliding_window and len(seq) > self.sliding_window and n < len(seq) - 1:
+                # Its sliding layers kept only the last window of its sequence, not the one before n (at
+                # n = len - 1 the first new token's window reaches back to len - window: still kept).
+                continue
             if n > best_len:
                 best, best_len = row, n
             if n >= end:
                 break
-        return best, min(best_len, len(tokens) - 1)
+        return best, best_len
 
     def claim(self, preferred: int) -> int:
         """Claims `preferred` if free, else the least recently used free row (empty ones first); scratch if
@@ -246,9 +263,9 @@ def group_capacity(batch: int) -> tuple[int, int]:
 class Scheduler:
     """The rows in each slot and those waiting for one, and the prefix pool's index. Not thread-safe."""
 
-    def __init__(self, max_batch: int, max_seq_len: int, pool_rows: int, block: int = 16):
+    def __init__(self, max_batch: int, max_seq_len: int, pool_rows: int, block: int = 16, sliding_window: int = 0):
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.prefix = PrefixIndex(pool_rows, block)
+        self.prefix = PrefixIndex(pool_rows, block, sliding_window)
         self.waiting: collections.deque[Row] = collections.deque()
         self.stats = {"decode_calls": 0, "shared_decode_calls": 0, "insert_calls": 0, "rows": 0, "tokens": 0}
         self.version: int | None = None

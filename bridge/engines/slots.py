@@ -113,15 +113,17 @@ class InsertArrays(NamedTuple):
 
 def _copy_rows(dst, src, from_N, to_N, n, width: int):
     """Row to_N[i] of the arrays of `dst` becomes row from_N[i] of those of `src` (None: of `dst`
-    itself, as it is by then), for i < n, a cache's keys and values only in their first `width` slots.
-    One row at a time, in place: XLA:CPU's scatter of whole rows was several times slower."""
+    itself, as it is by then), for i < n, a cache's keys and values only in their first `width` slots
+    (a sliding layer's whole ring where it has no more; a wider one holds rows of fewer than `width`
+    tokens in their first slots too). One row at a time, in place: XLA:CPU's scatter of whole rows was
+    several times slower."""
     slot_axis = {"k_BxKxHxS": 3, "v_BxKxSxH": 2, "routes_BxSxU": 1}
 
     def row(path, x, i):
         size = [1, *x.shape[1:]]
         for key in path:
             if getattr(key, "name", None) in slot_axis:
-                size[slot_axis[key.name]] = width
+                size[slot_axis[key.name]] = min(width, x.shape[slot_axis[key.name]])
         return jax.lax.dynamic_slice(x, (i,) + (0,) * (x.ndim - 1), size)
 
     def body(i, dst):
@@ -284,7 +286,8 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
     With `groups`, slot b continues the prefix of group g = groups.group[b], the first groups.length[g]
     slots of slot groups.src[g] (which the b slot holds too): the decode reads each group's prefix once
     (its first `prefix_width` slots), and of each slot only the `width` slots past its prefix, which
-    must hold what it has past the prefix plus `steps`.
+    must hold what it has past the prefix plus `steps`. A sliding layer's ring (of no more slots than
+    its window) is read whole, cut to `width` only where no group prefix comes before the slots.
 
     Returns the state, the tokens sampled (b, steps; -1 where a slot sampled nothing) with their
     logprobs, and which of the b slots are still live.
@@ -316,6 +319,7 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
     # cache at every step was most of a step's time. A width chosen on the device (a switch over
     # windows) made XLA copy the whole cache into the chosen branch, which cost more than it saved.
     wide = part.cache
+    rings = [model.cfg.sliding(i) is not None for i in range(model.cfg.num_layers)]
     if groups is None:
         shared, offset_b = None, jnp.zeros(rows, jnp.int32)
         narrow = wide._replace(k_BxKxHxS=tuple(k[..., :width] for k in wide.k_BxKxHxS),
@@ -323,11 +327,16 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
                                routes_BxSxU=None if wide.routes_BxSxU is None else wide.routes_BxSxU[:, :width])
     else:
         offset_b = groups.length[groups.group]
-        shared = SharedPrefix(tuple(k[groups.src, ..., :prefix_width] for k in wide.k_BxKxHxS),
-                              tuple(v[groups.src, :, :prefix_width] for v in wide.v_BxKxSxH),
+        shared = SharedPrefix(tuple(None if ring else k[groups.src, ..., :prefix_width]
+                                    for k, ring in zip(wide.k_BxKxHxS, rings)),
+                              tuple(None if ring else v[groups.src, :, :prefix_width]
+                                    for v, ring in zip(wide.v_BxKxSxH, rings)),
                               groups.length, groups.members, groups.group, groups.rank)
-        narrow = KVCache(tuple(_slots_from(k, offset_b, width, 2) for k in wide.k_BxKxHxS),
-                         tuple(_slots_from(v, offset_b, width, 1) for v in wide.v_BxKxSxH), wide.length_B - offset_b,
+        narrow = KVCache(tuple(k if ring else _slots_from(k, offset_b, width, 2)
+                               for k, ring in zip(wide.k_BxKxHxS, rings)),
+                         tuple(v if ring else _slots_from(v, offset_b, width, 1)
+                               for v, ring in zip(wide.v_BxKxSxH, rings)),
+                         wide.length_B - offset_b,
                          None if wide.routes_BxSxU is None else _slots_from(wide.routes_BxSxU, offset_b, width, 0))
     init = (jnp.int32(0), part.logits, narrow, part.live, part.position, jnp.full((rows, steps), -1, jnp.int32),
             jnp.zeros((rows, steps), jnp.float32))
@@ -335,10 +344,16 @@ def generate(params, graphdef, state: DecodeState, rows: int, steps: int, width:
         lambda carry: (carry[0] < steps) & jnp.any(carry[3]), body, init)
     # A step writes each row's keys and values at its length, which grows by at most one a step: only
     # the `steps` slots from where each row started can differ from the wide cache, so only those go
-    # back (the whole window's copy back was ~5% of a 64-row call).
+    # back (the whole window's copy back was ~5% of a 64-row call). A ring, bounded by its window, goes
+    # back whole.
     start_b = init[2].length_B
-    cache = KVCache(tuple(_new_slots_into(k, n, start_b, offset_b, steps, 2) for k, n in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS)),
-                    tuple(_new_slots_into(v, n, start_b, offset_b, steps, 1) for v, n in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH)),
+
+    def back(x, n, ring: bool, axis: int):
+        return (jax.lax.dynamic_update_slice_in_dim(x, n, 0, axis + 1) if ring
+                else _new_slots_into(x, n, start_b, offset_b, steps, axis))
+
+    cache = KVCache(tuple(back(k, n, ring, 2) for k, n, ring in zip(wide.k_BxKxHxS, narrow.k_BxKxHxS, rings)),
+                    tuple(back(v, n, ring, 1) for v, n, ring in zip(wide.v_BxKxSxH, narrow.v_BxKxSxH, rings)),
                     narrow.length_B + offset_b,
                     None if wide.routes_BxSxU is None else
                     _new_slots_into(wide.routes_BxSxU, narrow.routes_BxSxU, start_b, offset_b, steps, 0))
@@ -431,7 +446,8 @@ class Slots:
 
     def __init__(self, cfg: ModelConfig, shapes: Shapes, pool_rows: int, prefix_block: int = 16):
         self.cfg, self.shapes = cfg, shapes
-        self.scheduler = Scheduler(shapes.max_batch, shapes.max_seq_len, pool_rows, prefix_block)
+        self.scheduler = Scheduler(shapes.max_batch, shapes.max_seq_len, pool_rows, prefix_block,
+                                   cfg.sliding_window if cfg.sliding_layers else 0)
         self.pool_rows = pool_rows
         self.device_s = self.insert_s = 0.0
         self.reset()

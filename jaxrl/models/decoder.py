@@ -45,7 +45,9 @@ QUERY_BLOCK = _MIN_QUERY_BLOCK
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: row b holds its tokens, in order, at slots [0, length_B[b])."""
+    """Keys and values of every layer: row b holds its tokens, in order, at slots [0, length_B[b]); a
+    sliding layer's only its last ones, in a ring of `ring_slots` slots (position p at slot p % slots), so
+    that its memory is bounded by the window, not by the sequences."""
 
     # One buffer per layer, heads before slots: a decode step's attention reads each head's keys
     # in place as one contiguous matrix (one stacked L-layer buffer made XLA CPU copy each layer's
@@ -61,16 +63,60 @@ class KVCache(NamedTuple):
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-        k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
-        v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        slots = [max_len if cfg.sliding(i) is None else ring_slots(cfg, max_len) for i in range(cfg.num_layers)]
         routes = (jnp.full((batch, max_len, cfg.route_width), moe.no_route(cfg.num_experts),
                            moe.route_dtype(cfg.num_experts)) if cfg.route_width else None)
         return cls(
-            tuple(jnp.zeros(k_shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
-            tuple(jnp.zeros(v_shape, cfg.jnp_dtype) for _ in range(cfg.num_layers)),
+            tuple(jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim, s), cfg.jnp_dtype) for s in slots),
+            tuple(jnp.zeros((batch, cfg.num_kv_heads, s, cfg.head_dim), cfg.jnp_dtype) for s in slots),
             jnp.zeros((batch,), jnp.int32),
             routes,
         )
+
+
+def ring_slots(cfg: ModelConfig, max_len: int) -> int:
+    """Slots of a sliding layer's ring in a cache of `max_len`: its window, or fewer where no sequence is
+    that long. No more than the window: a query then sees every key the ring holds (`RingSlots`)."""
+    return min(cfg.sliding_window, max_len)
+
+
+class RingSlots(NamedTuple):
+    """Where a call's new tokens go in sliding layers' rings and what its queries see there (`ring_attention`).
+    A ring holds its row's last `slots` positions; a query sees those of them in its window."""
+
+    write_BxT: jax.Array  # each new token's ring slot; `slots` (out of range) for padding and evicted ones
+    visible_BxTxR: jax.Array  # query t may attend to ring slot r: before this call's writes, or after (T = 1)
+    own_BxTxT: jax.Array | None  # with T > 1: query t may attend to the call's token t' (t' <= t, in the window)
+
+    @classmethod
+    def of(cls, start_B, mask_BxT, slots: int, window: int) -> RingSlots:
+        """Of rows whose first start_B positions are in their rings and whose new (right-padded) tokens
+        are at positions start_B + t. One query reads its ring after its own key is written, which only
+        evicts a key out of its window; more read it as it was (their later keys would evict earlier
+        queries' keys from a ring of only the window) and their own keys beside it."""
+        B, T = mask_BxT.shape
+        t_T = jnp.arange(T)
+        real_B = mask_BxT.sum(-1, dtype=jnp.int32)
+        # Only a row's last `slots` real tokens: earlier ones would be evicted by later ones of the call.
+        written_BxT = mask_BxT & (t_T >= real_B[:, None] - slots)
+        write_BxT = jnp.where(written_BxT, (start_B[:, None] + t_T) % slots, slots)
+        # The position ring slot r holds: the last one written there, negative where none was.
+        last_Bx1 = start_B[:, None] - 1 + (T == 1)
+        held_BxR = last_Bx1 - (last_Bx1 - jnp.arange(slots)) % slots
+        query_BxTx1 = (start_B[:, None] + t_T)[:, :, None]
+        visible_BxTxR = (held_BxR >= 0)[:, None] & (query_BxTx1 - held_BxR[:, None] < window)
+        # The call's own keys: right padding puts every key a real query sees among the real ones.
+        own_TxT = (t_T[None] <= t_T[:, None]) & (t_T[:, None] - t_T[None] < window)
+        return cls(write_BxT, visible_BxTxR, None if T == 1 else jnp.broadcast_to(own_TxT, (B, T, T)))
+
+
+def _write_ring(ring_k_BxKxHxR, ring_v_BxKxRxH, k_BxTxKxH, v_BxTxKxH, write_BxT):
+    """Row b's new keys and values at ring slots write_BxT[b] (out of range: not written)."""
+    new_k_BxKxHxT = k_BxTxKxH.transpose(0, 2, 3, 1).astype(ring_k_BxKxHxR.dtype)
+    new_v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3).astype(ring_v_BxKxRxH.dtype)
+    ring_k = jax.vmap(lambda c, x, s: c.at[:, :, s].set(x, mode="drop"))(ring_k_BxKxHxR, new_k_BxKxHxT, write_BxT)
+    ring_v = jax.vmap(lambda c, x, s: c.at[:, s].set(x, mode="drop"))(ring_v_BxKxRxH, new_v_BxKxTxH, write_BxT)
+    return ring_k, ring_v
 
 
 def _write_rows(cache_BxKxSxH, new_BxTxKxH, start_B):
@@ -255,17 +301,17 @@ class Attention(nnx.Module):
         B, T, _ = x_BxTxD.shape
         q, k, v = self._qkv(x_BxTxD, rope)
         sinks = self._sinks()
-        if layer_cache is not None:
+        if layer_cache is not None and self.sliding is not None:
+            out, layer_cache = ring_attention(q, k, v, layer_cache[0], layer_cache[1], keys.ring, sinks)
+        elif layer_cache is not None:
             shared_kv = layer_cache[2:]
             layer_cache = (_write_key_rows(layer_cache[0], k, keys.start_B), _write_rows(layer_cache[1], v, keys.start_B))
-            visible = keys.visible_BxTxS if self.sliding is None else keys.sliding_BxTxS
             if keys.shared is not None:
-                out = shared_prefix_attention(q, *layer_cache, visible, *shared_kv, keys.shared, sinks,
-                                              None if self.sliding is None else keys.sliding_prefix_BxTxP)
+                out = shared_prefix_attention(q, *layer_cache, keys.visible_BxTxS, *shared_kv, keys.shared, sinks)
             elif keys.window is None:
-                out = cached_attention(q, *layer_cache, visible, sinks)
+                out = cached_attention(q, *layer_cache, keys.visible_BxTxS, sinks)
             else:
-                out = windowed_cached_attention(q, *layer_cache, visible, keys.window, sinks)
+                out = windowed_cached_attention(q, *layer_cache, keys.visible_BxTxS, keys.window, sinks)
         elif keys.segments_BxT is not None:
             out = packed_attention(q, k, v, keys.segments_BxT, keys.prefix_BxT, keys.window, sinks, self.sliding,
                                    keys.positions_BxT)
@@ -604,7 +650,7 @@ def packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, prefix_BxT, 
 def cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, sinks_N=None):
     """Queries over a KV cache; the G query heads of a KV head and the T queries form the rows of
     one matmul per (batch, KV head), so the cache is read in place, never copied per query head.
-    `sinks_N` as in `causal_attention` (a sliding window is the caller's `visible_BxTxS`)."""
+    `sinks_N` as in `causal_attention`."""
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxKxHxS.shape[1]
     q_BxKxGTxH = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
@@ -625,8 +671,9 @@ class SharedPrefix(NamedTuple):
     group: row b continues prefix group_B[b], whose first length_U[u] slots are real, and is row
     rank_B[b] of the group's members_Uxn (padding entries: any row, unused)."""
 
-    k_UxKxHxP: tuple[jax.Array, ...]  # per layer, heads before slots as a KVCache's
-    v_UxKxPxH: tuple[jax.Array, ...]
+    # Per layer, heads before slots as a KVCache's; None for a sliding layer (its ring holds its window).
+    k_UxKxHxP: tuple[jax.Array | None, ...]
+    v_UxKxPxH: tuple[jax.Array | None, ...]
     length_U: jax.Array  # int32
     members_Uxn: jax.Array  # int32
     group_B: jax.Array  # int32
@@ -634,12 +681,12 @@ class SharedPrefix(NamedTuple):
 
 
 def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_UxKxHxP, v_UxKxPxH,
-                            shared: SharedPrefix, sinks_N=None, prefix_visible_BxTxP=None):
+                            shared: SharedPrefix, sinks_N=None):
     """Queries over their group's prefix and then their own cache row, with one softmax over both
     (cascade attention). A group's rows, queries and query heads are the rows of one matmul against
     its prefix, so the prefix is read once per group, not once per row; the two parts' softmaxes are
-    merged by their maxima and sums. `sinks_N` as in `causal_attention`; `prefix_visible_BxTxP`: which
-    of its group's real prefix slots each query sees (a sliding window), all of them where None."""
+    merged by their maxima and sums. `sinks_N` as in `causal_attention`. Full layers only: a sliding
+    layer's ring holds the whole window of its row (`ring_attention`)."""
     B, T, N, H = q_BxTxNxH.shape
     K, (U, n), P = k_BxKxHxS.shape[1], shared.members_Uxn.shape, k_UxKxHxP.shape[-1]
     g = N // K
@@ -662,8 +709,6 @@ def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_Ux
     pre = jnp.einsum("ukmh,ukhp->ukmp", q_UxKxMxH, k_UxKxHxP, preferred_element_type=jnp.float32) * scale
     # Rows M = (member, query head, query): masks of (U, 1, n, 1, T, P) broadcast over the heads.
     real_Ux1x1x1x1xP = (jnp.arange(P) < shared.length_U[:, None])[:, None, None, None, None]
-    if prefix_visible_BxTxP is not None:
-        real_Ux1x1x1x1xP = real_Ux1x1x1x1xP & prefix_visible_BxTxP[shared.members_Uxn][:, None, :, None]
     # Back to rows: (U, K, n, R, .) indexed by (group, rank) gives (B, K, R, .).
     pre_out, pre_max, pre_sum = (x.reshape(U, K, n, R, -1)[shared.group_B, :, shared.rank_B]
                                  for x in part(pre.reshape(U, K, n, g, T, P), real_Ux1x1x1x1xP, v_UxKxPxH))
@@ -680,6 +725,19 @@ def shared_prefix_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, k_Ux
     out_BxKxRxH = (own_out * own_w + pre_out * pre_w) / jnp.where(total > 0, total, 1)
     out = out_BxKxRxH.reshape(B, K, g, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return out.astype(q_BxTxNxH.dtype)
+
+
+def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ring_k_BxKxHxR, ring_v_BxKxRxH, ring: RingSlots, sinks_N=None):
+    """A sliding layer's queries over its ring cache and their own keys (`RingSlots`), one softmax over both:
+    (output, the ring's keys and values with the new ones written)."""
+    ring_k, ring_v = _write_ring(ring_k_BxKxHxR, ring_v_BxKxRxH, k_BxTxKxH, v_BxTxKxH, ring.write_BxT)
+    if ring.own_BxTxT is None:
+        return cached_attention(q_BxTxNxH, ring_k, ring_v, ring.visible_BxTxR, sinks_N), (ring_k, ring_v)
+    # In the cache's dtype, as a later call reads them.
+    k_BxKxHxS = jnp.concatenate([ring_k_BxKxHxR, k_BxTxKxH.transpose(0, 2, 3, 1).astype(ring_k.dtype)], -1)
+    v_BxKxSxH = jnp.concatenate([ring_v_BxKxRxH, v_BxTxKxH.transpose(0, 2, 1, 3).astype(ring_v.dtype)], 2)
+    visible_BxTxS = jnp.concatenate([ring.visible_BxTxR, ring.own_BxTxT], -1)
+    return cached_attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, sinks_N), (ring_k, ring_v)
 
 
 def attention_windows(slots: int, smallest: int = 128) -> tuple[int, ...]:
@@ -815,10 +873,7 @@ class _KeySlots(NamedTuple):
     prefix_BxT: jax.Array | None = None  # packed rows: the other segment each token sees (a shared prompt)
     shared: SharedPrefix | None = None  # with a cache: each row's group prefix, before its cache row
     positions_BxT: jax.Array | None = None  # packed rows of a model with sliding layers: each token's position
-    # With a cache and sliding layers: `visible_BxTxS` within the window, and the group prefix's slots
-    # each query sees (with `shared`).
-    sliding_BxTxS: jax.Array | None = None
-    sliding_prefix_BxTxP: jax.Array | None = None
+    ring: RingSlots | None = None  # with a cache and sliding layers: their rings' slots
 
 
 class Decoder(nnx.Module):
@@ -857,29 +912,30 @@ class Decoder(nnx.Module):
         of `key_windows` that holds the slots in use, or with `windowed=False` over the whole cache
         (a caller that already cut the cache to what it uses: a window's slice is a copy). With `shared`,
         each cache row continues its group's prefix (`shared_prefix_attention`): its slots come after
-        the prefix's, positions count from the prefix's start, and the whole cache is read.
+        the prefix's, positions count from the prefix's start, and the whole cache is read. A sliding
+        layer's ring (`RingSlots`) holds the last tokens of the whole sequence, prefix included: it
+        writes only real tokens and is always read whole.
         """
         B, T = tokens_BxT.shape
         mask_BxT = mask_BxT.astype(bool)
         if cache is None:
             keys = _KeySlots(mask_BxT, None, None)
         else:
-            slots = cache.v_BxKxSxH[0].shape[2]
+            # A full layer's slots (a model of sliding layers only reads none of what they shape).
+            full = next((i for i in range(self.cfg.num_layers) if self.cfg.sliding(i) is None), 0)
+            slots = cache.v_BxKxSxH[full].shape[2]
             query_slot_BxTx1 = (cache.length_B[:, None] + jnp.arange(T))[:, :, None]
             windows = key_windows(slots)
             window = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(cache.length_B) + T),
                                  len(windows) - 1) if windowed and shared is None else None
             visible_BxTxS = jnp.arange(slots) <= query_slot_BxTx1
-            sliding_BxTxS = sliding_prefix_BxTxP = None
+            ring = None
             if self.cfg.sliding_layers:
-                w = self.cfg.sliding_window
-                sliding_BxTxS = visible_BxTxS & (jnp.arange(slots) > query_slot_BxTx1 - w)
-                if shared is not None:
-                    # A row's slots come after its group prefix's length_U real ones.
-                    query_BxTx1 = shared.length_U[shared.group_B][:, None, None] + query_slot_BxTx1
-                    sliding_prefix_BxTxP = jnp.arange(shared.v_UxKxPxH[0].shape[2]) > query_BxTx1 - w
-            keys = _KeySlots(mask_BxT, cache.length_B, visible_BxTxS, window, shared=shared,
-                             sliding_BxTxS=sliding_BxTxS, sliding_prefix_BxTxP=sliding_prefix_BxTxP)
+                # Rings count whole sequences: a row's slots come after its group prefix's length_U.
+                start_B = cache.length_B if shared is None else cache.length_B + shared.length_U[shared.group_B]
+                ring = RingSlots.of(start_B, mask_BxT, cache.v_BxKxSxH[self.cfg.sliding_layers[0]].shape[2],
+                                    self.cfg.sliding_window)
+            keys = _KeySlots(mask_BxT, cache.length_B, visible_BxTxS, window, shared=shared, ring=ring)
 
         x = self._embed(tokens_BxT)
         rope = rope_tables(positions_BxT, self.cfg)
