@@ -68,9 +68,13 @@ def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(brid
         client = rollout_client([bridges[0][0], dead], cfg)
         try:
             t0 = time.monotonic()
-            with caplog.at_level("WARNING", logger="jaxrl.run.rollout_client"):
-                groups = client.request([("coin", {"seed": s}) for s in range(6)], [f"g{i}" for i in range(6)], 2,
-                                        SamplingParams(max_tokens=8), 0)
+            # Two requests at once (as stream mode makes one a group): the dead bridge cuts a stream of each.
+            with caplog.at_level("WARNING", logger="jaxrl.run.rollout_client"), \
+                    concurrent.futures.ThreadPoolExecutor(2) as pool:
+                requests = [pool.submit(client.request, [("coin", {"seed": s}) for s in seeds],
+                                        [f"g{s}" for s in seeds], 2, SamplingParams(max_tokens=8), 0)
+                            for seeds in (range(0, 3), range(3, 6))]
+                groups = [g for r in requests for g in r.result()]
             took = time.monotonic() - t0
             metrics = client.metrics()
         finally:
@@ -79,10 +83,12 @@ def test_the_groups_of_a_dead_bridge_are_requested_again_and_delivered_once(brid
     assert [[(t.group_id, t.index_in_group) for t in g] for g in groups] == [[(f"g{i}", 0), (f"g{i}", 1)]
                                                                            for i in range(6)]
     assert [g[0].rewards["env"] for g in groups] == [1.0, 0.0] * 3
-    assert metrics == {"bridges/alive": 1.0, "bridges/deaths": 1.0, "bridges/restarts": 0.0,
-                       "bridges/returned": 0.0, "groups/re_requested": 3.0}
+    re_requested = metrics.pop("groups/re_requested")
+    assert metrics == {"bridges/alive": 1.0, "bridges/deaths": 1.0, "bridges/restarts": 0.0, "bridges/returned": 0.0}
+    assert 2 <= re_requested <= 4  # the groups the dead bridge was given: one at least of each request's three
     assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == [
-        f"bridge 1 at {dead}: 3 unfinished group(s) will be requested again from the other bridges"]
+        f"bridge 1 at {dead}: its unfinished groups will be requested again from the other bridges "
+        "(groups/re_requested counts them)"]
 
 
 def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them(caplog):
@@ -102,7 +108,8 @@ def test_with_no_bridge_left_past_the_grace_a_request_fails_naming_them(caplog):
                                    f"{address}: stopped answering (bridge at {address} unavailable during rollout")
     # The run's only bridge: there are no others to ask.
     assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == [
-        f"bridge 0 at {address}: 1 unfinished group(s) will be requested again once it serves again"]
+        f"bridge 0 at {address}: its unfinished groups will be requested again once it serves again "
+        "(groups/re_requested counts them)"]
 
 
 def test_a_request_stops_as_soon_as_the_run_cannot_go_on(bridges):

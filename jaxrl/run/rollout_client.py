@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -51,7 +52,8 @@ class RolloutClient:
                                                           thread_name_prefix="rollout")
         self.outstanding = [0] * len(addresses)  # by bridge: episodes requested and not received yet, its load
         self.re_requested = 0  # groups requested again after their bridge died
-        self._lock = threading.Lock()  # guards the two above
+        self._lock = threading.Lock()  # guards the two above and the one below
+        self._cut_short: weakref.WeakSet[BridgeClient] = weakref.WeakSet()  # clients whose streams failed
 
     def request(self, tasks: list[Task], group_ids: list[str], group_size: int, params: SamplingParams,
                 min_version: int, policy: str = "") -> list[Group]:
@@ -103,10 +105,14 @@ class RolloutClient:
             self._failed(bridge, client, error)
             with self._lock:
                 self.re_requested += len(unfinished)
-            # A run of one bridge waits for it to come back (restarted, or answering again) instead.
+                first = client not in self._cut_short
+                self._cut_short.add(client)
+            # One line a bridge's death, not one a stream it cut (stream mode has one a group under way). A run
+            # of one bridge waits for it to come back (restarted, or answering again) instead.
             where = "from the other bridges" if len(self.outstanding) > 1 else "once it serves again"
-            log.warning("bridge %d at %s: %d unfinished group(s) will be requested again %s",
-                        bridge.index, bridge.address, len(unfinished), where)
+            if first:
+                log.warning("bridge %d at %s: its unfinished groups will be requested again %s "
+                            "(groups/re_requested counts them)", bridge.index, bridge.address, where)
         return unfinished
 
     def _assign(self, groups: list[PromptGroup], group_size: int) -> dict[Bridge, tuple[BridgeClient, list]]:
