@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import json
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -22,17 +21,11 @@ def _token(token_file: str | None) -> str:
     A bridge with neither does not start: an open bridge lets any local user load weights into it."""
     if token_file is not None:
         path = Path(token_file).expanduser()
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # only its owner reads it
-        except FileExistsError:
-            return wire.read_token_file(path)
-        except OSError as e:
-            raise ValueError(f"cannot write a new token to {path}: {e.strerror or e}") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-        print(f"jaxrl bridge: wrote a new token to {path} (give trainers bridge.token_file={path})",
-              file=sys.stderr, flush=True)
-        return wire.read_token_file(path)
+        token, written = wire.token_file(path)
+        if written:
+            print(f"jaxrl bridge: wrote a new token to {path} (give trainers bridge.token_file={path})",
+                  file=sys.stderr, flush=True)
+        return token
     token = os.environ.get(wire.TOKEN_ENV, "").strip()
     if not token:
         raise ValueError(f"the bridge needs a token: pass --token-file FILE (a new token is written there if FILE "

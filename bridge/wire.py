@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -47,20 +49,35 @@ AUTH_METADATA = "authorization"
 BEARER = "Bearer "
 
 
-def read_token_file(path) -> str:
-    """The token in the file at `path` (surrounding whitespace dropped); ValueError naming the
-    file when it is missing, unreadable, empty, or readable by other users (refused, not warned
+def read_token_file(path, what: str = "the bridge token file") -> str:
+    """The token in the file at `path` (surrounding whitespace dropped); ValueError naming `what` and
+    the file when it is missing, unreadable, empty, or readable by other users (refused, not warned
     about: a token others can read is no lock)."""
     try:
         if Path(path).stat().st_mode & 0o004:
-            raise ValueError(f"the bridge token file {path} is readable by every user; make it its owner's only "
+            raise ValueError(f"{what} {path} is readable by every user; make it its owner's only "
                              f"(chmod 600 {path}) and, if others may have read it, write a new token")
         token = Path(path).read_text().strip()
     except OSError as e:
-        raise ValueError(f"cannot read the bridge token file {path}: {e.strerror or e}") from None
+        raise ValueError(f"cannot read {what} {path}: {e.strerror or e}") from None
     if not token:
-        raise ValueError(f"the bridge token file {path} is empty")
+        raise ValueError(f"{what} {path} is empty")
     return token
+
+
+def token_file(path, what: str = "the bridge token file") -> tuple[str, bool]:
+    """The token in the file at `path` (see `read_token_file`), and whether it was written now: a file
+    that does not exist is created with a fresh random token, its owner's only, so that the two ends
+    of a door (trainer and bridge, a harness and its endpoint) can name the same file from the start."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token_file(path, what), False
+    except OSError as e:
+        raise ValueError(f"cannot write a new token to {what} {path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return read_token_file(path, what), True
 
 
 @dataclasses.dataclass(frozen=True)
