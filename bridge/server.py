@@ -19,7 +19,6 @@ import concurrent.futures
 import dataclasses
 import hmac
 import inspect
-import ipaddress
 import itertools
 import json
 import logging
@@ -520,22 +519,14 @@ async def serve(
 
 
 def check_exposure(host: str, tls: bool, insecure: bool) -> None:
-    """Listening beyond loopback needs TLS, or `insecure` said out loud: without TLS the token
-    crosses the network in clear text, and whoever reads it there can drive the bridge (within
-    its snapshot roots and limits). A wildcard host (0.0.0.0, ::) is beyond loopback. Raises
-    StartupError."""
-    if tls or host == "localhost":
-        return
-    try:
-        if ipaddress.ip_address(host.strip("[]")).is_loopback:
-            return
-    except ValueError:  # a host name other than localhost: assume it is reachable from elsewhere
-        pass
-    if insecure:
+    """Listening beyond loopback needs TLS, or `insecure` said out loud (`wire.exposed`): without TLS
+    the token crosses the network in clear text, and whoever reads it there can drive the bridge
+    (within its snapshot roots and limits). Raises StartupError."""
+    if wire.exposed(host, tls, insecure):
+        raise StartupError(f"--host {host} listens beyond loopback, where the token would travel in clear text: "
+                           "give --tls-cert and --tls-key, or pass --insecure on a network you trust")
+    if not tls and not wire.is_loopback(host):
         log.warning("listening on %s without TLS (--insecure): the token travels in clear text", host)
-        return
-    raise StartupError(f"--host {host} listens beyond loopback, where the token would travel in clear text: "
-                       "give --tls-cert and --tls-key, or pass --insecure on a network you trust")
 
 
 async def _watch_parent(parent_pid: int, stop: asyncio.Event, every_s: float = 1.0) -> None:

@@ -21,6 +21,7 @@ same tokens whichever request, position or bridge it is sent in (see PromptGroup
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import secrets
@@ -47,6 +48,24 @@ MAX_MESSAGE_BYTES = 512 << 20
 TOKEN_ENV = "JAXRL_BRIDGE_TOKEN"
 AUTH_METADATA = "authorization"
 BEARER = "Bearer "
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, an address, an IPv6 literal in brackets) is this machine's loopback only:
+    a wildcard (0.0.0.0, ::) and any host name but localhost are beyond it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed(host: str, tls: bool, insecure: bool) -> bool:
+    """Whether listening on `host` would take a door's secret (the bridge's token, a harness endpoint's
+    key) in clear text from beyond loopback, where whoever reads it on the network can use the door,
+    without `insecure` said out loud: refused by every door of the bridge."""
+    return not (tls or insecure or is_loopback(host))
 
 
 def read_token_file(path, what: str = "the bridge token file") -> str:

@@ -39,9 +39,9 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
-from bridge.envs.serve import is_loopback
 from bridge.envs.session import (EndpointUnavailable, EnvServerError, Session, SessionConfig, backoff_s,
                                  why_failed)
+from bridge.wire import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ the exit status is the signal's), as does the exit of `parent_pid` when given.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import socket
@@ -20,7 +19,7 @@ import sys
 from collections.abc import Callable
 
 from bridge.envs.bundled import BUNDLED
-from bridge.wire import ENV_LISTENING
+from bridge.wire import ENV_LISTENING, is_loopback
 
 DEFAULT_MAX_CONCURRENT_ENVS = 64
 
@@ -65,15 +64,6 @@ class QuietDisconnects:
 
 def url_for(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

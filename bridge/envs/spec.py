@@ -472,7 +472,7 @@ def _split_name(split: Any) -> str:
 def _served_splits(url: str, what: str) -> dict[str, int]:
     import httpx
 
-    from bridge.envs.serve import is_loopback
+    from bridge.wire import is_loopback
 
     direct = is_loopback(urllib.parse.urlsplit(url).hostname or "")
     try:
