@@ -26,7 +26,18 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
     ({"name": "x", "env_class": "m:C", "env_kwargs": [5]}, "'x': env_kwargs must map argument names to values"),
     ({"name": "x", "harness": "http://a"}, "a harness environment needs harness_port"),
     ({"name": "x", "harness": "ws://a", "harness_port": 9000}, "harness 'ws://a' must start with http"),
-    ({"name": "x", "url": "http://a", "harness_port": 9000}, "harness_port is for harness environments"),
+    ({"name": "x", "url": "http://a", "harness_port": 9000}, "'x' sets harness_port, which only harness environments take"),
+    ({"name": "x", "url": "http://a", "harness_api_key_file": "k", "harness_insecure": True},
+     "'x' sets harness_api_key_file, harness_insecure, which only harness environments take; set harness too, "
+     "or drop those keys"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_host": "0.0.0.0"},
+     r"^environment 'x': harness_host 0.0.0.0 listens beyond loopback, where the harness's key would travel in "
+     r"clear text: set harness_tls_cert and harness_tls_key, or harness_insecure: true on a network you trust$"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_host": "agent.example.org"},
+     "harness_host agent.example.org listens beyond loopback"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_tls_cert": "c.pem"},
+     "harness_tls_cert and harness_tls_key go together"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_host": ""}, "harness_host must be an address"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_message": "{}"}, "harness_message.*names no"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "url": "http://b"}, "exactly one of.*harness"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "solver": "echo"}, "a harness environment has no "
@@ -35,6 +46,18 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
 def test_env_spec_errors_name_the_problem(data, message):
     with pytest.raises(EnvConfigError, match=message):
         EnvSpec.from_dict(data)
+
+
+@pytest.mark.parametrize("door", [
+    {},
+    {"harness_host": "localhost"},
+    {"harness_host": "::1"},
+    {"harness_host": "0.0.0.0", "harness_tls_cert": "c.pem", "harness_tls_key": "k.pem"},
+    {"harness_host": "10.0.0.5", "harness_insecure": True},
+])
+def test_a_harness_endpoint_listens_beyond_loopback_with_tls_or_insecure_said(door):
+    spec = EnvSpec.from_dict({"name": "x", "harness": "http://a", "harness_port": 9000, **door})
+    assert spec.harness_host == door.get("harness_host", "127.0.0.1")
 
 
 def test_replays_are_bounded_by_time_since_the_first_loss_and_outlast_the_breaker_cooldown():

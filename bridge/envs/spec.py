@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
 from bridge.envs.endpoint import CAPACITY_WARN_RATIO
 from bridge.envs.session import SessionConfig, backoff_s
+from bridge.wire import exposed
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
 ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]
@@ -54,12 +55,30 @@ class EnvSpec:
     harness: str | None = dataclasses.field(
         default=None, metadata={"help": "a running OpenEnv server whose agent harness plays the episodes (its "
                                         "WS /harness route, production mode), e.g. http://127.0.0.1:8000; the "
-                                        "harness calls the model at http://127.0.0.1:<harness_port>/v1 (see "
-                                        "bridge.envs.harness)"})
+                                        "harness calls the model at http://<harness_host>:<harness_port>/v1 "
+                                        "(https with harness_tls_cert) with the key of harness_api_key_file "
+                                        "(see bridge.envs.harness)"})
     harness_port: int | None = dataclasses.field(
         default=None, metadata={"help": "harness: the port of the bridge's OpenAI-compatible chat completions "
-                                        "endpoint on 127.0.0.1, the one the server's harness is configured to "
-                                        "call (the harness server runs on the bridge's machine)"})
+                                        "endpoint, the one the server's harness is configured to call"})
+    harness_host: str = dataclasses.field(
+        default="127.0.0.1", metadata={"help": "harness: the address the endpoint listens on; beyond loopback "
+                                               "(e.g. 0.0.0.0, for a harness in a container or on another host) "
+                                               "it needs harness_tls_cert and harness_tls_key, or harness_insecure"})
+    harness_api_key_file: str | None = dataclasses.field(
+        default=None, metadata={"help": "harness: the file holding the key every call to the endpoint must carry "
+                                        "(the harness's OpenAI API key, sent as Authorization: Bearer KEY, e.g. "
+                                        "OPENAI_API_KEY); written with a fresh key if it does not exist, refused "
+                                        "if other users can read it; default: a fresh key each run, in "
+                                        "RUN/logs/harness/NAME.key (the run prints where)"})
+    harness_tls_cert: str | None = dataclasses.field(
+        default=None, metadata={"help": "harness: PEM certificate (chain) the endpoint serves HTTPS with, on the "
+                                        "bridge's machine; with harness_tls_key"})
+    harness_tls_key: str | None = dataclasses.field(
+        default=None, metadata={"help": "harness: the private key of harness_tls_cert"})
+    harness_insecure: bool = dataclasses.field(
+        default=False, metadata={"help": "harness: let the endpoint listen beyond loopback without TLS (its key "
+                                         "and the episodes travel in clear text: a network you trust only)"})
     harness_message: str = dataclasses.field(
         default="{prompt}", metadata={"help": "harness: the user message that starts an episode, a Python format "
                                               "string over the task's fields (default: a data file's prompt "
@@ -143,9 +162,13 @@ class EnvSpec:
                                      "port (1-65535) its server's harness calls the model on, got "
                                      f"{self.harness_port!r}")
             template_fields(self.harness_message, f"environment {self.name!r}: harness_message")
-        elif self.harness_port is not None:
-            raise EnvConfigError(f"environment {self.name!r}: harness_port is for harness environments; set "
-                                 "harness too, or drop harness_port")
+            self._check_harness_door()
+        else:
+            given = [f.name for f in dataclasses.fields(self) if f.name.startswith("harness_")
+                     and f.name != "harness_message" and getattr(self, f.name) != f.default]
+            if given:
+                raise EnvConfigError(f"environment {self.name!r} sets {', '.join(given)}, which only harness "
+                                     "environments take; set harness too, or drop those keys")
         if self.url:  # `http://host:port/` names the same server; its routes are url + "/health", ...
             object.__setattr__(self, "url", self.url.rstrip("/"))
         if self.env_class and ":" not in self.env_class:
@@ -186,6 +209,20 @@ class EnvSpec:
         if not (self.retry_budget_s >= 0 and self.retry_backoff_s > 0) or self.max_concurrent_envs < 1:
             raise EnvConfigError(f"environment {self.name!r}: retry_budget_s must be >= 0, retry_backoff_s > 0 "
                                  "and max_concurrent_envs >= 1")
+
+    def _check_harness_door(self) -> None:
+        """The chat endpoint's door: beyond loopback only with TLS or harness_insecure (`wire.exposed`)."""
+        what = f"environment {self.name!r}"
+        if (self.harness_tls_cert is None) != (self.harness_tls_key is None):
+            raise EnvConfigError(f"{what}: harness_tls_cert and harness_tls_key go together (a certificate and its "
+                                 "private key); set both, or neither")
+        if not isinstance(self.harness_host, str) or not self.harness_host:
+            raise EnvConfigError(f"{what}: harness_host must be an address to listen on, e.g. 127.0.0.1 or 0.0.0.0, "
+                                 f"got {self.harness_host!r}")
+        if exposed(self.harness_host, self.harness_tls_cert is not None, self.harness_insecure):
+            raise EnvConfigError(f"{what}: harness_host {self.harness_host} listens beyond loopback, where the "
+                                 "harness's key would travel in clear text: set harness_tls_cert and "
+                                 "harness_tls_key, or harness_insecure: true on a network you trust")
 
     @property
     def pool_size(self) -> int:
