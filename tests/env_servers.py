@@ -63,10 +63,12 @@ def idle(endpoint):
 
 
 @contextlib.contextmanager
-def worker_server(*command: str):
-    """A server started by `command`, which prints "ENV_LISTENING URL" once bound: its process and URL
-    once /health answers (the socket is bound before uvicorn serves on it); terminated at the end."""
-    proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, text=True)
+def worker_server(*command: str, env: dict[str, str] | None = None):
+    """A server started by `command` (with `env` added to its environment), which prints "ENV_LISTENING
+    URL" once bound: its process and URL once /health answers (the socket is bound before uvicorn
+    serves on it); terminated at the end."""
+    proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
     try:
         line = proc.stdout.readline()
         assert line.startswith("ENV_LISTENING "), line

@@ -1,12 +1,14 @@
-"""The OpenAI-compatible chat completions endpoint a harness calls: served on 127.0.0.1, answers with
-the token ids and logprobs the engine produced (as vLLM does with return_token_ids), continues an
-episode's conversation token for token, and refuses what it cannot take in one line."""
+"""The OpenAI-compatible chat completions endpoint a harness calls: served on 127.0.0.1 (or, with TLS,
+beyond), to callers with its key only, answers with the token ids and logprobs the engine produced
+(as vLLM does with return_token_ids), continues an episode's conversation token for token, and
+refuses what it cannot take in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import ssl
 
 import httpx
 import pytest
@@ -20,6 +22,8 @@ from scripted_engine import ScriptedEngine, tool_call
 
 TOK = build_tokenizer()
 PARAMS = SamplingParams(max_tokens=64, stop_token_ids=(TOK.eos_token_id,), seed=3)
+KEY = "the-harness-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port() -> int:
@@ -34,11 +38,12 @@ def first_then_second(prompt: str) -> str:
 
 async def served(test, policy=first_then_second):
     """`test(endpoint, client, handle)` against a running endpoint over a scripted engine."""
-    endpoint = ChatEndpoint(free_port(), "policy", get_parser())
+    endpoint = ChatEndpoint(free_port(), "policy", get_parser(), KEY)
     await endpoint.start()
     handle = GenerationHandle(ScriptedEngine(TOK, policy), TOK, PARAMS)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False) as client:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False,
+                                     headers=AUTH) as client:
             return await test(endpoint, client, handle)
     finally:
         await endpoint.aclose()
@@ -115,7 +120,7 @@ def test_a_port_in_use_names_the_key_to_change():
             busy.bind(("127.0.0.1", 0))
             busy.listen()
             with pytest.raises(OSError, match="set the environment's harness_port to a free port"):
-                await ChatEndpoint(busy.getsockname()[1], "policy", get_parser()).start()
+                await ChatEndpoint(busy.getsockname()[1], "policy", get_parser(), KEY).start()
 
     asyncio.run(test())
 
@@ -236,9 +241,9 @@ def test_a_request_held_open_does_not_hold_up_the_endpoints_shutdown():
             await asyncio.Event().wait()  # a generation that never ends
 
     async def test():
-        endpoint = ChatEndpoint(free_port(), "policy", get_parser())
+        endpoint = ChatEndpoint(free_port(), "policy", get_parser(), KEY)
         await endpoint.start()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False,
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{endpoint.port}/v1", trust_env=False, headers=AUTH,
                                      timeout=None) as client:  # the client waits as long as the server does
             with endpoint.attach(GenerationHandle(Stuck(TOK, str), TOK, PARAMS)):
                 call = asyncio.create_task(client.post("/chat/completions", json={"messages": [USER]}))
@@ -255,8 +260,117 @@ def test_openenvs_own_probe_grades_the_endpoint_trainable_with_tool_support():
 
     async def test(endpoint, client, handle):
         with endpoint.attach(handle):
-            return await asyncio.to_thread(validate_llm, f"http://127.0.0.1:{endpoint.port}/v1", "policy", timeout=30)
+            return await asyncio.to_thread(validate_llm, f"http://127.0.0.1:{endpoint.port}/v1", "policy", timeout=30,
+                                           api_key=KEY)
 
     # the probe offers a `bash` tool and expects the model to call it
     report = asyncio.run(served(test, lambda p: tool_call("bash", {"command": "ls"}) if "bash" in p else "hello"))
     assert report.ok and report.capture_level == "tokens" and report.tool_support == "ok", report
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer not-the-key"}, {"Authorization": KEY}])
+def test_a_call_without_the_key_is_refused_and_changes_no_episode(headers):
+    async def test(endpoint, client, handle):
+        with endpoint.attach(handle):
+            chat = await client.post("/chat/completions", json={"messages": [USER]}, headers=headers)
+            models = await client.get("/models", headers=headers)
+            return chat, models, list(endpoint.calls), list(endpoint.refusals), handle.generations
+
+    async def without_the_default_key(endpoint, client, handle):
+        client.headers.pop("Authorization")
+        return await test(endpoint, client, handle)
+
+    chat, models, calls, refusals, generations = asyncio.run(served(without_the_default_key))
+    assert chat.status_code == models.status_code == 401
+    assert chat.headers["www-authenticate"] == "Bearer"
+    assert "requires its key as `Authorization: Bearer KEY`" in chat.json()["error"]["message"]
+    assert calls == refusals == generations == []
+
+
+def test_a_call_without_the_key_is_answered_before_its_body_is_read():
+    # A body announced but never sent: a route that read it would wait for ever.
+    async def test(endpoint, client, handle):
+        reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n")
+        await writer.drain()
+        async with asyncio.timeout(10):
+            status = await reader.readline()
+        writer.close()
+        return status
+
+    assert asyncio.run(served(test)).startswith(b"HTTP/1.1 401")
+
+
+def test_a_certificate_that_cannot_serve_is_named_in_one_line(tmp_path):
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    (tmp_path / "key.pem").write_text("not a key")
+    endpoint = ChatEndpoint(free_port(), "policy", get_parser(), KEY,
+                            tls=(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")))
+    with pytest.raises(OSError, match=f"cannot serve TLS with harness_tls_cert {tmp_path / 'cert.pem'} and "
+                                      f"harness_tls_key {tmp_path / 'key.pem'} .*; give a PEM certificate"):
+        asyncio.run(endpoint.start())
+
+
+def this_machines_address() -> str:
+    """An address of this machine beyond loopback: the one it would reach other hosts from (a UDP
+    socket's connect sends nothing), else its host name's."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))
+            address = s.getsockname()[0]
+        except OSError:
+            address = socket.gethostbyname(socket.gethostname())
+    if address.startswith("127.") or address == "0.0.0.0":
+        pytest.skip(f"this machine shows no address beyond loopback (only {address})")
+    return address
+
+
+def self_signed(tmp_path, address: str) -> tuple[str, str]:
+    """A certificate for `address` and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    return str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+
+
+def test_beyond_loopback_the_endpoint_serves_https_that_verifies_to_key_holders(tmp_path):
+    pytest.importorskip("cryptography")
+    address = this_machines_address()
+    cert, key = self_signed(tmp_path, address)
+
+    async def test():
+        endpoint = ChatEndpoint(free_port(), "policy", get_parser(), KEY, host=address, tls=(cert, key))
+        await endpoint.start()
+        verify = ssl.create_default_context(cafile=cert)
+        try:
+            async with httpx.AsyncClient(base_url=f"https://{address}:{endpoint.port}/v1", trust_env=False,
+                                         verify=verify) as client:
+                with endpoint.attach(GenerationHandle(ScriptedEngine(TOK, lambda p: "hi"), TOK, PARAMS)):
+                    chat = await client.post("/chat/completions", json={"messages": [USER]}, headers=AUTH)
+                    stranger = await client.get("/models")
+            return chat, stranger
+        finally:
+            await endpoint.aclose()
+
+    chat, stranger = asyncio.run(test())
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == "hi"
+    assert stranger.status_code == 401

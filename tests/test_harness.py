@@ -20,8 +20,9 @@ from bridge.engines.base import PromptTooLong, SamplingParams
 from bridge.envs import harness
 from bridge.envs.harness import HarnessConnector, HarnessError, env_reward
 from bridge.envs.rollout_fn import run_rollout_fn
-from bridge.envs.spec import EnvSpec
+from bridge.envs.spec import EnvConfigError, EnvSpec
 from bridge.tool_calls import get_parser
+from bridge.wire import token_file
 from jaxrl.tiny_tokenizer import build_tokenizer
 from env_servers import worker_server
 from scripted_engine import ScriptedEngine, segments
@@ -39,21 +40,24 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def harness_server(llm_port: int):
-    with worker_server(str(WORKER), "--llm-port", str(llm_port)) as (_, url):
+def harness_server(llm_port: int, key_file: Path | None):
+    """The harness server, its agent given the key in `key_file` as a user gives one: $OPENAI_API_KEY."""
+    env = {"OPENAI_API_KEY": token_file(key_file)[0]} if key_file is not None else {"OPENAI_API_KEY": ""}
+    with worker_server(str(WORKER), "--llm-port", str(llm_port), env=env) as (_, url):
         yield url
 
 
 @pytest.fixture(scope="module")
-def server():
-    port = free_port()
-    with harness_server(port) as url:
-        yield url, port
+def server(tmp_path_factory):
+    port, key_file = free_port(), tmp_path_factory.mktemp("harness") / "agent.key"
+    with harness_server(port, key_file) as url:
+        yield url, port, key_file
 
 
 async def episode(server, policy, message="Pick a digit.", seed=0, engine=ScriptedEngine):
-    url, port = server
-    spec = EnvSpec(name="agent", harness=url, harness_port=port, harness_message="{text}")
+    url, port, key_file = server
+    spec = EnvSpec(name="agent", harness=url, harness_port=port, harness_message="{text}",
+                   harness_api_key_file=str(key_file))
     connector = HarnessConnector(spec, get_parser())
     await connector.start()
     try:
@@ -134,12 +138,56 @@ def test_a_task_without_the_messages_field_names_it():
         HarnessConnector(spec, get_parser()).message({"seed": 3})
 
 
-def test_a_server_without_a_harness_route_ends_the_episode_as_an_error():
+def test_a_server_without_a_harness_route_ends_the_episode_as_an_error(tmp_path):
     from jaxrl.run.processes import EnvServerProcess
 
     with EnvServerProcess.start("echo", max_concurrent_envs=2) as echo:
-        t = play((echo.url, free_port()), lambda p: "hi")
+        t = play((echo.url, free_port(), tmp_path / "agent.key"), lambda p: "hi")
     assert t.finish_reason == "error" and "InvalidStatus" in t.error
+
+
+def test_a_harness_without_the_key_gets_nothing_generated_and_the_bridges_log_says_why(tmp_path, caplog):
+    port = free_port()
+    with harness_server(port, None) as url:
+        t = play((url, port, tmp_path / "agent.key"), lambda p: "ANSWER: 7")
+    assert t.finish_reason == "error" and "the harness at" in t.error and "failed the turn" in t.error
+    assert "refused its call" not in t.error  # a call without the key is no episode's
+    assert any("refused POST /v1/chat/completions: the call carried no key" in r.message for r in caplog.records)
+
+
+def test_a_key_file_others_can_read_is_refused_in_one_line(tmp_path):
+    (tmp_path / "agent.key").write_text("a-key")
+    (tmp_path / "agent.key").chmod(0o644)
+    spec = EnvSpec(name="agent", harness="http://127.0.0.1:1", harness_port=free_port(),
+                   harness_api_key_file=str(tmp_path / "agent.key"))
+    with pytest.raises(EnvConfigError, match=r"^environment 'agent': harness_api_key_file .*agent.key is readable by "
+                                             r"every user; make it its owner's only \(chmod 600"):
+        asyncio.run(HarnessConnector(spec, get_parser()).start())
+
+
+def test_a_missing_key_file_is_written_with_a_fresh_key_for_its_owner_only(tmp_path, caplog):
+    key_file = tmp_path / "agent.key"
+    spec = EnvSpec(name="agent", harness="http://127.0.0.1:1", harness_port=free_port(),
+                   harness_api_key_file=str(key_file))
+
+    async def started():
+        connector = HarnessConnector(spec, get_parser())
+        await connector.start()
+        await connector.aclose()
+
+    asyncio.run(started())
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_text().strip()) >= 32
+    assert f"wrote a new key to {key_file}; give it to the harness as its API key" in caplog.text
+    key = key_file.read_text()
+    asyncio.run(started())  # the second start keeps the key the harness was given
+    assert key_file.read_text() == key
+
+
+def test_a_harness_environment_without_a_key_file_is_refused_at_start():
+    spec = EnvSpec(name="agent", harness="http://127.0.0.1:1", harness_port=free_port())
+    with pytest.raises(EnvConfigError, match="^environment 'agent': harness_api_key_file is not set: the endpoint its "
+                                             "harness calls needs a key"):
+        asyncio.run(HarnessConnector(spec, get_parser()).start())
 
 
 @pytest.mark.parametrize("events, reward", [
@@ -162,12 +210,12 @@ def test_one_training_step_through_a_real_harness_route(tmp_path):
     from jaxrl.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", "qwen3")
-    port = free_port()
-    with harness_server(port) as url:
+    port, key_file = free_port(), tmp_path / "agent.key"
+    with harness_server(port, key_file) as url:
         config = tmp_path / "c.yaml"
         config.write_text(yaml.safe_dump({
             "run_dir": str(tmp_path / "run"), "model": {"dir": str(model_dir)},
-            "envs": [{"name": "agent", "harness": url, "harness_port": port,
+            "envs": [{"name": "agent", "harness": url, "harness_port": port, "harness_api_key_file": str(key_file),
                       "harness_message": "Pick a digit ({seed})."}],
             "steps": 1,
             "rollout": {"groups_per_step": 2, "max_tokens": 8, "max_total_tokens": 96, "max_prompt_tokens": 96},

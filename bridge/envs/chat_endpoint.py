@@ -1,8 +1,15 @@
-"""An OpenAI-compatible chat completions endpoint on 127.0.0.1, backed by the bridge's engine, for
-agent harnesses that call a model themselves (the `harness` environment kind).
+"""An OpenAI-compatible chat completions endpoint, backed by the bridge's engine, for agent harnesses
+that call a model themselves (the `harness` environment kind).
 
     POST /v1/chat/completions   {messages, tools?, max_tokens?, temperature?, top_p?, stop?}
     GET  /v1/models
+
+Every call carries the endpoint's key as `Authorization: Bearer KEY` (how OpenAI clients send their
+`api_key`), as every call to the bridge carries its token: what it generates is trained on, so a
+stranger's call must not reach an episode. A call without it, or with another key, is answered 401
+before its body is read and leaves the episode as it was. The endpoint listens on 127.0.0.1 unless
+told another host (a harness in a container or on another machine), then with TLS unless told
+otherwise (`bridge.wire.exposed` is the rule; `EnvSpec` checks it).
 
 The answer is vLLM's with `return_token_ids` and `logprobs`, which is what OpenEnv's capture proxy
 (`openenv.core.harness.capture`) reads: the prompt's ids at the top level (`prompt_token_ids`), the
@@ -34,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
-import socket
+import logging
+import ssl
 import time
 import uuid
 from collections.abc import Mapping
@@ -50,7 +59,11 @@ from starlette.routing import Route
 
 from bridge.engines.base import PromptTooLong
 from bridge.envs.rollout_fn import Generation, GenerationHandle
+from bridge.envs.serve import bind_socket
 from bridge.tool_calls import ToolCallParser, hidden_special_ids
+from bridge.wire import BEARER, is_loopback
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 BUDGET_SPENT = "[The token budget of this episode is spent; the episode ends here.]"
@@ -106,10 +119,16 @@ def check_messages(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 
 
 class ChatEndpoint:
-    """The endpoint of one harness environment; `attach` an episode's handle while it runs."""
+    """The endpoint of one harness environment; `attach` an episode's handle while it runs. Calls must
+    carry `key`; `tls` (certificate chain file, private key file) serves HTTPS."""
 
-    def __init__(self, port: int, model_name: str, parser: ToolCallParser):
+    def __init__(self, port: int, model_name: str, parser: ToolCallParser, key: str, host: str = "127.0.0.1",
+                 tls: tuple[str, str] | None = None):
+        if not key:
+            raise ValueError("the chat endpoint needs a key its harness calls with")
         self.port = port
+        self.host = host
+        self.tls = tls
         self.model_name = model_name
         self.parser = parser
         self.handle: GenerationHandle | None = None
@@ -118,8 +137,9 @@ class ChatEndpoint:
         self.spent = False  # the attached episode's budget: every later call is told so
         self._server: uvicorn.Server | None = None
         self._task = None
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
-                                     Route("/v1/models", self._models, methods=["GET"])])
+        routes = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                                   Route("/v1/models", self._models, methods=["GET"])])
+        self.app = KeyCheck(routes, key, f"{host}:{port}")
 
     @contextlib.contextmanager
     def attach(self, handle: GenerationHandle):
@@ -131,19 +151,28 @@ class ChatEndpoint:
             self.handle = None
 
     async def start(self) -> None:
-        """Listens on 127.0.0.1:port; connections made from now on are answered once the loop runs."""
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", self.port))
-        except OSError as e:
-            sock.close()
-            raise OSError(f"cannot listen on 127.0.0.1:{self.port} ({e.strerror}); set the environment's "
-                          "harness_port to a free port, the one its harness is configured to call") from None
-        sock.listen(64)
+        """Listens on host:port; connections made from now on are answered once the loop runs."""
         # A harness holding a request open must not hold up the bridge's shutdown for ever.
-        self._server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                              timeout_graceful_shutdown=5))
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
+                                ssl_certfile=self.tls and self.tls[0], ssl_keyfile=self.tls and self.tls[1])
+        if self.tls is not None:
+            try:
+                config.load()  # here, not in the server's task: a certificate that cannot serve fails the start
+            except (OSError, ssl.SSLError) as e:  # SSLError: a file that is not PEM, a key of another certificate
+                raise OSError(f"cannot serve TLS with harness_tls_cert {self.tls[0]} and harness_tls_key "
+                              f"{self.tls[1]} ({e.strerror or e}); give a PEM certificate (chain) and its private "
+                              "key") from None
+        try:
+            sock = bind_socket(self.host, self.port)
+        except OSError as e:
+            raise OSError(f"cannot listen on {self.host}:{self.port} ({e.strerror or e}); set the environment's "
+                          "harness_port to a free port (the one its harness is configured to call) and its "
+                          "harness_host to an address of this machine") from None
+        sock.listen(64)
+        if self.tls is None and not is_loopback(self.host):
+            log.warning("chat endpoint on %s:%d without TLS (harness_insecure): its key and the episodes travel in "
+                        "clear text", self.host, self.port)
+        self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
 
     async def aclose(self) -> None:
@@ -273,6 +302,31 @@ def _same_reply(message: Mapping[str, Any], reply: Mapping[str, Any]) -> bool:
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
                         status_code=status)
+
+
+class KeyCheck:
+    """ASGI middleware: an HTTP call that does not carry `Authorization: Bearer KEY` (compared in
+    constant time) is answered 401 here, so no route sees it: its body is never read, nothing is
+    generated and the attached episode neither records it nor counts it as a refusal."""
+
+    def __init__(self, app, key: str, where: str):
+        self.app = app
+        self.where = where
+        self._expected = (BEARER + key).encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            sent = dict(scope["headers"]).get(b"authorization")
+            if sent is None or not hmac.compare_digest(sent, self._expected):
+                why = "no key" if sent is None else "a wrong key"
+                log.warning("chat endpoint on %s refused %s %s: the call carried %s", self.where, scope["method"],
+                            scope["path"], why)
+                answer = _error(401, f"this endpoint requires its key as `Authorization: Bearer KEY` (the harness's "
+                                     f"OpenAI API key: the environment's harness_api_key_file) and the call carried "
+                                     f"{why}")
+                answer.headers["WWW-Authenticate"] = "Bearer"
+                return await answer(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _Server(uvicorn.Server):

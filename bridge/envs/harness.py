@@ -1,6 +1,7 @@
 """The `harness` environment kind: episodes played by an agent harness that an OpenEnv server runs
 and serves on its `WS /harness` route (OpenEnv RFC 005, production mode), the harness calling our
-model through the bridge's chat completions endpoint (bridge.envs.chat_endpoint).
+model through the bridge's chat completions endpoint (bridge.envs.chat_endpoint) with the
+environment's key (`harness_api_key_file`) as its API key.
 
 One episode: connect to `/harness` (the server starts a fresh harness session and answers
 `session_started`), send the task as one user message (`harness_message`, a format string over the
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import websockets
@@ -37,8 +40,11 @@ from bridge.envs.chat_endpoint import ChatEndpoint
 from bridge.envs.endpoint import CAPACITY_REACHED
 from bridge.envs.rollout_fn import Episode, GenerationHandle, Turn
 from bridge.envs.session import backoff_s
-from bridge.envs.spec import EnvSpec
+from bridge.envs.spec import EnvConfigError, EnvSpec
 from bridge.tool_calls import ToolCallParser
+from bridge.wire import token_file
+
+log = logging.getLogger(__name__)
 
 REWARD = "env"
 
@@ -56,16 +62,22 @@ class HarnessConnector:
 
     def __init__(self, spec: EnvSpec, parser: ToolCallParser):
         self.spec = spec
+        self.parser = parser
         self.label = f"harness {spec.harness}"
-        self.endpoint = ChatEndpoint(spec.harness_port, spec.name, parser)
+        self.endpoint: ChatEndpoint | None = None  # built by start: its key is read (or written) there
         self.metrics: dict[str, float] = {}
         self._one_at_a_time = asyncio.Lock()
 
     async def start(self) -> None:
+        spec = self.spec
+        self.endpoint = ChatEndpoint(spec.harness_port, spec.name, self.parser, api_key(spec), spec.harness_host,
+                                     None if spec.harness_tls_cert is None else
+                                     (spec.harness_tls_cert, spec.harness_tls_key))
         await self.endpoint.start()
 
     async def aclose(self) -> None:
-        await self.endpoint.aclose()
+        if self.endpoint is not None:
+            await self.endpoint.aclose()
 
     async def fn(self, task: dict[str, Any], handle: GenerationHandle) -> Episode:
         async with self._one_at_a_time:
@@ -123,11 +135,31 @@ class HarnessConnector:
         raise HarnessError(f"{url} closed the session before turn_complete")
 
 
+def api_key(spec: EnvSpec) -> str:
+    """The key every call to `spec`'s endpoint must carry: harness_api_key_file's (written with a fresh
+    key when the file does not exist, as the bridge's --token-file is); EnvConfigError naming the key."""
+    what = f"environment {spec.name!r}: harness_api_key_file"
+    if spec.harness_api_key_file is None:
+        raise EnvConfigError(f"{what} is not set: the endpoint its harness calls needs a key; name a file (a new key "
+                             "is written there if it does not exist), or let `jaxrl train` start this bridge (it "
+                             "gives each run a key of its own)")
+    path = Path(spec.harness_api_key_file).expanduser()
+    try:
+        key, written = token_file(path, what)
+    except ValueError as e:
+        raise EnvConfigError(str(e)) from None
+    if written:
+        log.warning("%s: wrote a new key to %s; give it to the harness as its API key (e.g. OPENAI_API_KEY)",
+                    what, path)
+    return key
+
+
 def episode_from(calls: list, events: list[dict[str, Any]], env: str) -> Episode:
     """The episode the harness played: its calls as turns, the environment's reward, its counts."""
     if not calls:
         raise HarnessError(f"environment {env!r}: the harness finished without calling the model; check the "
-                           "server's harness calls http://127.0.0.1:<harness_port>/v1")
+                           "server's harness calls http://<harness_host>:<harness_port>/v1 (https with TLS) with "
+                           "the key of harness_api_key_file as its API key (the bridge's log names refused calls)")
     broken = next((k for k, c in enumerate(calls) if not c.continues), None)
     if broken is not None:
         raise HarnessError(f"environment {env!r}: model call {broken + 1} does not continue the conversation of "

@@ -2,8 +2,9 @@
 mode, OpenEnv RFC 005), written only for tests with openenv's own classes: a HarnessEnvironment over a
 scripted agent loop that calls its model through an OpenAI-compatible endpoint.
 
-Usage: harness_server.py --llm-port PORT
-Prints `ENV_LISTENING http://127.0.0.1:PORT` once serving.
+Usage: OPENAI_API_KEY=KEY harness_server.py --llm-port PORT
+Prints `ENV_LISTENING http://127.0.0.1:PORT` once serving. The agent calls its model with the key of
+$OPENAI_API_KEY, as OpenAI clients do (none: it calls without a key).
 
 The agent asks the model for `ANSWER: <digit>` up to three times. A reply it cannot read is an error
 turn for the model: a recoverable `error` event, and the reason sent back to the model as a user
@@ -13,6 +14,7 @@ message containing `rewrite history` makes the agent drop its first exchange bef
 """
 
 import argparse
+import os
 import re
 import socket
 from typing import AsyncIterator, Optional
@@ -30,9 +32,10 @@ CALLS = 3
 class ScriptedAgent(AgenticHarnessAdapter):
     """The harness: no process of its own; each turn is a short loop of model calls."""
 
-    def __init__(self, llm_url: str):
+    def __init__(self, llm_url: str, api_key: Optional[str]):
         super().__init__(HarnessConfig(name="scripted-agent", command=["in-process"], session_timeout_s=120))
         self.llm_url = llm_url
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.running = False
 
     async def start(self, working_directory: str) -> None:
@@ -51,7 +54,7 @@ class ScriptedAgent(AgenticHarnessAdapter):
         messages = [{"role": "system", "content": "Reply with ANSWER: and one digit."},
                     {"role": "user", "content": message}]
         reply = ""
-        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=120, trust_env=False, headers=self.headers) as client:
             for call in range(CALLS):
                 if call == 1 and "rewrite history" in message:
                     messages = messages[:2] + messages[4:]
@@ -80,7 +83,8 @@ def main() -> None:
     parser.add_argument("--llm-port", type=int, required=True)
     args = parser.parse_args()
     llm_url = f"http://127.0.0.1:{args.llm_port}/v1"
-    app = create_app(lambda: HarnessEnvironment(ScriptedAgent(llm_url)), HarnessAction, Observation,
+    api_key = os.environ.get("OPENAI_API_KEY")
+    app = create_app(lambda: HarnessEnvironment(ScriptedAgent(llm_url, api_key)), HarnessAction, Observation,
                      mode="production")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
