@@ -1,4 +1,5 @@
-"""What `jaxrl train` starts its bridge with: its launch (engine arguments, limits), token."""
+"""What `jaxrl train` starts its bridge with: its launch (engine arguments, limits), token, and the
+keys of its harness environments."""
 
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec
 from jaxrl.run.config import TrainConfig
 from jaxrl.run.services import (StartupError, bridge_launch, bridge_limits, bridge_token, check_services,
-                                engine_kwargs)
+                                engine_kwargs, harness_key)
 from jaxrl.run.typed_config import from_dict
 from env_servers import echo  # noqa: F401 (fixture)
 
@@ -67,6 +68,51 @@ def test_the_bridges_token_is_the_runs_own_or_the_running_bridges(tmp_path, monk
     (tmp_path / "token").write_text("  \n")
     with pytest.raises(StartupError, match=f"bridge.token_file: the bridge token file {tmp_path / 'token'} is empty"):
         bridge_token(from_dict(TrainConfig, with_file))
+
+
+def test_a_harness_environment_without_a_key_file_gets_a_fresh_key_each_run_and_a_line_saying_where(tmp_path):
+    import io
+
+    cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "agent", "harness": "http://127.0.0.1:9",
+                                                    "harness_port": 9100}]})
+    keys, out = tmp_path / "run" / "logs" / "harness", io.StringIO()
+    spec = harness_key(cfg.envs[0], keys, out)
+    key_file = keys / "agent.key"
+    assert spec.harness_api_key_file == str(key_file) and key_file.stat().st_mode & 0o777 == 0o600
+    assert out.getvalue() == (f"jaxrl: environment 'agent': give its harness the key in {key_file} as its API key "
+                              f"(e.g. OPENAI_API_KEY=$(cat {key_file})); a new one each run (set harness_api_key_file "
+                              "to keep one)\n")
+    first = key_file.read_text()
+    harness_key(cfg.envs[0], keys, io.StringIO())  # the next run
+    assert key_file.read_text() != first and len(key_file.read_text().strip()) >= 32
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(StartupError, match=r"^environment 'agent': harness_api_key_file: cannot write this run's key "
+                                           r"to .*agent.key \(.*\); make .* writable, or set harness_api_key_file$"):
+        harness_key(cfg.envs[0], tmp_path / "taken" / "harness", io.StringIO())
+
+
+def test_the_bridges_a_run_starts_are_handed_its_harness_keys(tmp_path, monkeypatch, capfd):
+    import contextlib
+    import json
+
+    from jaxrl.run import services
+
+    class NoBridges(contextlib.AbstractContextManager):  # what the bridges would be started with is all this needs
+        def __exit__(self, *exc):
+            return None
+
+        def start(self, kwargs):
+            return []
+
+    monkeypatch.setattr(services, "BridgeProcesses", NoBridges)
+    cfg = from_dict(TrainConfig, {**BASE, "envs": [{"name": "agent", "harness": "http://127.0.0.1:9",
+                                                    "harness_port": 9100}],
+                                  "rollout": {"max_prompt_tokens": 64}})
+    with contextlib.ExitStack() as stack:
+        services.start_services(cfg, tmp_path / "model", tmp_path / "logs", stack, "token")
+    [env] = json.loads((tmp_path / "logs" / "bridge_envs.json").read_text())["envs"]
+    assert env["harness_api_key_file"] == str(tmp_path / "logs" / "harness" / "agent.key")
+    assert f"give its harness the key in {env['harness_api_key_file']}" in capfd.readouterr().err
 
 
 def test_an_environment_that_cannot_start_is_named_once():

@@ -70,7 +70,7 @@ class EnvSpec:
                                         "(the harness's OpenAI API key, sent as Authorization: Bearer KEY, e.g. "
                                         "OPENAI_API_KEY); written with a fresh key if it does not exist, refused "
                                         "if other users can read it; default: a fresh key each run, in "
-                                        "RUN/logs/harness/NAME.key (the run prints where)"})
+                                        "harness/NAME.key of the run's logs directory (the run prints where)"})
     harness_tls_cert: str | None = dataclasses.field(
         default=None, metadata={"help": "harness: PEM certificate (chain) the endpoint serves HTTPS with, on the "
                                         "bridge's machine; with harness_tls_key"})

@@ -5,7 +5,8 @@ before anything heavy and stopped with the run.
 Bridges are locked (see `bridge.server`): the run gives the bridges it starts a fresh token of its
 own (through their environment), its snapshot directory as their only snapshot root, and limits
 that fit its own requests (`bridge_limits`); running bridges need their token from
-`bridge.token_file` (or $JAXRL_BRIDGE_TOKEN) and limits at least as large.
+`bridge.token_file` (or $JAXRL_BRIDGE_TOKEN) and limits at least as large. So are the chat endpoints
+of harness environments: one without harness_api_key_file gets a fresh key each run (`harness_key`).
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import importlib.util
 import json
 import os
 import secrets
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TextIO
 
 import jax
 
 from bridge.client import BridgeClient, BridgeError, BridgeUnavailable
-from bridge.envs.spec import ENV_REWARD, EnvConfigError, env_factory, import_object
-from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec, read_token_file
+from bridge.envs.spec import ENV_REWARD, EnvConfigError, EnvSpec, env_factory, import_object
+from bridge.wire import TOKEN_ENV, BridgeLaunch, Limits, ServerSpec, read_token_file, token_file
 from jaxrl.compilation import bucket
 from jaxrl.models.lora import adapter_config
 from jaxrl.run.config import TrainConfig
@@ -182,6 +185,8 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
             server = env_servers.start(spec.name, spec.bundled, max_concurrent_envs=spec.max_concurrent_envs,
                                        seed=spec.seed, log_path=logs / f"env-{spec.name}.log")
             spec = spec.served_at(server.url)
+        elif spec.harness and spec.harness_api_key_file is None:
+            spec = harness_key(spec, logs / "harness")
         specs.append(spec.to_dict())
     envs = {"envs": specs, "rewards": [dataclasses.asdict(r) for r in cfg.rewards],
             "tool_parser": cfg.bridge.tool_parser, "chat_template_kwargs": cfg.bridge.chat_template_kwargs}
@@ -200,6 +205,27 @@ def start_services(cfg: TrainConfig, model_dir: Path, logs: Path, stack: context
          "env": {**(bridge_env or {}), **({"CUDA_VISIBLE_DEVICES": b.devices[i]} if b.devices else {})}}
         for i in range(b.per_host)])
     return Services([bridge.address for bridge in started], env_servers, cfg, bridges)
+
+
+def harness_key(spec: EnvSpec, keys: Path, out: TextIO | None = None) -> EnvSpec:
+    """`spec`, a harness environment without harness_api_key_file, given a fresh key of this run's in
+    KEYS/NAME.key (its owner's only), and the line on `out` (default: stderr) that tells the user to
+    give it to the harness: a key kept from an earlier run would let whoever held it into this one."""
+    path = (keys / f"{spec.name}.key").absolute()
+    what = f"environment {spec.name!r}: harness_api_key_file"
+    try:
+        keys.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        token_file(path, what)
+    except OSError as e:
+        raise StartupError(f"{what}: cannot write this run's key to {path} ({e.strerror or e}); make {keys} "
+                           "writable, or set harness_api_key_file") from None
+    except ValueError as e:  # token_file's, naming the file
+        raise StartupError(str(e)) from None
+    print(f"jaxrl: environment {spec.name!r}: give its harness the key in {path} as its API key (e.g. "
+          f"OPENAI_API_KEY=$(cat {path})); a new one each run (set harness_api_key_file to keep one)",
+          file=out or sys.stderr, flush=True)
+    return dataclasses.replace(spec, harness_api_key_file=str(path))
 
 
 def bridge_launch(cfg: TrainConfig, model_dir: Path, envs_file: Path, snapshot_root: Path | str | None) -> BridgeLaunch:
