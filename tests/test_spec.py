@@ -26,7 +26,8 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
     ({"name": "x", "env_class": "m:C", "env_kwargs": [5]}, "'x': env_kwargs must map argument names to values"),
     ({"name": "x", "harness": "http://a"}, "a harness environment needs harness_port"),
     ({"name": "x", "harness": "ws://a", "harness_port": 9000}, "harness 'ws://a' must start with http"),
-    ({"name": "x", "url": "http://a", "harness_port": 9000}, "'x' sets harness_port, which only harness environments take"),
+    ({"name": "x", "url": "http://a", "harness_port": 9000},
+     "'x' sets harness_port, which only harness environments take"),
     ({"name": "x", "url": "http://a", "harness_api_key_file": "k", "harness_insecure": True},
      "'x' sets harness_api_key_file, harness_insecure, which only harness environments take; set harness too, "
      "or drop those keys"),
@@ -37,7 +38,8 @@ from bridge.envs.spec import EnvConfigError, EnvSpec
      "harness_host agent.example.org listens beyond loopback"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_tls_cert": "c.pem"},
      "harness_tls_cert and harness_tls_key go together"),
-    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_host": ""}, "harness_host must be an address"),
+    ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_host": ""},
+     "harness_host must be an address"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "harness_message": "{}"}, "harness_message.*names no"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "url": "http://b"}, "exactly one of.*harness"),
     ({"name": "x", "harness": "http://a", "harness_port": 9000, "solver": "echo"}, "a harness environment has no "

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from bridge.envs.bundled import NAMES as BUNDLED_NAMES
 from bridge.envs.endpoint import CAPACITY_WARN_RATIO
 from bridge.envs.session import SessionConfig, backoff_s
-from bridge.wire import exposed
+from bridge.wire import exposed, is_loopback
 
 ACTION_MODES = ("auto", "text", "tool", "tool_call", "mcp")
 ActionMode = Literal["auto", "text", "tool", "tool_call", "mcp"]
@@ -508,8 +508,6 @@ def _split_name(split: Any) -> str:
 
 def _served_splits(url: str, what: str) -> dict[str, int]:
     import httpx
-
-    from bridge.wire import is_loopback
 
     direct = is_loopback(urllib.parse.urlsplit(url).hostname or "")
     try:
