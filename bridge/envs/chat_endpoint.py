@@ -152,16 +152,16 @@ class ChatEndpoint:
 
     async def start(self) -> None:
         """Listens on host:port; connections made from now on are answered once the loop runs."""
+        cert, key = self.tls or (None, None)
         # A harness holding a request open must not hold up the bridge's shutdown for ever.
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
-                                ssl_certfile=self.tls and self.tls[0], ssl_keyfile=self.tls and self.tls[1])
+                                ssl_certfile=cert, ssl_keyfile=key)
         if self.tls is not None:
             try:
                 config.load()  # here, not in the server's task: a certificate that cannot serve fails the start
             except (OSError, ssl.SSLError) as e:  # SSLError: a file that is not PEM, a key of another certificate
-                raise OSError(f"cannot serve TLS with harness_tls_cert {self.tls[0]} and harness_tls_key "
-                              f"{self.tls[1]} ({e.strerror or e}); give a PEM certificate (chain) and its private "
-                              "key") from None
+                raise OSError(f"cannot serve TLS with harness_tls_cert {cert} and harness_tls_key {key} "
+                              f"({e.strerror or e}); give a PEM certificate (chain) and its private key") from None
         try:
             sock = bind_socket(self.host, self.port)
         except OSError as e:
