@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -143,7 +144,17 @@ def test_the_default_config_trains_and_its_console_says_only_jaxrls_things(tmp_p
         f"run_dir={tmp_path / 'run'}", f"model.dir={tmp_path / 'model'}", "steps=2", "rollout.groups_per_step=2",
         "learner.group_size=4", "sft.steps=2", "sft.demonstrations=16", "sft.batch_size=8", "eval.episodes=4"]
         for a in ("--set", kv)], env=env)
-    assert summary_of(proc)["steps"] == 2
+    summary = summary_of(proc)
+    assert summary["steps"] == 2
+    # The last line carries what the README quotes: success before, after the warm start and after RL, each with
+    # its standard error, and what RL added with the standard error of that difference.
+    for key in ("eval_before", "eval_after_warm_start", "eval_after"):
+        p = summary[key]
+        assert summary[f"{key}_stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 4)), key
+    assert summary["rl_gain"] == pytest.approx(summary["eval_after"] - summary["eval_after_warm_start"])
+    assert summary["rl_gain_stderr"] == pytest.approx(math.hypot(summary["eval_after_stderr"],
+                                                                 summary["eval_after_warm_start_stderr"]))
+    assert f"RL added {summary['rl_gain']:+.3f} +- {summary['rl_gain_stderr']:.3f}" in proc.stdout
     lines = [line for line in re.split(r"[\r\n]", proc.stderr) if line.strip()]
     bar = re.compile(r"^\s*\d+%\|")  # the progress bar's redrawn lines
     assert lines and [line for line in lines if not line.startswith("jaxrl") and not bar.match(line)] == []

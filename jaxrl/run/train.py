@@ -353,8 +353,8 @@ def _make_learner(job: _Job, model, start_step: int | None,
         job.bridge.publish_weights(learner.state.params, step + 1)
     startup["learner_s"] = round(time.perf_counter() - t0, 2)
     if warm and cfg.eval.episodes and job.primary:
-        summary["eval_after_warm_start"] = _timed(startup, "eval_after_warm_start_s", job.evaluate,
-                                                  "after the warm start").success
+        warmed = _timed(startup, "eval_after_warm_start_s", job.evaluate, "after the warm start")
+        summary.update(eval_after_warm_start=warmed.success, eval_after_warm_start_stderr=warmed.stderr)
     return learner, step, meta
 
 
@@ -521,7 +521,13 @@ def _final_evaluation(job: _Job, logger: MetricsLogger, step: int,
     stderr = after.stderr
     if "eval_before_stderr" in summary:
         stderr = math.sqrt(after.stderr ** 2 + summary["eval_before_stderr"] ** 2)
-    return {"eval_after": after.success, "eval_stderr": stderr}
+    final = {"eval_after": after.success, "eval_after_stderr": after.stderr, "eval_stderr": stderr}
+    if "eval_after_warm_start" in summary:  # what RL added to the warm start: the figure RL is judged by
+        final["rl_gain"] = after.success - summary["eval_after_warm_start"]
+        final["rl_gain_stderr"] = math.sqrt(after.stderr ** 2 + summary["eval_after_warm_start_stderr"] ** 2)
+        print(f"RL added {final['rl_gain']:+.3f} +- {final['rl_gain_stderr']:.3f} held-out success to the warm start",
+              file=job.out, flush=True)
+    return final
 
 
 def _keep_steps(ckpt: TrainCheckpointer, learner: Learner, step: int, meta: dict[str, Any]) -> None:
